@@ -1,0 +1,344 @@
+"""Resource spec: which nodes, devices and links a job may use.
+
+The YAML format is AutoDist's (``nodes`` and ``ssh`` groups) plus one optional node field,
+``workers``: how many worker processes run on the node (default: one per GPU, or one on a
+CPU-only cluster). Every problem is reported as a :class:`ResourceSpecError` naming the file,
+the field and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stratagem.errors import ResourceSpecError
+
+NODE_FIELDS = ("address", "gpus", "cpus", "chief", "ssh_config", "network_bandwidth", "workers")
+SSH_FIELDS = ("username", "port", "key_file", "python_venv", "shared_envs")
+TOP_FIELDS = ("nodes", "ssh")
+DEFAULT_BANDWIDTH_GBPS = 1.0
+
+
+@dataclass(frozen=True)
+class SSHConfig:
+    """How the launcher reaches a node: AutoDist's ssh group."""
+
+    username: str | None = None
+    port: int = 22
+    key_file: str | None = None
+    python_venv: str | None = None
+    shared_envs: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Node:
+    """One machine: its address, devices, link speed and worker count."""
+
+    address: str
+    gpus: tuple[int, ...] = ()
+    cpus: tuple[int, ...] = (0,)
+    chief: bool = False
+    ssh_config: str | None = None
+    network_bandwidth: float = DEFAULT_BANDWIDTH_GBPS
+    workers: int = 1
+
+    @property
+    def is_loopback(self) -> bool:
+        return is_loopback_address(self.address)
+
+    def worker_devices(self) -> list[str]:
+        """Device strings of this node's worker replicas, e.g. ``10.0.0.1:GPU:0``."""
+        if self.gpus:
+            return [f"{self.address}:GPU:{g}" for g in self.gpus[: self.workers]]
+        return [f"{self.address}:CPU:{i}" for i in range(self.workers)]
+
+
+@dataclass(frozen=True)
+class ResourceSpec:
+    """A validated resource spec. Build it with :meth:`from_file`, :meth:`from_dict` or
+    :meth:`local`."""
+
+    nodes: tuple[Node, ...]
+    ssh: Mapping[str, SSHConfig] = field(default_factory=dict)
+    source: str = "<resource spec>"
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ResourceSpec:
+        p = Path(path)
+        if not p.is_file():
+            raise ResourceSpecError(
+                "file not found",
+                where=str(p),
+                fix="pass the path of an existing YAML resource spec, or omit it to use this "
+                "machine",
+            )
+        return cls.from_yaml(p.read_text(), source=str(p))
+
+    @classmethod
+    def from_yaml(cls, text: str, source: str = "<resource spec>") -> ResourceSpec:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ResourceSpecError(
+                f"malformed YAML{at}: {problem}",
+                where=source,
+                fix="check indentation and that every list item starts with '- '",
+            ) from None
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<resource spec>") -> ResourceSpec:
+        return _Parser(source).spec(data)
+
+    @classmethod
+    def local(cls, num_workers: int | None = None) -> ResourceSpec:
+        """This machine alone: one worker per GPU, or ``num_workers`` CPU workers."""
+        gpus: tuple[int, ...] = ()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                gpus = tuple(range(torch.cuda.device_count()))
+        except ImportError:  # pragma: no cover - torch is a dependency
+            pass
+        workers = num_workers if num_workers is not None else (len(gpus) or 1)
+        if gpus and workers > len(gpus):
+            gpus = ()  # more workers than GPUs: train on CPU rather than share devices
+        node = Node(
+            address="127.0.0.1",
+            gpus=gpus,
+            cpus=tuple(range(os.cpu_count() or 1)),
+            chief=True,
+            workers=workers,
+        )
+        return cls(nodes=(node,), source="<this machine>")
+
+    # -- queries ------------------------------------------------------------------------
+    @property
+    def chief(self) -> Node:
+        return next(n for n in self.nodes if n.chief)
+
+    @property
+    def is_local(self) -> bool:
+        return len(self.nodes) == 1
+
+    @property
+    def replicas(self) -> list[str]:
+        """Worker device strings in rank order (chief's first, then file order)."""
+        ordered = [self.chief] + [n for n in self.nodes if not n.chief]
+        return [d for n in ordered for d in n.worker_devices()]
+
+    @property
+    def num_workers(self) -> int:
+        return sum(n.workers for n in self.nodes)
+
+    @property
+    def uses_gpus(self) -> bool:
+        return any(n.gpus and n.workers for n in self.nodes)
+
+    def node(self, address: str) -> Node:
+        for n in self.nodes:
+            if n.address == address:
+                return n
+        raise ResourceSpecError(
+            f"no node with address {address!r}",
+            where=self.source,
+            fix=f"use one of {[n.address for n in self.nodes]}",
+        )
+
+    def ssh_for(self, node: Node) -> SSHConfig:
+        return self.ssh.get(node.ssh_config or "", SSHConfig())
+
+    def to_dict(self) -> dict[str, Any]:
+        nodes = []
+        for n in self.nodes:
+            d: dict[str, Any] = {"address": n.address, "cpus": list(n.cpus)}
+            if n.gpus:
+                d["gpus"] = list(n.gpus)
+            if n.chief:
+                d["chief"] = True
+            if n.ssh_config:
+                d["ssh_config"] = n.ssh_config
+            d["network_bandwidth"] = n.network_bandwidth
+            d["workers"] = n.workers
+            nodes.append(d)
+        out: dict[str, Any] = {"nodes": nodes}
+        if self.ssh:
+            out["ssh"] = {
+                k: {
+                    "username": v.username,
+                    "port": v.port,
+                    "key_file": v.key_file,
+                    "python_venv": v.python_venv,
+                    "shared_envs": dict(v.shared_envs),
+                }
+                for k, v in self.ssh.items()
+            }
+        return out
+
+
+def is_loopback_address(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+class _Parser:
+    """Turns the raw YAML tree into a ResourceSpec, one clear error per problem."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, problem: str, fix: str) -> ResourceSpecError:
+        return ResourceSpecError(problem, where=f"{self.source}: {where}", fix=fix)
+
+    def check_keys(self, where: str, data: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+        for key in data:
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), allowed, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise self.fail(
+                    f"{where}.{key}" if where else str(key),
+                    "unknown field",
+                    f"{hint}allowed fields are {', '.join(allowed)}",
+                )
+
+    def typed(self, where: str, value: Any, kind: type | tuple[type, ...], what: str) -> Any:
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and bool not in _tuple(kind))
+        if not ok:
+            raise self.fail(where, f"expected {what}, got {type(value).__name__} {value!r}",
+                            f"write {where.split('.')[-1]} as {what}")
+        return value
+
+    def int_list(self, where: str, value: Any) -> tuple[int, ...]:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        self.typed(where, value, list, "a list of device indices, e.g. [0, 1]")
+        out = []
+        for i, v in enumerate(value):
+            self.typed(f"{where}[{i}]", v, int, "a non-negative integer")
+            if v < 0:
+                raise self.fail(f"{where}[{i}]", f"negative device index {v}",
+                                "device indices start at 0")
+            out.append(v)
+        if len(set(out)) != len(out):
+            raise self.fail(where, f"duplicate device index in {out}", "list each device once")
+        return tuple(out)
+
+    def spec(self, data: Any) -> ResourceSpec:
+        if data is None:
+            raise self.fail("(top level)", "the file is empty",
+                            "add a 'nodes:' list with at least one node")
+        if not isinstance(data, dict):
+            raise self.fail("(top level)", f"expected a mapping, got {type(data).__name__}",
+                            "start the file with 'nodes:'")
+        self.check_keys("", data, TOP_FIELDS)
+        ssh = self.ssh_groups(data.get("ssh") or {})
+        raw_nodes = data.get("nodes")
+        if raw_nodes is None:
+            raise self.fail("nodes", "missing", "add a 'nodes:' list with at least one node")
+        self.typed("nodes", raw_nodes, list, "a list of nodes")
+        if not raw_nodes:
+            raise self.fail("nodes", "empty", "list at least one node")
+        any_gpu = any(isinstance(n, dict) and n.get("gpus") for n in raw_nodes)
+        nodes = [self.node(f"nodes[{i}]", n, ssh, any_gpu) for i, n in enumerate(raw_nodes)]
+        return self.cross_check(nodes, ssh)
+
+    def ssh_groups(self, raw: Any) -> dict[str, SSHConfig]:
+        self.typed("ssh", raw, dict, "a mapping of group name to settings")
+        groups = {}
+        for name, cfg in raw.items():
+            where = f"ssh.{name}"
+            self.typed(where, cfg, dict, "a mapping")
+            self.check_keys(where, cfg, SSH_FIELDS)
+            port = self.typed(f"{where}.port", cfg.get("port", 22), int, "an integer port")
+            if not 0 < port < 65536:
+                raise self.fail(f"{where}.port", f"port {port} out of range", "use 1-65535")
+            envs = cfg.get("shared_envs") or {}
+            self.typed(f"{where}.shared_envs", envs, dict, "a mapping of NAME: value")
+            strs = {}
+            for key in ("username", "key_file", "python_venv"):
+                if cfg.get(key) is not None:
+                    strs[key] = str(self.typed(f"{where}.{key}", cfg[key], str, "a string"))
+            groups[str(name)] = SSHConfig(
+                port=port, shared_envs={str(k): str(v) for k, v in envs.items()}, **strs
+            )
+        return groups
+
+    def node(self, where: str, raw: Any, ssh: dict[str, SSHConfig], any_gpu: bool) -> Node:
+        self.typed(where, raw, dict, "a mapping with at least 'address'")
+        self.check_keys(where, raw, NODE_FIELDS)
+        if "address" not in raw:
+            raise self.fail(f"{where}.address", "missing", "give each node an IP address or host")
+        address = str(self.typed(f"{where}.address", raw["address"], str, "a host or IP string"))
+        gpus = self.int_list(f"{where}.gpus", raw.get("gpus", []))
+        cpus = self.int_list(f"{where}.cpus", raw.get("cpus", [0]))
+        chief = self.typed(f"{where}.chief", raw.get("chief", False), bool, "true or false")
+        bw = self.typed(f"{where}.network_bandwidth",
+                        raw.get("network_bandwidth", DEFAULT_BANDWIDTH_GBPS), (int, float),
+                        "a number of Gbit/s")
+        if bw <= 0:
+            raise self.fail(f"{where}.network_bandwidth", f"must be positive, got {bw}",
+                            "give the link speed in Gbit/s, e.g. 1 or 25")
+        ssh_name = raw.get("ssh_config")
+        if ssh_name is not None:
+            self.typed(f"{where}.ssh_config", ssh_name, str, "the name of an ssh group")
+            if ssh_name not in ssh:
+                raise self.fail(f"{where}.ssh_config", f"no ssh group named {ssh_name!r}",
+                                f"define it under 'ssh:' (known: {sorted(ssh) or 'none'})")
+        default_workers = len(gpus) if gpus else (0 if any_gpu else 1)
+        workers = self.typed(f"{where}.workers", raw.get("workers", default_workers), int,
+                             "a non-negative integer")
+        if workers < 0:
+            raise self.fail(f"{where}.workers", f"negative worker count {workers}",
+                            "use 0 for a server-only node")
+        if gpus and workers > len(gpus):
+            raise self.fail(f"{where}.workers", f"{workers} workers but {len(gpus)} GPUs",
+                            "use at most one worker per GPU")
+        return Node(address=address, gpus=gpus, cpus=cpus, chief=chief, ssh_config=ssh_name,
+                    network_bandwidth=float(bw), workers=workers)
+
+    def cross_check(self, nodes: list[Node], ssh: dict[str, SSHConfig]) -> ResourceSpec:
+        seen: dict[str, int] = {}
+        for i, n in enumerate(nodes):
+            if n.address in seen:
+                raise self.fail(f"nodes[{i}].address",
+                                f"duplicate address {n.address!r} (also nodes[{seen[n.address]}])",
+                                "list each machine once; use 'gpus' or 'workers' for more "
+                                "processes on it")
+            seen[n.address] = i
+        chiefs = [i for i, n in enumerate(nodes) if n.chief]
+        if len(chiefs) > 1:
+            raise self.fail("nodes", f"{len(chiefs)} chiefs (nodes {chiefs})",
+                            "mark exactly one node 'chief: true'")
+        if not chiefs:
+            if len(nodes) > 1:
+                raise self.fail("nodes", "no chief among several nodes",
+                                "mark the node you launch from with 'chief: true'")
+            nodes[0] = Node(**{**nodes[0].__dict__, "chief": True})
+        loop = [n.address for n in nodes if n.is_loopback]
+        if loop and len(nodes) > 1:
+            raise self.fail("nodes", f"loopback address {loop[0]!r} mixed with remote nodes",
+                            "use each node's network address that the other nodes can reach")
+        if sum(n.workers for n in nodes) == 0:
+            raise self.fail("nodes", "no node runs a worker",
+                            "give at least one node GPUs or 'workers: 1'")
+        return ResourceSpec(nodes=tuple(nodes), ssh=ssh, source=self.source)
+
+
+def _tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)

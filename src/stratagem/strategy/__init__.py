@@ -1,0 +1,37 @@
+"""Strategies (per-parameter distribution plans) and the builders that produce them."""
+
+from stratagem.strategy.builders import (
+    AllReduce,
+    PartitionedAR,
+    RandomAxisPartitionAR,
+    StrategyBuilder,
+    builder_from_name,
+    builder_names,
+)
+from stratagem.strategy.schema import (
+    SCHEMA_VERSION,
+    AllReduceSynchronizer,
+    GraphConfig,
+    NodeConfig,
+    Partitioner,
+    PSSynchronizer,
+    Strategy,
+)
+from stratagem.strategy.validate import validate
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AllReduce",
+    "AllReduceSynchronizer",
+    "GraphConfig",
+    "NodeConfig",
+    "PSSynchronizer",
+    "PartitionedAR",
+    "Partitioner",
+    "RandomAxisPartitionAR",
+    "Strategy",
+    "StrategyBuilder",
+    "builder_from_name",
+    "builder_names",
+    "validate",
+]

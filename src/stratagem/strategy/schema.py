@@ -1,0 +1,331 @@
+"""The Strategy: an explicit, serializable, per-parameter distribution plan.
+
+A strategy lists, for every trainable parameter, how its gradient is synchronized: by
+all-reduce (with a group and a compressor) or through a parameter server (with a reduction
+destination and a consistency mode), optionally after partitioning the parameter along one
+axis into parts that each carry their own synchronizer. It is plain data: builders produce
+it, people can write it by hand, and the runtime compiles it per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+from stratagem.errors import StrategyError
+
+SCHEMA_VERSION = 1
+COMPRESSORS = ("none", "fp16", "bf16", "powersgd")
+ALL_REDUCE_SPECS = ("auto", "nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class AllReduceSynchronizer:
+    """Average the gradient with a collective all-reduce.
+
+    ``group``: parameters with the same group id are fused into one collective.
+    ``spec``: the collective backend ("auto" picks nccl on GPU, gloo on CPU).
+    ``compressor``: none, fp16, bf16 or powersgd (rank ``powersgd_rank``, error feedback).
+    """
+
+    kind: ClassVar[str] = "AllReduce"
+    spec: str = "auto"
+    compressor: str = "none"
+    group: int = 0
+    powersgd_rank: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.kind, "spec": self.spec,
+                             "compressor": self.compressor, "group": self.group}
+        if self.compressor == "powersgd":
+            d["powersgd_rank"] = self.powersgd_rank
+        return d
+
+
+@dataclass(frozen=True)
+class PSSynchronizer:
+    """Send the gradient to an owner that applies the update and serves the new value.
+
+    ``reduction_destination``: a device string, either a worker replica (colocated, e.g.
+    ``10.0.0.1:CPU:0``) or a dedicated server (``10.0.0.3:PS:0``).
+    ``staleness``: how many steps a worker may run ahead (0 with ``sync`` = bulk-synchronous).
+    """
+
+    kind: ClassVar[str] = "PS"
+    reduction_destination: str = ""
+    local_replication: bool = False
+    sync: bool = True
+    staleness: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "reduction_destination": self.reduction_destination,
+                "local_replication": self.local_replication, "sync": self.sync,
+                "staleness": self.staleness}
+
+
+Synchronizer = AllReduceSynchronizer | PSSynchronizer
+_SYNC_TYPES: dict[str, type] = {"AllReduce": AllReduceSynchronizer, "PS": PSSynchronizer}
+
+
+@dataclass(frozen=True)
+class Partitioner:
+    """Number of splits per axis, AutoDist style: ``"1,4"`` splits axis 1 into 4 parts.
+
+    At most one axis may be split. ``sizes`` optionally gives uneven part lengths along it.
+    """
+
+    splits: tuple[int, ...]
+    sizes: tuple[int, ...] | None = None
+
+    @classmethod
+    def parse(cls, text: str, sizes: list[int] | None = None, where: str = "partitioner"
+              ) -> Partitioner:
+        try:
+            splits = tuple(int(s) for s in str(text).split(","))
+        except ValueError:
+            raise StrategyError(f"cannot parse {text!r}", where=where,
+                                fix='write splits per axis, e.g. "4,1" (4 parts along axis 0)'
+                                ) from None
+        if any(s < 1 for s in splits):
+            raise StrategyError(f"split counts must be >= 1, got {text!r}", where=where,
+                                fix='use 1 for unsplit axes, e.g. "4,1"')
+        if sum(s > 1 for s in splits) > 1:
+            raise StrategyError(f"more than one axis is split in {text!r}", where=where,
+                                fix="split at most one axis")
+        return cls(splits=splits, sizes=tuple(sizes) if sizes else None)
+
+    @property
+    def axis(self) -> int:
+        return next((i for i, s in enumerate(self.splits) if s > 1), 0)
+
+    @property
+    def num_parts(self) -> int:
+        return max(self.splits) if self.splits else 1
+
+    def part_sizes(self, shape: tuple[int, ...]) -> list[int]:
+        """Lengths of the parts along :attr:`axis` (even split unless ``sizes`` given)."""
+        if self.sizes:
+            return list(self.sizes)
+        n, k = shape[self.axis], self.num_parts
+        return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+    def __str__(self) -> str:
+        return ",".join(str(s) for s in self.splits)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """The plan for one parameter (or, inside ``part_config``, for one of its parts)."""
+
+    var_name: str
+    synchronizer: Synchronizer | None = None
+    partitioner: Partitioner | None = None
+    part_config: tuple[NodeConfig, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"var_name": self.var_name}
+        if self.synchronizer is not None:
+            d["synchronizer"] = self.synchronizer.to_dict()
+        if self.partitioner is not None:
+            d["partitioner"] = str(self.partitioner)
+            if self.partitioner.sizes:
+                d["part_sizes"] = list(self.partitioner.sizes)
+            d["part_config"] = [p.to_dict() for p in self.part_config]
+        return d
+
+    def leaves(self) -> list[NodeConfig]:
+        """The configs that carry synchronizers: the parts if partitioned, else self."""
+        return list(self.part_config) if self.partitioner else [self]
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Where the model is replicated: worker device strings in rank order."""
+
+    replicas: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"replicas": list(self.replicas)}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A complete plan: one :class:`NodeConfig` per trainable parameter plus the replicas."""
+
+    node_config: tuple[NodeConfig, ...]
+    graph_config: GraphConfig = field(default_factory=GraphConfig)
+    builder: str = "manual"
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    version: int = SCHEMA_VERSION
+
+    # A Strategy is also a builder of itself, so a loaded one can be passed wherever a
+    # builder is expected.
+    def build(self, profile: Any, spec: Any) -> Strategy:
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.builder
+
+    def config_for(self, var_name: str) -> NodeConfig:
+        for nc in self.node_config:
+            if nc.var_name == var_name:
+                return nc
+        raise KeyError(var_name)
+
+    def with_replicas(self, replicas: list[str]) -> Strategy:
+        return replace(self, graph_config=GraphConfig(tuple(replicas)))
+
+    # -- serialization ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "id": self.id, "builder": self.builder,
+                "graph_config": self.graph_config.to_dict(),
+                "node_config": [nc.to_dict() for nc in self.node_config]}
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<strategy>") -> Strategy:
+        return _StrategyParser(source).strategy(data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> Path:
+        """Write JSON, or YAML when the file name ends in .yml/.yaml."""
+        p = Path(path)
+        text = self.to_yaml() if p.suffix in (".yml", ".yaml") else self.to_json()
+        p.write_text(text)
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> Strategy:
+        p = Path(path)
+        if not p.is_file():
+            raise StrategyError("file not found", where=str(p),
+                                fix="pass the path of a strategy saved with Strategy.save")
+        try:
+            data = yaml.safe_load(p.read_text())  # YAML is a superset of JSON
+        except yaml.YAMLError as exc:
+            raise StrategyError(f"malformed file: {exc}", where=str(p),
+                                fix="fix the syntax or re-save it with Strategy.save") from None
+        return cls.from_dict(data, source=str(p))
+
+    def summary(self) -> str:
+        """A human-readable table: parameter, synchronizer, partition."""
+        lines = [f"strategy {self.id} (builder {self.builder}, "
+                 f"{len(self.graph_config.replicas)} replicas)"]
+        for nc in self.node_config:
+            if nc.partitioner:
+                parts = "; ".join(_sync_text(p.synchronizer) for p in nc.part_config)
+                lines.append(f"  {nc.var_name}: partitioned {nc.partitioner} -> {parts}")
+            else:
+                lines.append(f"  {nc.var_name}: {_sync_text(nc.synchronizer)}")
+        return "\n".join(lines)
+
+
+def _sync_text(s: Synchronizer | None) -> str:
+    if isinstance(s, AllReduceSynchronizer):
+        return f"AllReduce(group={s.group}, compressor={s.compressor})"
+    if isinstance(s, PSSynchronizer):
+        mode = "async" if not s.sync else f"staleness={s.staleness}"
+        return f"PS(dest={s.reduction_destination}, {mode})"
+    return "none"
+
+
+class _StrategyParser:
+    """Strict parsing: unknown fields and wrong types are errors naming the path."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, problem: str, fix: str) -> StrategyError:
+        return StrategyError(problem, where=f"{self.source}: {where}", fix=fix)
+
+    def keys(self, where: str, data: dict, allowed: tuple[str, ...]) -> None:
+        unknown = [k for k in data if k not in allowed]
+        if unknown:
+            raise self.fail(f"{where}.{unknown[0]}", "unknown field",
+                            f"allowed fields are {', '.join(allowed)}")
+
+    def mapping(self, where: str, data: Any) -> dict:
+        if not isinstance(data, dict):
+            raise self.fail(where, f"expected a mapping, got {type(data).__name__}",
+                            "see docs/reference/strategy-schema.md")
+        return data
+
+    def strategy(self, data: Any) -> Strategy:
+        data = self.mapping("(top level)", data)
+        self.keys("(top level)", data, ("version", "id", "builder", "graph_config",
+                                        "node_config"))
+        version = data.get("version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise self.fail("version", f"unsupported schema version {version!r}",
+                            f"this Stratagem reads version {SCHEMA_VERSION}; re-save the "
+                            "strategy with a matching release")
+        graph = self.mapping("graph_config", data.get("graph_config", {}))
+        self.keys("graph_config", graph, ("replicas",))
+        replicas = graph.get("replicas", [])
+        if not isinstance(replicas, list) or not all(isinstance(r, str) for r in replicas):
+            raise self.fail("graph_config.replicas", "expected a list of device strings",
+                            'e.g. ["10.0.0.1:GPU:0", "10.0.0.2:GPU:0"]')
+        raw_nodes = data.get("node_config")
+        if not isinstance(raw_nodes, list):
+            raise self.fail("node_config", "expected a list of per-parameter configs",
+                            "add one entry per trainable parameter")
+        nodes = tuple(self.node(f"node_config[{i}]", n) for i, n in enumerate(raw_nodes))
+        kwargs: dict[str, Any] = {}
+        if "id" in data:
+            kwargs["id"] = str(data["id"])
+        return Strategy(node_config=nodes, graph_config=GraphConfig(tuple(replicas)),
+                        builder=str(data.get("builder", "manual")), **kwargs)
+
+    def node(self, where: str, data: Any) -> NodeConfig:
+        data = self.mapping(where, data)
+        self.keys(where, data, ("var_name", "synchronizer", "partitioner", "part_sizes",
+                                "part_config"))
+        name = data.get("var_name")
+        if not isinstance(name, str) or not name:
+            raise self.fail(f"{where}.var_name", "missing or not a string",
+                            "name the parameter as model.named_parameters() does")
+        sync = self.synchronizer(f"{where}.synchronizer", data["synchronizer"]) \
+            if data.get("synchronizer") is not None else None
+        part = None
+        parts: tuple[NodeConfig, ...] = ()
+        if data.get("partitioner") is not None:
+            part = Partitioner.parse(data["partitioner"], data.get("part_sizes"),
+                                     where=f"{self.source}: {where}.partitioner")
+            raw_parts = data.get("part_config") or []
+            if not isinstance(raw_parts, list):
+                raise self.fail(f"{where}.part_config", "expected a list",
+                                "give one config per part")
+            parts = tuple(self.node(f"{where}.part_config[{i}]", p)
+                          for i, p in enumerate(raw_parts))
+        elif sync is None:
+            raise self.fail(where, f"parameter {name!r} has neither a synchronizer nor a "
+                            "partitioner", "add a synchronizer, e.g. {type: AllReduce}")
+        return NodeConfig(var_name=name, synchronizer=sync, partitioner=part, part_config=parts)
+
+    def synchronizer(self, where: str, data: Any) -> Synchronizer:
+        data = self.mapping(where, data)
+        kind = data.get("type")
+        if kind not in _SYNC_TYPES:
+            raise self.fail(f"{where}.type", f"unknown synchronizer type {kind!r}",
+                            f"use one of {', '.join(_SYNC_TYPES)}")
+        cls = _SYNC_TYPES[kind]
+        fields = tuple(f for f in cls.__dataclass_fields__ if f != "kind")
+        self.keys(where, data, ("type", *fields))
+        values = {k: v for k, v in data.items() if k != "type"}
+        defaults = cls()
+        for k, v in values.items():
+            expected = type(getattr(defaults, k))
+            if not isinstance(v, expected) or (expected is int and isinstance(v, bool)):
+                raise self.fail(f"{where}.{k}", f"expected {expected.__name__}, got {v!r}",
+                                f"write {k} as a {expected.__name__}")
+        return cls(**values)

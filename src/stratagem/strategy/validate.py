@@ -1,0 +1,121 @@
+"""Check a Strategy against a model profile and resource spec before training starts."""
+
+from __future__ import annotations
+
+import difflib
+
+from stratagem.analysis.profile import ModelProfile, ParamInfo
+from stratagem.errors import StrategyError
+from stratagem.resource import ResourceSpec
+from stratagem.strategy.schema import (
+    ALL_REDUCE_SPECS,
+    COMPRESSORS,
+    AllReduceSynchronizer,
+    NodeConfig,
+    PSSynchronizer,
+    Strategy,
+)
+
+
+def server_devices(spec: ResourceSpec) -> list[str]:
+    """Dedicated parameter-server devices: one per node that runs no worker."""
+    return [f"{n.address}:PS:0" for n in spec.nodes if n.workers == 0]
+
+
+def validate(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec) -> Strategy:
+    """Return ``strategy`` (replicas filled in from ``spec`` if empty) or raise StrategyError."""
+    replicas = list(strategy.graph_config.replicas)
+    if not replicas:
+        strategy = strategy.with_replicas(spec.replicas)
+    elif replicas != spec.replicas:
+        raise StrategyError(
+            f"graph_config.replicas {replicas} do not match the resource spec's workers "
+            f"{spec.replicas}",
+            where=f"strategy {strategy.id}",
+            fix="rebuild the strategy for these resources, or empty graph_config.replicas",
+        )
+    destinations = set(spec.replicas) | set(server_devices(spec))
+    by_name = {nc.var_name: nc for nc in strategy.node_config}
+    if len(by_name) != len(strategy.node_config):
+        dup = next(n for n in by_name if sum(c.var_name == n for c in strategy.node_config) > 1)
+        raise StrategyError(f"parameter {dup!r} is configured twice",
+                            where=f"strategy {strategy.id}", fix="keep one entry per parameter")
+    known = {p.name for p in profile.params} | {a for p in profile.params for a in p.aliases}
+    for name in by_name:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise StrategyError(
+                f"unknown parameter {name!r}", where=f"strategy {strategy.id}",
+                fix=f"{hint}names come from model.named_parameters() (trainable ones only)")
+    for info in profile.params:
+        nc = by_name.get(info.name) or next(
+            (by_name[a] for a in info.aliases if a in by_name), None)
+        if nc is None:
+            raise StrategyError(
+                f"parameter {info.name!r} has no config", where=f"strategy {strategy.id}",
+                fix="add a node_config entry for it, or rebuild the strategy for this model")
+        _check_node(nc, info, destinations)
+    return strategy
+
+
+def _check_node(nc: NodeConfig, info: ParamInfo, destinations: set[str]) -> None:
+    where = f"node_config[{nc.var_name}]"
+    if nc.partitioner is None:
+        _check_sync(nc, info, destinations, where)
+        return
+    part = nc.partitioner
+    if len(part.splits) != len(info.shape):
+        raise StrategyError(
+            f"partitioner {part} has {len(part.splits)} axes but the parameter has shape "
+            f"{list(info.shape)}", where=where, fix="give one split count per axis")
+    dim = info.shape[part.axis]
+    if part.num_parts > dim:
+        raise StrategyError(f"cannot split axis {part.axis} of size {dim} into "
+                            f"{part.num_parts} parts", where=where,
+                            fix=f"use at most {dim} parts")
+    sizes = part.part_sizes(info.shape)
+    if len(sizes) != part.num_parts or sum(sizes) != dim or min(sizes) < 1:
+        raise StrategyError(f"part_sizes {sizes} must be {part.num_parts} positive lengths "
+                            f"summing to {dim}", where=where, fix="fix part_sizes")
+    if len(nc.part_config) != part.num_parts:
+        raise StrategyError(f"{part.num_parts} parts but {len(nc.part_config)} part_config "
+                            "entries", where=where, fix="give one config per part")
+    for i, pc in enumerate(nc.part_config):
+        if pc.partitioner is not None:
+            raise StrategyError("nested partitioning", where=f"{where}.part_config[{i}]",
+                                fix="partition the parameter once")
+        _check_sync(pc, info, destinations, f"{where}.part_config[{i}]")
+
+
+def _check_sync(nc: NodeConfig, info: ParamInfo, destinations: set[str], where: str) -> None:
+    s = nc.synchronizer
+    if s is None:
+        raise StrategyError("no synchronizer", where=where, fix="add one, e.g. {type: AllReduce}")
+    if isinstance(s, AllReduceSynchronizer):
+        if s.compressor not in COMPRESSORS:
+            raise StrategyError(f"unknown compressor {s.compressor!r}", where=where,
+                                fix=f"use one of {', '.join(COMPRESSORS)}")
+        if s.spec not in ALL_REDUCE_SPECS:
+            raise StrategyError(f"unknown all-reduce spec {s.spec!r}", where=where,
+                                fix=f"use one of {', '.join(ALL_REDUCE_SPECS)}")
+        if s.group < 0:
+            raise StrategyError(f"negative group {s.group}", where=where, fix="use group >= 0")
+        if s.compressor == "powersgd" and s.powersgd_rank < 1:
+            raise StrategyError(f"powersgd_rank must be >= 1, got {s.powersgd_rank}",
+                                where=where, fix="use a small positive rank such as 1 or 4")
+        if s.compressor == "powersgd" and info.sparse:
+            raise StrategyError("powersgd cannot compress a sparse embedding gradient",
+                                where=where, fix="use compressor none, or a PS synchronizer")
+    elif isinstance(s, PSSynchronizer):
+        if s.reduction_destination not in destinations:
+            raise StrategyError(
+                f"unknown reduction_destination {s.reduction_destination!r}", where=where,
+                fix=f"use a worker replica or server of the resource spec: "
+                    f"{sorted(destinations)}")
+        if s.staleness < 0:
+            raise StrategyError(f"negative staleness {s.staleness}", where=where,
+                                fix="use 0 for bulk-synchronous training")
+        if not s.sync and s.staleness:
+            raise StrategyError("staleness applies only to synchronous PS (sync: true)",
+                                where=where, fix="set staleness: 0 for asynchronous training")
