@@ -1,0 +1,32 @@
+# Each target does its own set-up on a fresh machine: a virtual environment with the CPU
+# build of PyTorch (never a multi-GB CUDA download) and Stratagem installed editable.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+$(BIN)/stratagem: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/stratagem
+
+demo: setup
+	$(BIN)/stratagem run --nproc 2 examples/train_mlp.py --epochs 5
+
+test: setup
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check src tests bench tools examples
+
+bench: setup
+	$(BIN)/python bench/allreduce_vs_ddp.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

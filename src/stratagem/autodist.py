@@ -1,0 +1,192 @@
+"""AutoDist: the user-facing entry point that turns a single-device script distributed.
+
+It reads the resource spec, joins the process group that the launcher (``stratagem run``
+or plain ``torchrun``) prepared, builds and validates a strategy for the model, compiles it
+for this rank and wraps the model. With one process it does no communication at all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stratagem import checkpoint as _checkpoint
+from stratagem.analysis import ModelProfile, analyze
+from stratagem.data import DistributedDataLoader
+from stratagem.errors import StratagemError, StrategyError, install_excepthook
+from stratagem.resource import ResourceSpec
+from stratagem.strategy import AllReduce, Strategy, StrategyBuilder, builder_from_name, validate
+
+ENV_SPEC = "STRATAGEM_RESOURCE_SPEC"
+ENV_STRATEGY = "STRATAGEM_STRATEGY"
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def resolve_builder(value: StrategyBuilder | Strategy | str | None) -> StrategyBuilder:
+    """A builder from an object, a registered name or a strategy file path."""
+    if value is None:
+        return AllReduce()
+    if isinstance(value, str):
+        if Path(value).suffix in (".json", ".yml", ".yaml") or Path(value).is_file():
+            return Strategy.load(value)
+        return builder_from_name(value)
+    if not hasattr(value, "build"):
+        raise StrategyError(f"{value!r} is not a strategy builder",
+                            fix="pass a builder such as sg.strategy.AllReduce(), a Strategy, "
+                                "a builder name or a strategy file path")
+    return value
+
+
+class AutoDist:
+    """Distribute a single-device model and optimizer according to a strategy.
+
+    ``resource_spec_file`` (or env STRATAGEM_RESOURCE_SPEC) describes the machines; without
+    one, this machine with the launched number of workers. ``strategy_builder`` is a builder,
+    a Strategy, a builder name or a strategy file; ``stratagem run --strategy`` overrides it.
+    """
+
+    def __init__(self, resource_spec_file: str | os.PathLike[str] | None = None,
+                 strategy_builder: StrategyBuilder | Strategy | str | None = None, *,
+                 resource_spec: ResourceSpec | None = None, seed: int = 0,
+                 verbose: bool = True) -> None:
+        install_excepthook()
+        self.rank = _env_int("RANK", 0)
+        self.world_size = _env_int("WORLD_SIZE", 1)
+        self.local_rank = _env_int("LOCAL_RANK", 0)
+        self.seed = seed
+        self.verbose = verbose
+        self.resource_spec = self._load_spec(resource_spec_file, resource_spec)
+        override = os.environ.get(ENV_STRATEGY)
+        if override and strategy_builder is not None and self.rank == 0 and verbose:
+            print(f"stratagem: --strategy {override} overrides the script's strategy",
+                  file=sys.stderr)
+        self._builder = resolve_builder(override or strategy_builder)
+        self.device = self._pick_device()
+        self._init_process_group()
+        self.strategy: Strategy | None = None
+        self.profile: ModelProfile | None = None
+        self.model: nn.Module | None = None
+        self.optimizer: Any = None
+
+    # -- set-up -------------------------------------------------------------------------
+    def _load_spec(self, path: Any, spec: ResourceSpec | None) -> ResourceSpec:
+        if spec is None:
+            path = path or os.environ.get(ENV_SPEC) or None
+            spec = ResourceSpec.from_file(path) if path else ResourceSpec.local(self.world_size)
+        if spec.num_workers != self.world_size:
+            if self.world_size == 1:
+                warnings.warn(
+                    f"the resource spec {spec.source} has {spec.num_workers} workers but this "
+                    "is a single process; training on this machine alone (launch with "
+                    "`stratagem run --resource-spec` to use the spec)", stacklevel=3)
+                return ResourceSpec.local(1)
+            raise StratagemError(
+                f"the resource spec has {spec.num_workers} workers but {self.world_size} "
+                "processes were launched", where=spec.source,
+                fix="launch with `stratagem run --resource-spec FILE`, or make torchrun's "
+                    "--nnodes x --nproc-per-node match the spec")
+        return spec
+
+    def _pick_device(self) -> torch.device:
+        if self.resource_spec.uses_gpus and torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def _init_process_group(self) -> None:
+        if self.world_size == 1 or dist.is_initialized():
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if "MASTER_ADDR" not in os.environ:
+            raise StratagemError(
+                f"WORLD_SIZE={self.world_size} but no MASTER_ADDR in the environment",
+                fix="start the script with `stratagem run` or torchrun, not by hand")
+        dist.init_process_group(backend=backend)
+
+    def log(self, message: str) -> None:
+        if self.verbose and self.rank == 0:
+            print(f"stratagem: {message}", flush=True)
+
+    # -- the user API -------------------------------------------------------------------
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    def build_strategy(self, model: nn.Module) -> Strategy:
+        """Analyze ``model`` and build (and validate) its strategy without wrapping it."""
+        self.profile = analyze(model)
+        strategy = self._builder.build(self.profile, self.resource_spec)
+        return validate(strategy, self.profile, self.resource_spec)
+
+    def distribute(self, model: nn.Module, optimizer: Any = None) -> tuple[nn.Module, Any]:
+        """Return (distributed model, optimizer); the optimizer object is used unchanged."""
+        from stratagem.runtime import DistributedModel, compile_plan
+
+        if not isinstance(model, nn.Module):
+            raise StratagemError(f"expected a torch.nn.Module, got {type(model).__name__}",
+                                 where="AutoDist.distribute", fix="pass the model object")
+        model.to(self.device)
+        self.strategy = self.build_strategy(model)
+        self._check_optimizer(model, optimizer)
+        self.log(self.profile.summary() if self.profile else "")
+        self.log(self.strategy.summary())
+        plan = compile_plan(self.strategy, self.profile, rank=self.rank,
+                            world_size=self.world_size, device=self.device)
+        self.model = DistributedModel(model, plan)
+        self.optimizer = optimizer
+        return self.model, optimizer
+
+    def _check_optimizer(self, model: nn.Module, optimizer: Any) -> None:
+        if optimizer is None:
+            return
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise StratagemError(f"expected a torch.optim.Optimizer, got "
+                                 f"{type(optimizer).__name__}", where="AutoDist.distribute",
+                                 fix="pass the optimizer built over model.parameters()")
+        own = {id(p) for p in model.parameters()}
+        for group in optimizer.param_groups:
+            if any(id(p) not in own for p in group["params"]):
+                raise StratagemError(
+                    "the optimizer holds parameters that are not in the model",
+                    where="AutoDist.distribute",
+                    fix="build the optimizer from model.parameters() before distribute()")
+
+    def data_loader(self, dataset: Any, batch_size: int, shuffle: bool = False,
+                    **kwargs: Any) -> DistributedDataLoader:
+        """A loader whose ``batch_size`` is the GLOBAL batch, split across replicas."""
+        return DistributedDataLoader(dataset, batch_size, rank=self.rank,
+                                     world_size=self.world_size, shuffle=shuffle,
+                                     seed=kwargs.pop("seed", self.seed),
+                                     on_batch=self._set_grad_weight, **kwargs)
+
+    def _set_grad_weight(self, weight: float) -> None:
+        if self.model is not None:
+            self.model.grad_weight = weight
+
+    def save_checkpoint(self, path: str | os.PathLike[str], **metadata: Any) -> Path:
+        """Collectively save the distributed model and optimizer (all ranks call this)."""
+        self._require_distributed("save_checkpoint")
+        return _checkpoint.save(path, self.model, self.optimizer,
+                                strategy_id=self.strategy.id if self.strategy else None,
+                                metadata=metadata)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore model and optimizer saved by :meth:`save_checkpoint`; returns metadata."""
+        self._require_distributed("load_checkpoint")
+        return _checkpoint.load(path, self.model, self.optimizer, map_location=self.device)
+
+    def _require_distributed(self, what: str) -> None:
+        if self.model is None:
+            raise StratagemError(f"{what} before distribute()", where=f"AutoDist.{what}",
+                                 fix="call ad.distribute(model, optimizer) first")
