@@ -1,0 +1,298 @@
+"""The all-reduce synchronizer: fused groups, launched from gradient hooks during backward.
+
+Life of one synced backward pass:
+
+1. A post-accumulate-grad hook fires per parameter when its gradient is final. The hook
+   copies the gradient (or each partition slice of it) into its group's flat buffer -- or,
+   for a whole dense parameter whose ``.grad`` is already a view of that buffer, nothing --
+   and makes ``param.grad`` a view of the buffer (like DDP's ``gradient_as_bucket_view``).
+2. Groups launch strictly in the plan's launch order: a group starts its async collective
+   as soon as it and every group before it are complete. The order is fixed by the plan, so
+   every rank issues the same collectives in the same sequence even if hooks fire in a
+   different order or a rank leaves some parameter unused.
+3. A callback queued on the autograd engine runs when backward ends: it launches the groups
+   still waiting (parameters without a gradient contribute zeros), runs second rounds
+   (PowerSGD) in launch order, waits for everything and copies averaged slices back into
+   ``param.grad`` where it is not a buffer view. ``loss.backward()`` returns with averaged
+   gradients.
+
+Assumption (as in DDP): every rank runs the same number of synced backward passes, and each
+of them produces a gradient for at least one parameter. Reentrant activation checkpointing
+(which runs a nested backward) is not supported; use ``use_reentrant=False``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from stratagem.errors import CheckpointError, DistributedError, StrategyError
+from stratagem.runtime.comm import Comm
+from stratagem.runtime.compressors import Compressor, make_compressor
+from stratagem.runtime.plan import GroupPlan, Member, Plan
+from stratagem.runtime.stats import CommStats
+
+
+def _queue_callback(fn: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class _MemberRT:
+    """A member bound to its parameter and to its slice of the group buffer."""
+
+    __slots__ = ("plan", "param", "view", "as_grad", "captured")
+
+    def __init__(self, plan: Member, param: nn.Parameter, buffer: torch.Tensor) -> None:
+        self.plan = plan
+        self.param = param
+        self.view = buffer[plan.offset:plan.offset + plan.numel].view(plan.shape)
+        # param.grad can live in the buffer only if it is the whole param, same dtype, and
+        # the param is contiguous (the gradient layout contract).
+        self.as_grad = (plan.whole and param.dtype == buffer.dtype
+                        and param.is_contiguous())
+        self.captured = False
+
+    def capture(self) -> None:
+        """Put this rank's gradient into the buffer (zeros if there is none)."""
+        grad = self.param.grad
+        view = self.view
+        if grad is None:
+            view.zero_()
+            if self.as_grad:
+                self.param.grad = view
+            return
+        if self.as_grad:
+            if not grad.is_sparse and grad.data_ptr() == view.data_ptr():
+                return  # accumulated in place into the buffer
+            if grad.is_sparse:  # densify: sum of the sparse rows into zeros
+                view.zero_().add_(grad)
+            else:
+                view.copy_(grad)
+            self.param.grad = view
+            return
+        if grad.is_sparse:
+            grad = grad.to_dense()
+        if not self.plan.whole:
+            grad = grad.narrow(self.plan.axis, self.plan.start, self.plan.length)
+        view.copy_(grad)
+
+    def write_back(self) -> None:
+        """Copy the averaged slice into ``param.grad`` (unless it already is the buffer)."""
+        if self.as_grad:
+            return
+        grad = self.param.grad
+        if grad is None or grad.is_sparse:
+            grad = torch.zeros_like(self.param, memory_format=torch.preserve_format)
+            self.param.grad = grad
+        if self.plan.whole:
+            grad.copy_(self.view)
+        else:
+            grad.narrow(self.plan.axis, self.plan.start, self.plan.length).copy_(self.view)
+
+
+class _GroupRT:
+    __slots__ = ("plan", "buffer", "members", "compressor", "comm", "pending", "launched")
+
+    def __init__(self, plan: GroupPlan, params: dict[str, nn.Parameter], comm: Comm,
+                 device: torch.device) -> None:
+        self.plan = plan
+        self.buffer = torch.zeros(plan.numel, dtype=getattr(torch, plan.dtype), device=device)
+        self.members = [_MemberRT(m, params[m.param], self.buffer) for m in plan.members]
+        self.compressor: Compressor = make_compressor(plan, self.buffer)
+        self.comm = comm
+        self.pending = len(self.members)
+        self.launched = False
+
+
+class AllReduceReducer:
+    """Runs a :class:`Plan`'s groups for one model replica (see the module docstring)."""
+
+    def __init__(self, plan: Plan, params: dict[str, nn.Parameter], comms: dict[str, Comm],
+                 stats: CommStats) -> None:
+        self.plan = plan
+        self.stats = stats
+        self.world_size = plan.world_size
+        device = torch.device(plan.device)
+        self.groups = [_GroupRT(g, params, comms[g.backend], device) for g in plan.groups]
+        self._entries: dict[int, list[tuple[_GroupRT, _MemberRT]]] = {}
+        for g in self.groups:
+            for m in g.members:
+                self._entries.setdefault(id(m.param), []).append((g, m))
+        self.require_sync = True
+        self.grad_weight = 1.0
+        self.before_wait: Callable[[], Callable[[], None] | None] | None = None
+        self._next = 0
+        self._queued = False
+        self._handles = []
+        ref = weakref.ref(self)
+        for name in plan.params:
+            p = params[name]
+
+            def hook(param: torch.Tensor, ref: weakref.ref = ref) -> None:
+                reducer = ref()
+                if reducer is not None:
+                    reducer._on_grad(param)
+
+            self._handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- hot path ------------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.require_sync:
+            return
+        if not self._queued:
+            _queue_callback(self._finish)
+            self._queued = True
+        for g, m in self._entries[id(param)]:
+            if g.launched:
+                raise DistributedError(
+                    f"the gradient of {m.plan.param!r} was accumulated again after group "
+                    f"{g.plan.id} was sent", where="DistributedModel backward",
+                    fix="accumulate each gradient once per backward (use "
+                        "torch.utils.checkpoint with use_reentrant=False)")
+            m.capture()
+            if not m.captured:
+                m.captured = True
+                g.pending -= 1
+        groups = self.groups
+        while self._next < len(groups) and groups[self._next].pending == 0:
+            self._launch(groups[self._next])
+            self.stats.overlapped += 1
+            self._next += 1
+
+    def _launch(self, g: _GroupRT) -> None:
+        g.launched = True
+        g.compressor.start(g.comm, self.grad_weight / self.world_size)
+
+    def _finish(self) -> None:
+        """End of backward: launch the rest, wait, write back, reset for the next step."""
+        try:
+            for g in self.groups[self._next:]:
+                for m in g.members:
+                    if not m.captured:
+                        m.capture()
+                self._launch(g)
+            self._next = len(self.groups)
+            for g in self.groups:
+                g.compressor.advance(g.comm)
+            finish_extra = self.before_wait() if self.before_wait is not None else None
+            for g in self.groups:
+                g.compressor.finish(g.comm)
+            for g in self.groups:
+                for m in g.members:
+                    m.write_back()
+            if finish_extra is not None:
+                finish_extra()
+            self.stats.steps += 1
+        finally:
+            self._reset()
+
+    def _reset(self) -> None:
+        self._queued = False
+        self._next = 0
+        for g in self.groups:
+            g.pending = len(g.members)
+            g.launched = False
+            for m in g.members:
+                m.captured = False
+
+    # -- state -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for g in self.groups:
+            for key, value in g.compressor.state_dict().items():
+                out[f"group{g.plan.id}.{g.plan.compressor}.{key}"] = value
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        per_group: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            prefix, _, rest = key.partition(".")
+            per_group.setdefault(prefix, {})[rest] = value
+        known = {f"group{g.plan.id}": g for g in self.groups}
+        unknown = sorted(set(per_group) - set(known))
+        if unknown:
+            raise CheckpointError(f"synchronizer state for unknown groups {unknown}",
+                                  where="load_synchronizer_state_dict",
+                                  fix="load a state saved with the same strategy")
+        for prefix, g in known.items():
+            sub = per_group.get(prefix, {})
+            head = f"{g.plan.compressor}."
+            bad = [k for k in sub if not k.startswith(head)]
+            if bad:
+                raise CheckpointError(f"{prefix}: state {bad} was saved for another compressor",
+                                      where="load_synchronizer_state_dict",
+                                      fix="load a state saved with the same strategy")
+            g.compressor.load_state_dict({k[len(head):]: v for k, v in sub.items()},
+                                         where=f"load_synchronizer_state_dict: {prefix}")
+
+
+class LocalReducer:
+    """World size 1: no communication; only ``grad_weight`` is applied after backward."""
+
+    def __init__(self, params: dict[str, nn.Parameter], stats: CommStats) -> None:
+        self.params = list(params.values())
+        self.stats = stats
+        self.require_sync = True
+        self.grad_weight = 1.0
+        self.before_wait = None
+        self._queued = False
+        ref = weakref.ref(self)
+
+        def hook(param: torch.Tensor, ref: weakref.ref = ref) -> None:
+            reducer = ref()
+            if reducer is not None and reducer.require_sync and not reducer._queued:
+                reducer._queued = True
+                _queue_callback(reducer._finish)
+
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @torch.no_grad()
+    def _finish(self) -> None:
+        self._queued = False
+        self.stats.steps += 1
+        if self.grad_weight != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(self.grad_weight)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            import warnings
+
+            warnings.warn("single-process run: synchronizer state (e.g. PowerSGD error "
+                          "feedback) is not used and was ignored", stacklevel=3)
+
+
+def check_params(plan: Plan, module: nn.Module) -> dict[str, nn.Parameter]:
+    """The module's trainable parameters by name, checked against the plan."""
+    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    if tuple(params) != plan.params:
+        missing = [n for n in plan.params if n not in params]
+        extra = [n for n in params if n not in plan.params]
+        raise StrategyError(
+            f"the plan was compiled for another model (missing {missing[:3]}, unplanned "
+            f"{extra[:3]}, or a different order)", where="DistributedModel",
+            fix="compile the plan from analyze(model) of this very model")
+    device = torch.device(plan.device)
+    for name, p in params.items():
+        if p.device.type != device.type:
+            raise StrategyError(f"parameter {name!r} is on {p.device}, the plan on {device}",
+                                where="DistributedModel",
+                                fix="move the model to the plan's device before wrapping it")
+    return params

@@ -1,0 +1,128 @@
+"""DistributedModel: the user's module plus the synchronizers of its plan."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stratagem.errors import StratagemError, UnsupportedModelError
+from stratagem.runtime.allreduce import AllReduceReducer, LocalReducer, check_params
+from stratagem.runtime.comm import BufferSync, broadcast_coalesced, make_comms
+from stratagem.runtime.plan import Plan
+from stratagem.runtime.stats import CommStats
+
+
+class DistributedModel(nn.Module):
+    """Wrap ``module`` so that ``backward()`` leaves gradients averaged across replicas.
+
+    At construction, parameters and buffers are broadcast from rank 0 (so differently
+    seeded replicas start equal). With ``plan.world_size == 1`` no process group is needed
+    and nothing is communicated.
+
+    Buffers (e.g. BatchNorm running statistics) follow DDP's ``broadcast_buffers``: every
+    forward sees rank 0's buffers. Each replica normalizes with its own batch statistics in
+    training mode; after a training-mode forward, rank 0's updated buffers are broadcast at
+    the end of the next synced backward (or, if no backward came, before the next forward).
+    So between steps all replicas hold rank 0's buffers -- identical, also after training
+    -- and running statistics are estimated from rank 0's batches only (use SyncBatchNorm
+    for statistics over the global batch). Eval-mode forwards communicate nothing, so
+    evaluating on rank 0 alone is safe.
+    """
+
+    def __init__(self, module: nn.Module, plan: Plan,
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.module = module
+        self.plan = plan
+        self.comm_stats = CommStats()
+        params = check_params(plan, module)
+        self._buffer_sync: BufferSync | None = None
+        self._buffers_dirty = False
+        if plan.world_size == 1:
+            self._reducer: AllReduceReducer | LocalReducer = LocalReducer(params,
+                                                                          self.comm_stats)
+        else:
+            default, comms = make_comms(plan, process_group, self.comm_stats)
+            states = list(dict.fromkeys([*module.parameters(), *module.buffers()]))
+            broadcast_coalesced([t for t in states if t.numel()], default)
+            self._reducer = AllReduceReducer(plan, params, comms, self.comm_stats)
+            self._buffer_sync = BufferSync(module, default)
+            self._reducer.before_wait = self._sync_buffers_if_dirty
+        # The initial broadcast is not training traffic.
+        self.comm_stats.reset()
+
+    # -- training ----------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._buffers_dirty:
+            finish = self._sync_buffers_if_dirty()
+            if finish is not None:
+                finish()
+        out = self.module(*args, **kwargs)
+        if self._buffer_sync is not None and self.module.training:
+            self._buffers_dirty = True
+        return out
+
+    def _sync_buffers_if_dirty(self):  # -> Callable[[], None] | None
+        if not self._buffers_dirty or self._buffer_sync is None:
+            return None
+        self._buffers_dirty = False
+        if not self._buffer_sync:
+            return None
+        return self._buffer_sync.launch()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient sync inside the block; gradients accumulate locally and the next
+        synced backward averages the accumulated sum."""
+        previous = self._reducer.require_sync
+        self._reducer.require_sync = False
+        try:
+            yield
+        finally:
+            self._reducer.require_sync = previous
+
+    @property
+    def grad_weight(self) -> float:
+        """Multiplier on this rank's gradient before averaging (``local_n*world/global_n``
+        for uneven local batches; the weights of all ranks must sum to the world size)."""
+        return self._reducer.grad_weight
+
+    @grad_weight.setter
+    def grad_weight(self, value: float) -> None:
+        value = float(value)
+        if not math.isfinite(value) or value < 0:
+            raise StratagemError(f"grad_weight must be finite and >= 0, got {value}",
+                                 where="DistributedModel.grad_weight",
+                                 fix="use local_n * world_size / global_n")
+        self._reducer.grad_weight = value
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        if assign:
+            raise UnsupportedModelError(
+                "load_state_dict(assign=True) would replace the parameters the gradient "
+                "hooks are attached to", where="DistributedModel.load_state_dict",
+                fix="load into the plain model before wrapping it, or use assign=False")
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def synchronizer_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's synchronizer state (PowerSGD error feedback, Q, step), as tensors."""
+        return self._reducer.state_dict()
+
+    def load_synchronizer_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._reducer.load_state_dict(state)
+
+    def extra_repr(self) -> str:
+        return (f"rank={self.plan.rank}, world_size={self.plan.world_size}, "
+                f"groups={len(self.plan.groups)}")

@@ -1,0 +1,41 @@
+"""Communication counters: what the runtime sent and how long it waited."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class CommStats:
+    """Per-rank counters, cumulative until :meth:`reset`.
+
+    ``payload_bytes`` counts the tensors handed to collectives; ``wire_bytes`` estimates
+    what this rank puts on the wire: ``2*(N-1)/N*payload`` for a ring all-reduce and
+    ``(N-1)/N*payload`` for a broadcast. ``wait_seconds`` is host time blocked in
+    ``Work.wait()``. ``overlapped`` counts collectives launched from gradient hooks, i.e.
+    while backward was still running.
+    """
+
+    collectives: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0
+    wait_seconds: float = 0.0
+    overlapped: int = 0
+    steps: int = 0
+
+    def record(self, nbytes: int, world_size: int, kind: str = "all_reduce") -> None:
+        self.collectives += 1
+        self.payload_bytes += nbytes
+        factor = 2.0 if kind == "all_reduce" else 1.0
+        self.wire_bytes += factor * (world_size - 1) / world_size * nbytes
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def summary(self) -> str:
+        return (f"{self.steps} synced steps, {self.collectives} collectives "
+                f"({self.overlapped} overlapped with backward), "
+                f"{self.payload_bytes / 2**20:.2f} MiB payload, "
+                f"{self.wire_bytes / 2**20:.2f} MiB on the wire, "
+                f"{self.wait_seconds:.3f} s waiting")
