@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -254,7 +255,9 @@ class _Parser:
         self.typed("nodes", raw_nodes, list, "a list of nodes")
         if not raw_nodes:
             raise self.fail("nodes", "empty", "list at least one node")
-        any_gpu = any(isinstance(n, dict) and n.get("gpus") for n in raw_nodes)
+        # `gpus: 0` (a lone index) is a GPU too, so test presence, not truthiness.
+        any_gpu = any(isinstance(n, dict) and n.get("gpus") not in (None, [])
+                      for n in raw_nodes)
         nodes = [self.node(f"nodes[{i}]", n, ssh, any_gpu) for i, n in enumerate(raw_nodes)]
         return self.cross_check(nodes, ssh)
 
@@ -291,8 +294,8 @@ class _Parser:
         bw = self.typed(f"{where}.network_bandwidth",
                         raw.get("network_bandwidth", DEFAULT_BANDWIDTH_GBPS), (int, float),
                         "a number of Gbit/s")
-        if bw <= 0:
-            raise self.fail(f"{where}.network_bandwidth", f"must be positive, got {bw}",
+        if not 0 < bw < math.inf:  # also rejects .nan and .inf
+            raise self.fail(f"{where}.network_bandwidth", f"must be a positive number, got {bw}",
                             "give the link speed in Gbit/s, e.g. 1 or 25")
         ssh_name = raw.get("ssh_config")
         if ssh_name is not None:
