@@ -74,10 +74,10 @@ class ModelProfile:
 
 def analyze(model: nn.Module) -> ModelProfile:
     """Profile ``model``: shapes, bytes, sparse-gradient embeddings, tied and frozen params."""
-    owner: dict[int, nn.Module] = {}
+    users: dict[int, list[nn.Module]] = {}  # every module holding the tensor (tied: several)
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            owner.setdefault(id(p), module)
+            users.setdefault(id(p), []).append(module)
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -89,8 +89,12 @@ def analyze(model: nn.Module) -> ModelProfile:
         if not p.requires_grad:
             frozen.append(name)
             continue
-        module = owner.get(id(p))
-        is_embedding = isinstance(module, SPARSE_MODULES)
+        mods = users.get(id(p), [])
+        module = mods[0] if mods else None
+        # Sparse only if every user emits a sparse gradient: a sparse embedding tied to a
+        # Linear accumulates a dense gradient.
+        sparse = bool(mods) and all(
+            isinstance(m, SPARSE_MODULES) and getattr(m, "sparse", False) for m in mods)
         infos.append(
             ParamInfo(
                 name=name,
@@ -98,10 +102,10 @@ def analyze(model: nn.Module) -> ModelProfile:
                 dtype=str(p.dtype).removeprefix("torch."),
                 numel=p.numel(),
                 bytes=p.numel() * p.element_size(),
-                sparse=bool(is_embedding and getattr(module, "sparse", False)),
+                sparse=sparse,
                 aliases=tuple(a for a in aliases[id(p)] if a != name),
                 module_type=type(module).__name__ if module is not None else "",
-                embedding_like=is_embedding,
+                embedding_like=any(isinstance(m, SPARSE_MODULES) for m in mods),
             )
         )
     return ModelProfile(params=tuple(infos), frozen=tuple(frozen))
