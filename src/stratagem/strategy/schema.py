@@ -42,7 +42,8 @@ class AllReduceSynchronizer:
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.kind, "spec": self.spec,
                              "compressor": self.compressor, "group": self.group}
-        if self.compressor == "powersgd":
+        # Written whenever it differs from the default too, so to_dict -> from_dict is lossless.
+        if self.compressor == "powersgd" or self.powersgd_rank != 1:
             d["powersgd_rank"] = self.powersgd_rank
         return d
 
@@ -299,7 +300,12 @@ class _StrategyParser:
         part = None
         parts: tuple[NodeConfig, ...] = ()
         if data.get("partitioner") is not None:
-            part = Partitioner.parse(data["partitioner"], data.get("part_sizes"),
+            sizes = data.get("part_sizes")
+            if sizes is not None and not (isinstance(sizes, list) and all(
+                    isinstance(n, int) and not isinstance(n, bool) for n in sizes)):
+                raise self.fail(f"{where}.part_sizes", f"expected a list of integers, got "
+                                f"{sizes!r}", "give one length per part, e.g. [3, 2]")
+            part = Partitioner.parse(data["partitioner"], sizes,
                                      where=f"{self.source}: {where}.partitioner")
             raw_parts = data.get("part_config") or []
             if not isinstance(raw_parts, list):
@@ -307,6 +313,10 @@ class _StrategyParser:
                                 "give one config per part")
             parts = tuple(self.node(f"{where}.part_config[{i}]", p)
                           for i, p in enumerate(raw_parts))
+        elif data.get("part_config") is not None or data.get("part_sizes") is not None:
+            key = "part_config" if data.get("part_config") is not None else "part_sizes"
+            raise self.fail(f"{where}.{key}", "given without a partitioner",
+                            'add a partitioner, e.g. "2,1", or remove it')
         elif sync is None:
             raise self.fail(where, f"parameter {name!r} has neither a synchronizer nor a "
                             "partitioner", "add a synchronizer, e.g. {type: AllReduce}")

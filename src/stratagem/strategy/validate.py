@@ -49,8 +49,13 @@ def validate(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec) -> S
                 f"unknown parameter {name!r}", where=f"strategy {strategy.id}",
                 fix=f"{hint}names come from model.named_parameters() (trainable ones only)")
     for info in profile.params:
-        nc = by_name.get(info.name) or next(
-            (by_name[a] for a in info.aliases if a in by_name), None)
+        names = [n for n in (info.name, *info.aliases) if n in by_name]
+        if len(names) > 1:  # a tied parameter listed under two of its names
+            raise StrategyError(
+                f"parameter {info.name!r} is configured twice (as {' and '.join(names)}; "
+                "they are one tied tensor)", where=f"strategy {strategy.id}",
+                fix="keep one entry per parameter")
+        nc = by_name[names[0]] if names else None
         if nc is None:
             raise StrategyError(
                 f"parameter {info.name!r} has no config", where=f"strategy {strategy.id}",
@@ -62,9 +67,16 @@ def validate(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec) -> S
 def _check_node(nc: NodeConfig, info: ParamInfo, destinations: set[str]) -> None:
     where = f"node_config[{nc.var_name}]"
     if nc.partitioner is None:
+        if nc.part_config:
+            raise StrategyError("part_config without a partitioner", where=where,
+                                fix='add a partitioner, e.g. "2,1", or drop part_config')
         _check_sync(nc, info, destinations, where)
         return
     part = nc.partitioner
+    if nc.synchronizer is not None:
+        raise StrategyError("a partitioned parameter has a synchronizer of its own",
+                            where=where, fix="put the synchronizers in part_config, one per "
+                            "part, and remove the parameter-level one")
     if len(part.splits) != len(info.shape):
         raise StrategyError(
             f"partitioner {part} has {len(part.splits)} axes but the parameter has shape "
@@ -82,6 +94,11 @@ def _check_node(nc: NodeConfig, info: ParamInfo, destinations: set[str]) -> None
         raise StrategyError(f"{part.num_parts} parts but {len(nc.part_config)} part_config "
                             "entries", where=where, fix="give one config per part")
     for i, pc in enumerate(nc.part_config):
+        if pc.var_name != f"{nc.var_name}/part_{i}":
+            raise StrategyError(f"part {i} is named {pc.var_name!r}",
+                                where=f"{where}.part_config[{i}]",
+                                fix=f"name it {nc.var_name}/part_{i} (parts are "
+                                "NAME/part_INDEX, in order)")
         if pc.partitioner is not None:
             raise StrategyError("nested partitioning", where=f"{where}.part_config[{i}]",
                                 fix="partition the parameter once")
