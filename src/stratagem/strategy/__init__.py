@@ -1,10 +1,15 @@
 """Strategies (per-parameter distribution plans) and the builders that produce them."""
 
 from stratagem.strategy.builders import (
+    PS,
     AllReduce,
+    Parallax,
     PartitionedAR,
+    PartitionedPS,
+    PSLoadBalancing,
     RandomAxisPartitionAR,
     StrategyBuilder,
+    UnevenPartitionedPS,
     builder_from_name,
     builder_names,
 )
@@ -34,4 +39,9 @@ __all__ = [
     "builder_from_name",
     "builder_names",
     "validate",
+    "PS",
+    "PSLoadBalancing",
+    "PartitionedPS",
+    "UnevenPartitionedPS",
+    "Parallax",
 ]

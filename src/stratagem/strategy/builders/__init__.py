@@ -7,6 +7,13 @@ from stratagem.strategy.builders.base import (
     builder_names,
     register,
 )
+from stratagem.strategy.builders.parallax import Parallax
+from stratagem.strategy.builders.ps import (
+    PS,
+    PartitionedPS,
+    PSLoadBalancing,
+    UnevenPartitionedPS,
+)
 
 __all__ = [
     "AllReduce",
@@ -16,4 +23,9 @@ __all__ = [
     "builder_from_name",
     "builder_names",
     "register",
+    "PS",
+    "PSLoadBalancing",
+    "PartitionedPS",
+    "UnevenPartitionedPS",
+    "Parallax",
 ]
