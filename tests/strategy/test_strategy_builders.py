@@ -182,7 +182,7 @@ def test_builder_from_name_case_insensitive(name: str, cls: type) -> None:
     assert type(b) is cls and b == cls()
 
 
-@pytest.mark.parametrize("name", ["Ring", "", "AllReduce2", "PS"])
+@pytest.mark.parametrize("name", ["Ring", "", "AllReduce2", "PSX"])
 def test_unknown_builder_lists_the_builders(name: str) -> None:
     with pytest.raises(StrategyError) as err:
         builder_from_name(name)
