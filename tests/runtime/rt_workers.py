@@ -127,17 +127,23 @@ def stats_case(rank: int, world: int) -> dict:
 
     reducer._launch = record
     sl = local_slice(rank, world)
+    buffers = [g.buffer.data_ptr() for g in reducer.groups]
+    grads_in_buffers = []
     for step in range(3):
         x, y = batch("mlp", step)
-        o.zero_grad()
+        o.zero_grad(set_to_none=step != 1)
         loss_fn("mlp", dm(x[sl]), y[sl]).backward()
+        grads_in_buffers.append(all(
+            m.param.grad.data_ptr() == m.view.data_ptr()
+            for g in reducer.groups for m in g.members))
         o.step()
     s = dm.comm_stats
     return {"launched": launched, "order": list(dm.plan.launch_order),
             "nbytes": sum(g.nbytes for g in dm.plan.groups), "collectives": s.collectives,
             "overlapped": s.overlapped, "payload": s.payload_bytes, "wire": s.wire_bytes,
             "steps": s.steps, "wait": s.wait_seconds,
-            "grad_is_view": all(p.grad.data_ptr() != 0 for p in dm.parameters())}
+            "grads_in_buffers": grads_in_buffers,
+            "buffers_kept": buffers == [g.buffer.data_ptr() for g in reducer.groups]}
 
 
 def unused_case(rank: int, world: int) -> dict:
@@ -179,11 +185,11 @@ def regression_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x @ w)
 
 
-def compressor_run(rank: int, world: int, comp: str, steps: int = 80) -> dict:
+def compressor_run(rank: int, world: int, comp: str, steps: int = 150) -> dict:
     torch.manual_seed(rank)
     dm = wrap(Regressor(), rank, world, AllReduce(chunk_size=3, compressor=comp,
                                                   powersgd_rank=2))
-    o = torch.optim.Adam(dm.parameters(), lr=0.01)
+    o = torch.optim.SGD(dm.parameters(), lr=0.1, momentum=0.9)
     x, y = regression_data()
     per = 32 // world
     for step in range(steps):

@@ -93,6 +93,8 @@ def test_one_collective_per_group_in_launch_order(world2: list[dict]) -> None:
         assert r["payload"] == r["nbytes"] * 3
         assert r["wire"] == pytest.approx(r["payload"] * 2 * (2 - 1) / 2)
         assert r["wait"] >= 0
+        assert r["grads_in_buffers"] == [True] * 3  # param.grad is a view of the group buffer
+        assert r["buffers_kept"]  # no per-step reallocation
     assert world2[0]["stats"]["order"] == world2[1]["stats"]["order"]
 
 
@@ -113,9 +115,10 @@ def test_plan_for_another_rank_is_refused(world2: list[dict]) -> None:
         assert "compile the plan with this process's rank" in check(r["wrong_rank"])
 
 
-# Tolerances on the final full-data MSE (compressor none reaches ~0.1 here):
-# fp16 and bf16 round the averaged gradient only, PowerSGD rank 2 approximates it.
-LOSS_TOL = {"fp16": 0.02, "bf16": 0.05, "powersgd": 0.25}
+# Relative tolerances on the final full-data MSE after 150 SGD-momentum steps (none: ~0.34
+# from 0.54). fp16/bf16 only round the averaged gradient (observed relative differences
+# <1e-4); PowerSGD rank 2 approximates it (observed +6%; rank 1 +23%, rank 4 +1%).
+LOSS_TOL = {"fp16": 1e-3, "bf16": 1e-2, "powersgd": 0.15}
 
 
 @pytest.mark.parametrize("comp", ["fp16", "bf16", "powersgd"])

@@ -3,8 +3,9 @@
 Life of one synced backward pass:
 
 1. A post-accumulate-grad hook fires per parameter when its gradient is final. The hook
-   copies the gradient (or each partition slice of it) into its group's flat buffer -- or,
-   for a whole dense parameter whose ``.grad`` is already a view of that buffer, nothing --
+   copies the gradient (or each partition slice of it), pre-scaled by
+   ``grad_weight / world_size``, into its group's flat buffer -- for a whole dense
+   parameter whose ``.grad`` already is a view of that buffer it only scales in place --
    and makes ``param.grad`` a view of the buffer (like DDP's ``gradient_as_bucket_view``).
 2. Groups launch strictly in the plan's launch order: a group starts its async collective
    as soon as it and every group before it are complete. The order is fixed by the plan, so
@@ -55,8 +56,10 @@ class _MemberRT:
                         and param.is_contiguous())
         self.captured = False
 
-    def capture(self) -> None:
-        """Put this rank's gradient into the buffer (zeros if there is none)."""
+    def capture(self, factor: float) -> None:
+        """Put ``factor`` x this rank's gradient into the buffer (zeros if there is none).
+
+        Scaling is fused with the copy, so each gradient byte is touched once."""
         grad = self.param.grad
         view = self.view
         if grad is None:
@@ -64,20 +67,22 @@ class _MemberRT:
             if self.as_grad:
                 self.param.grad = view
             return
-        if self.as_grad:
-            if not grad.is_sparse and grad.data_ptr() == view.data_ptr():
-                return  # accumulated in place into the buffer
-            if grad.is_sparse:  # densify: sum of the sparse rows into zeros
-                view.zero_().add_(grad)
-            else:
-                view.copy_(grad)
-            self.param.grad = view
+        if self.as_grad and not grad.is_sparse and grad.data_ptr() == view.data_ptr():
+            if factor != 1.0:  # accumulated in place into the buffer
+                view.mul_(factor)
             return
-        if grad.is_sparse:
-            grad = grad.to_dense()
-        if not self.plan.whole:
-            grad = grad.narrow(self.plan.axis, self.plan.start, self.plan.length)
-        view.copy_(grad)
+        if grad.is_sparse:  # densify: the sparse rows summed into zeros
+            if self.plan.whole:
+                view.zero_().add_(grad, alpha=factor)
+                grad = None
+            else:
+                grad = grad.to_dense()
+        if grad is not None:
+            if not self.plan.whole:
+                grad = grad.narrow(self.plan.axis, self.plan.start, self.plan.length)
+            torch.mul(grad, factor, out=view)
+        if self.as_grad:
+            self.param.grad = view
 
     def write_back(self) -> None:
         """Copy the averaged slice into ``param.grad`` (unless it already is the buffer)."""
@@ -144,23 +149,28 @@ class AllReduceReducer:
         self._handles.clear()
 
     # -- hot path ------------------------------------------------------------------------
+    def prepare_for_forward(self) -> None:
+        """Drop the state of a backward pass that failed before its end callback ran."""
+        if self._queued:
+            self._reset()
+
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.require_sync:
             return
         if not self._queued:
             _queue_callback(self._finish)
             self._queued = True
+        factor = self.grad_weight / self.world_size
         for g, m in self._entries[id(param)]:
-            if g.launched:
+            if m.captured:
                 raise DistributedError(
-                    f"the gradient of {m.plan.param!r} was accumulated again after group "
-                    f"{g.plan.id} was sent", where="DistributedModel backward",
+                    f"the gradient of {m.plan.param!r} was accumulated twice in one backward "
+                    "pass", where="DistributedModel backward",
                     fix="accumulate each gradient once per backward (use "
                         "torch.utils.checkpoint with use_reentrant=False)")
-            m.capture()
-            if not m.captured:
-                m.captured = True
-                g.pending -= 1
+            m.capture(factor)
+            m.captured = True
+            g.pending -= 1
         groups = self.groups
         while self._next < len(groups) and groups[self._next].pending == 0:
             self._launch(groups[self._next])
@@ -169,15 +179,16 @@ class AllReduceReducer:
 
     def _launch(self, g: _GroupRT) -> None:
         g.launched = True
-        g.compressor.start(g.comm, self.grad_weight / self.world_size)
+        g.compressor.start(g.comm)
 
     def _finish(self) -> None:
         """End of backward: launch the rest, wait, write back, reset for the next step."""
         try:
+            factor = self.grad_weight / self.world_size
             for g in self.groups[self._next:]:
                 for m in g.members:
                     if not m.captured:
-                        m.capture()
+                        m.capture(factor)
                 self._launch(g)
             self._next = len(self.groups)
             for g in self.groups:
@@ -258,6 +269,9 @@ class LocalReducer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def prepare_for_forward(self) -> None:
+        self._queued = False
 
     @torch.no_grad()
     def _finish(self) -> None:

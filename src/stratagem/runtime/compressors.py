@@ -3,12 +3,13 @@
 Each compressor owns whatever extra buffers it needs (allocated once) and runs in up to
 three steps called by the reducer, always in the plan's launch order on every rank:
 
-``start``   scale the buffer by ``grad_weight / world_size`` and launch the first collective
-            (called as soon as the group's gradients are ready, during backward);
+``start``   launch the first collective (called as soon as the group's gradients are ready,
+            during backward); the reducer has already scaled the buffer by
+            ``grad_weight / world_size``, so a sum gives the (weighted) average;
 ``advance`` optional second round (PowerSGD), called at the end of backward;
 ``finish``  wait, and leave the averaged gradient in the buffer.
 
-Pre-scaling before the sum (rather than dividing after) keeps fp16 sums from overflowing.
+Scaling before the sum (rather than dividing after) keeps fp16 sums from overflowing.
 """
 
 from __future__ import annotations
@@ -54,9 +55,7 @@ class Compressor:
         self.buffer = buffer
         self.work = None
 
-    def start(self, comm: Comm, factor: float) -> None:
-        if factor != 1.0:
-            self.buffer.mul_(factor)
+    def start(self, comm: Comm) -> None:
         self.work = comm.all_reduce(self.buffer)
 
     def advance(self, comm: Comm) -> None:
@@ -80,7 +79,7 @@ register_compressor("none")(Compressor)
 
 
 class CastCompressor(Compressor):
-    """Send the buffer in a narrower float type: cast (with the pre-scale), sum, cast back.
+    """Send the buffer in a narrower float type: cast the pre-scaled buffer, sum, cast back.
 
     gloo sums float16 and bfloat16 natively on CPU (checked with torch 2.13; the test suite
     exercises both), so no emulation is needed. The sum is accumulated in the wire type.
@@ -93,11 +92,11 @@ class CastCompressor(Compressor):
         self.wire = (None if buffer.dtype == self.wire_dtype
                      else torch.empty_like(buffer, dtype=self.wire_dtype))
 
-    def start(self, comm: Comm, factor: float) -> None:
+    def start(self, comm: Comm) -> None:
         if self.wire is None:
-            super().start(comm, factor)
+            super().start(comm)
             return
-        torch.mul(self.buffer, factor, out=self.wire)
+        self.wire.copy_(self.buffer)
         self.work = comm.all_reduce(self.wire)
 
     def finish(self, comm: Comm) -> None:
@@ -180,9 +179,7 @@ class PowerSGDCompressor(Compressor):
         """Number of members sent as low-rank factors."""
         return len(self.mats)
 
-    def start(self, comm: Comm, factor: float) -> None:
-        if factor != 1.0:
-            self.buffer.mul_(factor)
+    def start(self, comm: Comm) -> None:
         for src, dst in self.plain:
             dst.copy_(src)
         for mat, err, p, q in self.mats:

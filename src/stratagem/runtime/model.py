@@ -59,6 +59,7 @@ class DistributedModel(nn.Module):
 
     # -- training ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._reducer.prepare_for_forward()
         if self._buffers_dirty:
             finish = self._sync_buffers_if_dirty()
             if finish is not None:
