@@ -24,6 +24,7 @@ of them produces a gradient for at least one parameter. Reentrant activation che
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -131,6 +132,8 @@ class AllReduceReducer:
         self.before_wait: Callable[[], Callable[[], None] | None] | None = None
         self._next = 0
         self._queued = False
+        # Hooks of CPU and CUDA parameters may run on different autograd threads.
+        self._lock = threading.Lock()
         self._handles = []
         ref = weakref.ref(self)
         for name in plan.params:
@@ -157,6 +160,10 @@ class AllReduceReducer:
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.require_sync:
             return
+        with self._lock:
+            self._on_grad_locked(param)
+
+    def _on_grad_locked(self, param: torch.Tensor) -> None:
         if not self._queued:
             _queue_callback(self._finish)
             self._queued = True
