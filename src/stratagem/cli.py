@@ -1,0 +1,95 @@
+"""The ``stratagem`` command: a small dispatcher, one function per subcommand.
+
+To add a subcommand, write ``add_<name>_parser(subparsers)`` that registers its options and
+sets ``handler=cmd_<name>``, and ``cmd_<name>(args) -> int``; append the former to
+``SUBCOMMANDS``. Keep the work itself in the subsystem's package, not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from stratagem.errors import StratagemError
+
+EXIT_USAGE = 2
+
+
+# -- run ------------------------------------------------------------------------------------
+def add_run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run", help="launch a training script on this machine or on a resource spec's nodes",
+        description="Start one worker process per replica through torch elastic (torchrun): "
+                    "on this machine, or on every node of --resource-spec (remote nodes "
+                    "through ssh or --remote-shell). Stops every worker on the first "
+                    "failure, Ctrl-C or SIGTERM.")
+    p.add_argument("--resource-spec", metavar="FILE",
+                   help="YAML resource spec (default: this machine alone)")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="worker processes on this machine (default: the spec's worker count, "
+                        "or one per GPU, or 1)")
+    p.add_argument("--strategy", metavar="NAME|FILE",
+                   help="strategy builder name or strategy file; overrides the script's")
+    p.add_argument("--remote-shell", metavar="TEMPLATE",
+                   help="command prefix that runs a command on node {address}, e.g. "
+                        "'docker exec {address}' (default: env STRATAGEM_REMOTE_SHELL, "
+                        "else ssh from the spec)")
+    p.add_argument("--rdzv-port", type=int, metavar="P",
+                   help="rendezvous port on the chief (default: a free port when the chief "
+                        "is this machine, else 29400)")
+    p.add_argument("--job-id", metavar="ID",
+                   help="job id (STRATAGEM_JOB_ID, torch elastic's rendezvous id; "
+                        "default: random)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and each node's command, start nothing")
+    p.add_argument("script", nargs="?", help="training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="arguments for the script")
+    p.set_defaults(handler=cmd_run, parser=p)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from stratagem.launch import JobOptions, run_job
+
+    if args.script is None:
+        args.parser.error("the following argument is required: script")
+    return run_job(JobOptions(
+        script=args.script, script_args=tuple(args.script_args),
+        resource_spec=args.resource_spec, nproc=args.nproc, strategy=args.strategy,
+        remote_shell=args.remote_shell, rdzv_port=args.rdzv_port, job_id=args.job_id,
+        dry_run=args.dry_run))
+
+
+# -- dispatcher -----------------------------------------------------------------------------
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_run_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from stratagem import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="stratagem",
+        description="Train a single-device PyTorch script across processes and machines.")
+    parser.add_argument("--version", action="version", version=f"stratagem {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``stratagem`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.handler(args))
+    except StratagemError as exc:
+        print(f"stratagem: error: {exc.render()}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("stratagem: interrupted", file=sys.stderr)
+        return 130

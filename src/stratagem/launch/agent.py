@@ -1,0 +1,221 @@
+"""Node agent: ``python -m stratagem.launch.agent [--watch-stdin] -- TORCHRUN_ARGS...``.
+
+Runs on every node (started by the launcher, directly or through the remote shell) and is
+torchrun itself, run in-process, plus:
+
+1. agent-side environment set-up (:func:`stratagem.launch.env.apply_node_env`);
+2. ``TORCHELASTIC_ERROR_FILE`` and ``--log-dir`` in a private temporary directory, so torch
+   elastic leaves the workers' error files there;
+3. with ``--watch-stdin``, SIGTERM to itself when stdin reaches end-of-file (the launcher, or
+   the ssh connection, went away); torchrun then stops its workers;
+4. as a child subreaper, kills whatever torchrun leaves behind (torch elastic starts each
+   worker in its own session, so a worker that outlives its shutdown would be orphaned);
+5. on failure, prints each worker error file as one ``FAILURE_MARKER`` JSON line on stderr
+   for the launcher's summary (the launcher may not share a file system with this node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import glob
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any
+
+from stratagem.launch.env import ENV_JOB_ID, apply_node_env
+
+FAILURE_MARKER = "@@stratagem-failure@@ "
+GRACE_S = 4.0  # after a stop request, before the agent kills the workers itself
+SHUTDOWN_TIMEOUT_S = "3"  # torch elastic: SIGTERM -> SIGKILL for workers (default 30)
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class _Stopped(BaseException):
+    """A stop signal arrived before torchrun installed its own handlers."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def children(ppid: int) -> list[int]:
+    """Pids of the direct children of ``ppid`` (from /proc; empty where there is no /proc)."""
+    kids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fp:
+                stat = fp.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == ppid:
+            kids.append(int(entry))
+    return kids
+
+
+def kill_leftovers(timeout: float = 3.0) -> int:
+    """SIGKILL every remaining child (and its process group) and reap it; returns the count."""
+    killed = 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = children(os.getpid())
+        if not kids:
+            break
+        for pid in kids:
+            with contextlib.suppress(OSError):
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+                killed += 1
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        time.sleep(0.02)
+    return killed
+
+
+def read_failures(workdir: str) -> list[dict[str, Any]]:
+    """Failure records from the worker error files (and torchrun's own) under ``workdir``."""
+    paths = sorted(glob.glob(os.path.join(workdir, "logs", "**", "error.json"), recursive=True))
+    paths.append(os.path.join(workdir, "agent-error.json"))
+    out: list[dict[str, Any]] = []
+    seen = set()
+    for path in paths:
+        try:
+            with open(path) as fp:
+                data = json.load(fp)
+            msg = data["message"]
+            extra = msg.get("extraInfo", {}) if isinstance(msg, dict) else {}
+            ours = extra.get("stratagem", {})
+            record = {
+                "kind": "exception",
+                "message": msg.get("message", "") if isinstance(msg, dict) else str(msg),
+                "traceback": extra.get("py_callstack", ""),
+                "time": float(ours.get("time") or extra.get("timestamp") or 0),
+                "rank": ours.get("rank"),
+                "local_rank": ours.get("local_rank"),
+                "node": ours.get("node") or os.environ.get("STRATAGEM_NODE_ADDRESS"),
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        key = (record["message"], record["traceback"])
+        if key not in seen:  # torchrun's file repeats its root-cause worker's
+            seen.add(key)
+            out.append(record)
+    return out
+
+
+def untraced_failures(exc: Any) -> list[dict[str, Any]]:
+    """Records for the workers of a ChildFailedError that left no error file: killed by a
+    signal (segfault, OOM killer, our own shutdown) or exited without a Python exception."""
+    out = []
+    for rank, failure in exc.failures.items():
+        if failure.error_file and os.path.isfile(failure.error_file):
+            continue
+        sig = failure.signal_name() if failure.exitcode < 0 else None
+        out.append({
+            "kind": "signal" if sig else "exit",
+            "signal": sig,
+            "message": f"killed by {sig}" if sig else f"exited with code {failure.exitcode}",
+            "traceback": "",
+            "time": float(failure.timestamp),
+            "rank": str(rank),
+            "local_rank": str(failure.local_rank),
+            "node": os.environ.get("STRATAGEM_NODE_ADDRESS"),
+        })
+    return out
+
+
+def _set_subreaper() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _watch_stdin() -> None:
+    """On end-of-file: SIGTERM ourselves; if torchrun has not finished after GRACE_S, kill
+    the workers and exit."""
+    with contextlib.suppress(OSError):  # raw fd: no buffered-reader lock at shutdown
+        while os.read(0, 4096):
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(GRACE_S)
+    kill_leftovers()
+    os._exit(128 + signal.SIGTERM)
+
+
+def _run_torchrun(args: list[str], untraced: list[dict[str, Any]]) -> int:
+    """torch.distributed.run's main in this process; its exit status. Failed workers without
+    an error file are appended to ``untraced``."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(args)
+        return 0
+    except ChildFailedError as exc:  # torchrun has logged it; print its root-cause table
+        print(exc.format_msg(), file=sys.stderr, flush=True)
+        untraced += untraced_failures(exc)
+        return 1
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    except _Stopped as exc:
+        return 128 + exc.signum
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    except Exception:  # noqa: BLE001 - rendezvous errors and the like: show, then fail
+        traceback.print_exc()
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stratagem.launch.agent")
+    parser.add_argument("--watch-stdin", action="store_true",
+                        help="stop the job when stdin reaches end-of-file")
+    parser.add_argument("torchrun", nargs=argparse.REMAINDER, help="-- torchrun arguments")
+    args = parser.parse_args(argv)
+    torchrun = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    workdir = tempfile.mkdtemp(prefix=f"stratagem-{os.environ.get(ENV_JOB_ID, 'job')}-")
+    code = 1
+    untraced: list[dict[str, Any]] = []
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, stop)  # until torchrun installs its own
+        apply_node_env()
+        os.environ["TORCHELASTIC_ERROR_FILE"] = os.path.join(workdir, "agent-error.json")
+        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
+        _set_subreaper()
+        if args.watch_stdin:
+            threading.Thread(target=_watch_stdin, daemon=True).start()
+        code = _run_torchrun(["--log-dir", os.path.join(workdir, "logs"), *torchrun], untraced)
+    except _Stopped as exc:
+        code = 128 + exc.signum
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # finish the clean-up below
+        kill_leftovers()
+        if code != 0:
+            for record in read_failures(workdir) + untraced:
+                print(FAILURE_MARKER + json.dumps(record), file=sys.stderr, flush=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Plain data for one launch: the user's options and the per-node agent commands."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from stratagem.resource import Node
+
+AGENT_MODULE = "stratagem.launch.agent"
+WORKER_MODULE = "stratagem.launch.worker"
+DEFAULT_RDZV_PORT = 29400  # torch elastic's c10d default, used when the host is remote
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """What ``stratagem run`` was asked to do (already parsed, not yet checked)."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    resource_spec: str | None = None
+    nproc: int | None = None
+    strategy: str | None = None
+    remote_shell: str | None = None
+    rdzv_port: int | None = None
+    job_id: str | None = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class AgentLaunch:
+    """How one node's torch elastic agent is started from the launcher's machine."""
+
+    index: int  # position of the node in the spec (the ``[node i]`` prefix)
+    node: Node
+    argv: tuple[str, ...]  # run here: the agent itself, or a remote shell that starts it
+    env: Mapping[str, str]  # environment of the local process
+    via: str  # "local", "ssh" or "remote shell"
+    is_host: bool  # hosts the c10d rendezvous store
+
+    def command_line(self) -> str:
+        return shlex.join(self.argv)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything needed to start a job: printed before starting, testable on its own."""
+
+    job_id: str
+    endpoint: str
+    agents: tuple[AgentLaunch, ...]
+    skipped: tuple[tuple[int, Node], ...] = field(default=())  # nodes with no workers
+    spec_source: str = "<this machine>"
+
+    @property
+    def num_workers(self) -> int:
+        return sum(a.node.workers for a in self.agents)
+
+    def describe(self) -> str:
+        nodes = len(self.agents)
+        lines = [
+            f"job {self.job_id}: {self.num_workers} worker{'s' * (self.num_workers != 1)} on "
+            f"{nodes} node{'s' * (nodes != 1)} ({self.spec_source}); "
+            f"rendezvous c10d at {self.endpoint}"
+        ]
+        rows = [(a.index, a.node, f"{a.node.workers} worker{'s' * (a.node.workers != 1)}",
+                 a.via + (", rendezvous host" if a.is_host and nodes > 1 else ""))
+                for a in self.agents]
+        rows += [(i, n, "no workers", "not started") for i, n in self.skipped]
+        width = max(len(n.address) for _, n, _, _ in rows)
+        for i, node, workers, how in sorted(rows, key=lambda r: r[0]):
+            chief = "chief" if node.chief else ""
+            lines.append(f"  node {i}  {node.address:<{width}}  {chief:<5}  {workers:<11}  {how}")
+        return "\n".join(lines)
+
+
+def torchrun_args(*, nnodes: int, nproc: int, endpoint: str, job_id: str, local_addr: str,
+                  is_host: bool) -> list[str]:
+    """torchrun options for one node's agent (without the training command)."""
+    return [
+        "--nnodes", str(nnodes),
+        "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", endpoint,
+        "--rdzv-id", job_id,
+        "--rdzv-conf", f"is_host={int(is_host)}",
+        "--local-addr", local_addr,
+        "--max-restarts", "0",
+    ]
+
+
+def agent_argv(python: str, torchrun: list[str], script: str,
+               script_args: tuple[str, ...]) -> list[str]:
+    """The command that runs on a node: our agent wrapper around torchrun and the worker."""
+    return [python, "-m", AGENT_MODULE, "--watch-stdin", "--", *torchrun,
+            "-m", WORKER_MODULE, script, *script_args]

@@ -1,0 +1,93 @@
+"""``stratagem run``: check the options, plan the launch, print the plan, supervise it."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from stratagem.errors import LaunchError
+from stratagem.launch.job import JobOptions, LaunchPlan
+from stratagem.launch.local import plan_local
+from stratagem.launch.multinode import plan_multinode
+from stratagem.launch.remote_shell import REMOTE_SHELL_ENV
+from stratagem.resource import Node, ResourceSpec
+
+STRATEGY_SUFFIXES = (".json", ".yml", ".yaml")
+
+
+def new_job_id() -> str:
+    return f"sg-{secrets.token_hex(4)}"
+
+
+def resolve_strategy(value: str | None) -> str | None:
+    """A strategy file's absolute path, or a registered builder name; errors name the fix."""
+    if not value:
+        return None
+    path = Path(value)
+    if path.is_file():
+        from stratagem.strategy import Strategy
+
+        Strategy.load(path)  # a malformed file fails here, not in every worker
+        return str(path.resolve())
+    if path.suffix in STRATEGY_SUFFIXES or os.sep in value:
+        raise LaunchError(f"strategy file {value!r} not found", where="--strategy",
+                          fix="pass an existing strategy file, or a builder name")
+    from stratagem.strategy import builder_from_name
+
+    builder_from_name(value)  # raises StrategyError listing the known names
+    return value
+
+
+def check_options(opts: JobOptions) -> None:
+    if opts.nproc is not None and opts.nproc < 1:
+        raise LaunchError(f"--nproc must be at least 1, got {opts.nproc}", where="--nproc",
+                          fix="pass the number of worker processes, e.g. --nproc 2")
+    if opts.rdzv_port is not None and not 0 < opts.rdzv_port < 65536:
+        raise LaunchError(f"--rdzv-port {opts.rdzv_port} out of range", where="--rdzv-port",
+                          fix="use a free TCP port between 1 and 65535")
+    if not Path(opts.script).is_file():
+        raise LaunchError(f"training script {opts.script!r} not found",
+                          fix=f"check the path (relative to {os.getcwd()})")
+
+
+def plan_job(opts: JobOptions) -> LaunchPlan:
+    """Validate ``opts`` and turn them into a LaunchPlan (raises StratagemError subclasses)."""
+    check_options(opts)
+    spec_path = str(Path(opts.resource_spec).resolve()) if opts.resource_spec else None
+    spec = ResourceSpec.from_file(spec_path) if spec_path else ResourceSpec.local(opts.nproc)
+    strategy = resolve_strategy(opts.strategy)
+    job_id = opts.job_id or new_job_id()
+    if spec.is_local:
+        if opts.nproc is not None and spec_path:
+            spec = ResourceSpec(nodes=(_with_workers(spec.nodes[0], opts.nproc),),
+                                ssh=spec.ssh, source=spec.source)
+        return plan_local(opts, spec, job_id, spec_path, strategy)
+    if opts.nproc is not None:
+        raise LaunchError("--nproc only applies to single-node runs", where="--nproc",
+                          fix=f"set 'workers' per node in {spec.source} instead")
+    shell = opts.remote_shell or os.environ.get(REMOTE_SHELL_ENV) or None
+    return plan_multinode(opts, spec, job_id, spec_path, strategy, remote_shell=shell)
+
+
+def _with_workers(node: Node, workers: int) -> Node:
+    """``node`` running ``workers`` processes (on CPU if it has fewer GPUs than that)."""
+    gpus = node.gpus if len(node.gpus) >= workers else ()
+    return replace(node, workers=workers, gpus=gpus)
+
+
+def run_job(opts: JobOptions) -> int:
+    """Plan, print the plan, and run the job; returns the launcher's exit code."""
+    from stratagem.launch.supervisor import Supervisor
+
+    plan = plan_job(opts)
+    sup = Supervisor(plan)
+    sup.say(plan.describe())
+    if opts.dry_run:
+        for agent in plan.agents:
+            print(f"node {agent.index}: {agent.command_line()}")
+        return 0
+    sys.stdout.flush()
+    return sup.run()

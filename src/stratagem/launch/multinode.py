@@ -1,0 +1,68 @@
+"""Multi-node launch: one torchrun agent per node with workers, joined by c10d rendezvous.
+
+Nodes whose address belongs to this machine start their agent directly; the others through
+the remote shell (``--remote-shell`` / ``STRATAGEM_REMOTE_SHELL``, else ssh from the spec).
+The chief hosts the rendezvous store (``is_host=1``, explicit: in network namespaces every node
+has the same host name, so torch's host-name matching cannot tell), unless it runs no workers;
+then the first node with workers does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from stratagem.launch.env import job_env
+from stratagem.launch.job import (
+    DEFAULT_RDZV_PORT,
+    AgentLaunch,
+    JobOptions,
+    LaunchPlan,
+    agent_argv,
+    torchrun_args,
+)
+from stratagem.launch.local import free_port
+from stratagem.launch.netif import is_local_address
+from stratagem.launch.remote_shell import (
+    remote_command,
+    require_ssh,
+    ssh_argv,
+    template_argv,
+)
+from stratagem.resource import ResourceSpec
+
+
+def plan_multinode(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path: str | None,
+                   strategy: str | None, remote_shell: str | None = None) -> LaunchPlan:
+    """One agent per node with ``workers > 0``; nodes without workers are listed as skipped."""
+    indexed = list(enumerate(spec.nodes))
+    working = [(i, n) for i, n in indexed if n.workers > 0]
+    host = spec.chief if spec.chief.workers > 0 else working[0][1]
+    host_is_here = is_local_address(host.address)
+    port = opts.rdzv_port or (free_port(host.address) if host_is_here else DEFAULT_RDZV_PORT)
+    endpoint = f"{host.address}:{port}"
+    cwd = os.getcwd()
+    agents = []
+    for i, node in working:
+        ssh = spec.ssh_for(node)
+        torchrun = torchrun_args(nnodes=len(working), nproc=node.workers, endpoint=endpoint,
+                                 job_id=job_id, local_addr=node.address, is_host=node is host)
+        env = {**job_env(job_id, node, spec_path, strategy), **ssh.shared_envs}
+        here = host_is_here if node is host else is_local_address(node.address)
+        if here:
+            argv = agent_argv(sys.executable, torchrun, opts.script, opts.script_args)
+            agents.append(AgentLaunch(i, node, tuple(argv), {**os.environ, **env}, "local",
+                                      node is host))
+            continue
+        python = "python" if ssh.python_venv else sys.executable
+        line = remote_command(cwd, env, agent_argv(python, torchrun, opts.script,
+                                                   opts.script_args), ssh.python_venv)
+        if remote_shell:
+            argv, via = template_argv(remote_shell, node.address, line), "remote shell"
+        else:
+            require_ssh()
+            argv, via = ssh_argv(node, ssh, line), "ssh"
+        agents.append(AgentLaunch(i, node, tuple(argv), dict(os.environ), via, node is host))
+    skipped = tuple((i, n) for i, n in indexed if n.workers == 0)
+    return LaunchPlan(job_id=job_id, endpoint=endpoint, agents=tuple(agents), skipped=skipped,
+                      spec_source=spec.source)

@@ -1,0 +1,246 @@
+"""Run a LaunchPlan: start every agent in its own session, stream its output with a
+``[node i]`` prefix, and stop the whole job at the first failure or on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from stratagem.errors import LaunchError
+from stratagem.launch.agent import FAILURE_MARKER
+from stratagem.launch.env import ENV_JOB_ID
+from stratagem.launch.job import AgentLaunch, LaunchPlan
+
+GRACE_S = 6.0  # after SIGTERM, before SIGKILL (longer than the agent's own grace)
+TAIL_LINES = 25
+POLL_S = 0.05
+BENIGN = ("SIGTERM", "SIGINT", "SIGKILL")  # how torchrun stops the survivors of a failure
+
+
+@dataclass
+class _Agent:
+    launch: AgentLaunch
+    proc: subprocess.Popen[bytes]
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    pumps: list[threading.Thread] = field(default_factory=list)
+    code: int | None = None
+    quiet: bool = False  # stopped by us: its shutdown chatter is kept, not shown
+    hidden: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"node {self.launch.index} ({self.launch.node.address})"
+
+
+def job_processes(job_id: str, exclude: int | None = None) -> list[int]:
+    """Pids on this machine whose environment has ``STRATAGEM_JOB_ID=<job_id>``."""
+    needle = f"{ENV_JOB_ID}={job_id}".encode()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) in (os.getpid(), exclude):
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fp:
+                if needle in fp.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+class Supervisor:
+    """Starts the plan's agents and watches them until the job ends; :meth:`run` returns
+    the launcher's exit code (0 ok, 1 failed, 128+N stopped by signal N)."""
+
+    def __init__(self, plan: LaunchPlan, out: IO[str] | None = None,
+                 err: IO[str] | None = None, grace: float = GRACE_S) -> None:
+        self.plan = plan
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.grace = grace
+        self.agents: list[_Agent] = []
+        self._lock = threading.Lock()
+        self._signal: int | None = None
+        self._hurry = False
+
+    # -- output -----------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            for line in text.splitlines():
+                self.err.write(f"stratagem: {line}\n")
+            self.err.flush()
+
+    def _pump(self, agent: _Agent, stream: IO[bytes], sink: IO[str], is_err: bool) -> None:
+        prefix = f"[node {agent.launch.index}] "
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if is_err and line.startswith(FAILURE_MARKER):
+                with contextlib.suppress(ValueError):
+                    agent.failures.append(json.loads(line[len(FAILURE_MARKER):]))
+                continue
+            agent.tail.append(line)
+            if agent.quiet:
+                agent.hidden += 1
+                continue
+            with self._lock, contextlib.suppress(OSError, ValueError):
+                sink.write(prefix + line + "\n")
+                sink.flush()
+        stream.close()
+
+    # -- lifecycle --------------------------------------------------------------------
+    def _start(self, launch: AgentLaunch) -> None:
+        try:
+            proc = subprocess.Popen(launch.argv, env=dict(launch.env), stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        except OSError as exc:
+            raise LaunchError(f"cannot start the agent of node {launch.index} "
+                              f"({launch.node.address}): {exc}",
+                              fix="check the remote shell command: "
+                                  f"{launch.command_line()[:200]}") from None
+        agent = _Agent(launch, proc)
+        assert proc.stdout is not None and proc.stderr is not None
+        for stream, sink, is_err in ((proc.stdout, self.out, False),
+                                     (proc.stderr, self.err, True)):
+            t = threading.Thread(target=self._pump, args=(agent, stream, sink, is_err),
+                                 daemon=True)
+            t.start()
+            agent.pumps.append(t)
+        self.agents.append(agent)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self._signal is None:
+            self._signal = signum
+        else:
+            self._hurry = True
+
+    def run(self) -> int:
+        started = time.monotonic()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._on_signal)
+        first_failure: _Agent | None = None
+        try:
+            for launch in self.plan.agents:
+                if self._signal is None:
+                    self._start(launch)
+            while self._signal is None:
+                running = False
+                for agent in self.agents:
+                    if agent.code is None:
+                        agent.code = agent.proc.poll()
+                        running |= agent.code is None
+                        if agent.code not in (None, 0) and first_failure is None:
+                            first_failure = agent
+                if first_failure is not None or not running:
+                    break
+                time.sleep(POLL_S)
+        finally:
+            self.stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        hidden = sum(a.hidden for a in self.agents)
+        if hidden:
+            self.say(f"({hidden} lines of shutdown output from stopped agents not shown)")
+        if self._signal is not None:
+            name = signal.Signals(self._signal).name
+            self.say(f"job {self.plan.job_id}: {name} received; stopped every worker "
+                     f"on {len(self.agents)} node{'s' * (len(self.agents) != 1)}")
+            return 128 + self._signal
+        if first_failure is not None:
+            self.say(self.failure_summary(first_failure))
+            return 1
+        self.say(f"job {self.plan.job_id} finished: {self.plan.num_workers} workers, "
+                 f"{time.monotonic() - started:.1f} s")
+        return 0
+
+    def stop_all(self) -> None:
+        """SIGTERM every running agent's process group, SIGKILL after the grace; then sweep
+        this machine for processes still carrying the job id."""
+        live = [a for a in self.agents if a.proc.poll() is None]
+        for agent in live:
+            agent.quiet = True
+            with contextlib.suppress(OSError):
+                assert agent.proc.stdin is not None
+                agent.proc.stdin.close()  # remote agents stop on end-of-file
+            self._killpg(agent, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        while any(a.proc.poll() is None for a in live):
+            if self._hurry or time.monotonic() > deadline:
+                for agent in live:
+                    self._killpg(agent, signal.SIGKILL)
+                break
+            time.sleep(POLL_S)
+        for agent in self.agents:
+            with contextlib.suppress(OSError, ValueError):
+                if agent.proc.stdin:
+                    agent.proc.stdin.close()
+            agent.code = agent.proc.wait() if agent.code is None else agent.code
+            self._killpg(agent, signal.SIGKILL)  # anything left in the agent's session
+        for pid in job_processes(self.plan.job_id):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for agent in self.agents:
+            for t in agent.pumps:
+                t.join(timeout=1.0)
+
+    @staticmethod
+    def _killpg(agent: _Agent, sig: int) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(agent.proc.pid, sig)
+
+    # -- reporting --------------------------------------------------------------------
+    def failure_summary(self, first: _Agent) -> str:
+        """Name the failing rank and node and show its error.
+
+        The culprit is, in order: a worker killed by a crash signal (SIGSEGV, SIGABRT, ...);
+        else the earliest Python exception across all nodes (the ranks that only lost their
+        peer fail later); else a worker that exited non-zero; else the first agent to fail.
+        """
+        records = [(r, a) for a in self.agents for r in a.failures]
+        others = " and stopped the other nodes" if len(self.agents) > 1 else ""
+        lines = [f"job {self.plan.job_id} failed{others}"]
+
+        def pick(ok: Callable[[dict[str, Any]], bool]) -> tuple[dict[str, Any], _Agent] | None:
+            found = [(r, a) for r, a in records if ok(r)]
+            return min(found, key=lambda ra: ra[0].get("time") or 0) if found else None
+
+        lead = (pick(lambda r: r.get("kind") == "signal" and r.get("signal") not in BENIGN)
+                or pick(lambda r: r.get("kind", "exception") == "exception")
+                or pick(lambda r: r.get("kind") == "exit"))
+        if lead is None:
+            lines.append(f"first failure: {first.label}: agent exited with "
+                         f"{_describe_code(first.code)}; its last output:")
+            lines += ["  " + line for line in first.tail]
+            return "\n".join(lines)
+        record, agent = lead
+        rank = record.get("rank")
+        who = f"rank {rank}" if rank is not None else "a worker"
+        lines.append(f"first failure: {who} on {agent.label}: {record.get('message')}")
+        tb = (record.get("traceback") or "").rstrip().splitlines()[-TAIL_LINES:]
+        lines += ["  " + line for line in tb]
+        if not tb:
+            lines.append(f"  (no Python traceback; see the [node {agent.launch.index}] "
+                         "output above)")
+        return "\n".join(lines)
+
+
+def _describe_code(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name}"
+    if code == 255:
+        return "code 255 (the remote shell could not reach the node?)"
+    return f"code {code}"

@@ -1,0 +1,94 @@
+"""Worker entry point: ``python -m stratagem.launch.worker SCRIPT ARGS...`` (run by torchrun).
+
+Runs the training script as ``__main__`` (like ``python SCRIPT``). If it raises, writes a torch
+elastic error file (``TORCHELASTIC_ERROR_FILE``, same format as ``@record``, plus the rank and a
+precise timestamp so the launcher can tell the first failure from its echoes), prints the
+traceback without this wrapper's frames and exits 1 (130 on KeyboardInterrupt). stdout and
+stderr are line-buffered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from types import TracebackType
+
+from stratagem.errors import install_excepthook
+
+
+def error_record(exc: BaseException, tb: TracebackType | None) -> dict:
+    """The error-file payload torch elastic reads, with Stratagem's extras."""
+    now = time.time()
+    return {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
+                "timestamp": str(int(now)),
+                "stratagem": {
+                    "time": now,
+                    "rank": os.environ.get("RANK"),
+                    "local_rank": os.environ.get("LOCAL_RANK"),
+                    "node": os.environ.get("STRATAGEM_NODE_ADDRESS"),
+                },
+            },
+        }
+    }
+
+
+def _write_error_file(exc: BaseException, tb: TracebackType | None) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as fp:
+            json.dump(error_record(exc, tb), fp)
+    except OSError as err:
+        print(f"stratagem: could not write error file {path}: {err}", file=sys.stderr)
+
+
+def _user_frames(tb: TracebackType | None, script: str) -> TracebackType | None:
+    """Drop the leading frames of this wrapper and runpy: start at the script's frame."""
+    start = tb
+    while start is not None and os.path.abspath(start.tb_frame.f_code.co_filename) != script:
+        start = start.tb_next
+    return start or tb
+
+
+def _line_buffered() -> None:
+    """One write per line (not per ``print`` piece), so the workers sharing the agent's pipe
+    do not interleave within lines."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        sys.exit("usage: python -m stratagem.launch.worker SCRIPT [ARGS...]")
+    script = os.path.abspath(argv[0])
+    sys.argv = [argv[0], *argv[1:]]
+    sys.path[0] = os.path.dirname(script)
+    _line_buffered()
+    install_excepthook()
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _write_error_file(exc, _user_frames(exc.__traceback__, script))
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported, then exit 1 like python does
+        tb = _user_frames(exc.__traceback__, script)
+        _write_error_file(exc, tb)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""``stratagem run`` argument parsing and its one-line errors (exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+import runpy
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from stratagem import cli
+from stratagem.launch import remote_shell
+
+Script = Callable[[str, str], Path]
+
+TWO_NODES = """
+nodes:
+  - address: 10.0.0.1
+    chief: true
+    workers: 2
+  - address: 10.0.0.2
+    workers: 1
+"""
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_no_subcommand_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys)
+    assert code == 2 and "run" in err and "usage: stratagem" in err
+
+
+def test_python_dash_m_entry_point(monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.argv", ["stratagem", "--version"])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module("stratagem", run_name="__main__")
+    assert exc.value.code == 0 and "stratagem" in capsys.readouterr().out
+
+
+def test_missing_script(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "run", "no_such_train.py")
+    assert code == 2
+    assert err.startswith("stratagem: error: training script 'no_such_train.py' not found")
+    assert "Traceback" not in err
+
+
+def test_nproc_must_be_positive(script: Script, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "run", "--nproc", "0", str(script("t.py", "")))
+    assert code == 2 and "--nproc must be at least 1, got 0" in err and "fix:" in err
+
+
+def test_bad_resource_spec(script: Script, tmp_path: Path,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "spec.yml"
+    spec.write_text("nodes:\n  - adress: 10.0.0.1\n")
+    code, _, err = run_cli(capsys, "run", "--resource-spec", str(spec), str(script("t.py", "")))
+    assert code == 2 and "stratagem: error:" in err and "adress" in err
+    assert "did you mean 'address'" in err and "Traceback" not in err
+
+
+def test_missing_resource_spec(script: Script, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "run", "--resource-spec", "nope.yml", str(script("t.py", "")))
+    assert code == 2 and "nope.yml: file not found" in err
+
+
+def test_unknown_strategy_lists_builders(script: Script,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "run", "--strategy", "NoSuchBuilder", str(script("t.py", "")))
+    assert code == 2 and "unknown strategy builder 'NoSuchBuilder'" in err
+    assert "AllReduce" in err
+
+
+def test_missing_strategy_file(script: Script, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "run", "--strategy", "plan.yml", str(script("t.py", "")))
+    assert code == 2 and "strategy file 'plan.yml' not found" in err
+
+
+def test_nproc_with_multinode_spec(script: Script, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "spec.yml"
+    spec.write_text(TWO_NODES)
+    code, _, err = run_cli(capsys, "run", "--resource-spec", str(spec), "--nproc", "2",
+                           str(script("t.py", "")))
+    assert code == 2 and "--nproc only applies to single-node runs" in err
+
+
+def test_ssh_not_installed(script: Script, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "spec.yml"
+    spec.write_text(TWO_NODES)
+    monkeypatch.delenv("STRATAGEM_REMOTE_SHELL", raising=False)
+    monkeypatch.setattr(remote_shell.shutil, "which", lambda name: None)
+    code, _, err = run_cli(capsys, "run", "--resource-spec", str(spec), str(script("t.py", "")))
+    assert code == 2 and "no `ssh` client is installed" in err
+    assert "openssh-client" in err and "--remote-shell" in err
+
+
+def test_remote_shell_template_needs_address(script: Script, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "spec.yml"
+    spec.write_text(TWO_NODES)
+    code, _, err = run_cli(capsys, "run", "--resource-spec", str(spec), "--remote-shell",
+                           "docker exec node", str(script("t.py", "")))
+    assert code == 2 and "has no {address}" in err
+
+
+def test_dry_run_passes_script_args_through(script: Script,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    path = script("train.py", "")
+    code, out, err = run_cli(capsys, "run", "--dry-run", "--nproc", "2", "--job-id", "j1",
+                             str(path), "--lr", "0.1", "--nproc", "3")
+    assert code == 0
+    assert "job j1: 2 workers on 1 node" in err and "rendezvous c10d at 127.0.0.1:" in err
+    argv = shlex.split(out.split(": ", 1)[1])
+    assert argv[-5:] == [str(path), "--lr", "0.1", "--nproc", "3"]
+    assert argv[argv.index("--nproc-per-node") + 1] == "2"
+    assert argv[argv.index("--max-restarts") + 1] == "0"
+    assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
+    assert argv[argv.index("--rdzv-id") + 1] == "j1"
+    assert argv[argv.index("--nnodes") + 1] == "1"
