@@ -60,3 +60,60 @@ def test_not_a_checkpoint_and_wrong_model(tmp_path: Path) -> None:
     checkpoint.save(tmp_path / "ck", model, opt)
     with pytest.raises(CheckpointError, match="model does not match"):
         checkpoint.load(tmp_path / "ck", nn.Linear(2, 2))
+
+
+# -- CheckpointDir: numbered series, keep the previous, fall back when corrupt ------------
+def _write(tag: str):
+    def write(tmp: Path) -> None:
+        (tmp / "x.json").write_text(tag)
+    return write
+
+
+def test_series_keeps_the_newest_two_and_cleans_leftovers(tmp_path: Path) -> None:
+    store = checkpoint.CheckpointDir(tmp_path)
+    for tag in "abc":
+        store.save(_write(tag))
+    (tmp_path / "ckpt-00000004.tmp").mkdir()  # a save that crashed half-way
+    assert [p.name for p in store.checkpoints()] == ["ckpt-00000002", "ckpt-00000003"]
+    assert store.latest_good() == tmp_path / "ckpt-00000003"
+    store.save(_write("d"))  # reuses the crashed number, overwriting the leftover
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000003", "ckpt-00000004"]
+    assert (tmp_path / "ckpt-00000004" / "x.json").read_text() == "d"
+    assert checkpoint.read_meta(tmp_path / "ckpt-00000004")["seq"] == 4
+
+
+@pytest.mark.parametrize("damage", ["bytes", "missing", "meta"])
+def test_corrupt_latest_falls_back_with_a_warning(tmp_path: Path, damage: str) -> None:
+    store = checkpoint.CheckpointDir(tmp_path)
+    good = store.save(_write("a"))
+    bad = store.save(_write("b"))
+    if damage == "bytes":
+        (bad / "x.json").write_text("B")
+    elif damage == "missing":
+        (bad / "x.json").unlink()
+    else:
+        (bad / "meta.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="ckpt-00000002 is unusable"):
+        assert store.latest_good() == good
+    assert (tmp_path / "ckpt-00000002.corrupt").is_dir()
+    nxt = store.save(_write("c"))
+    assert nxt.name == "ckpt-00000003"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001", "ckpt-00000003"]
+
+
+def test_no_good_checkpoint(tmp_path: Path) -> None:
+    store = checkpoint.CheckpointDir(tmp_path / "missing")
+    assert store.latest_good() is None
+    only = checkpoint.CheckpointDir(tmp_path).save(_write("a"))
+    (only / "x.json").write_text("zz")
+    with pytest.warns(UserWarning, match="unusable"):
+        assert checkpoint.CheckpointDir(tmp_path).latest_good() is None
+
+
+def test_verify_reports_the_bad_file(tmp_path: Path) -> None:
+    model, opt = _trained()
+    checkpoint.save(tmp_path / "ck", model, opt)
+    assert checkpoint.verify(tmp_path / "ck")["world_size"] == 1
+    (tmp_path / "ck" / "optimizer.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="checksum mismatch in optimizer.pt"):
+        checkpoint.verify(tmp_path / "ck")

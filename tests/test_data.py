@@ -1,10 +1,17 @@
 """The global-batch loader: batch t holds the same samples whatever the world size."""
 
+import json
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from stratagem.data import DistributedDataLoader, epoch_permutation, split_evenly
+from stratagem.data import (
+    DistributedDataLoader,
+    ShardPosition,
+    epoch_permutation,
+    split_evenly,
+)
 from stratagem.errors import StratagemError
 
 
@@ -74,3 +81,98 @@ def test_split_evenly() -> None:
 def test_batch_smaller_than_world_is_an_error() -> None:
     with pytest.raises(StratagemError, match="batch_size >= 4"):
         DistributedDataLoader(_dataset(10), 2, rank=0, world_size=4)
+
+
+# -- position: restart with another world size, batch size changes -----------------------
+def _loaders(n: int, batch: int, world: int, **kw) -> list[DistributedDataLoader]:
+    return [DistributedDataLoader(_dataset(n), batch, rank=r, world_size=world, shuffle=True,
+                                  seed=3, **kw) for r in range(world)]
+
+
+def _take(loaders: list[DistributedDataLoader], steps: int | None) -> list[list[int]]:
+    """``steps`` global batches (all if None), breaking out like a job that is stopped."""
+    out = []
+    iters = [iter(lo) for lo in loaders]
+    while steps is None or len(out) < steps:
+        try:
+            parts = [next(it)[0].tolist() for it in iters]
+        except StopIteration:
+            break
+        out.append(sum(parts, []))
+    for it in iters:
+        it.close()
+    return out
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 3), (4, 3)])
+def test_restart_with_another_world_size_continues_the_epoch(before: int, after: int) -> None:
+    reference = _take(_loaders(53, 8, 1), None)
+    first = _loaders(53, 8, before)
+    head = _take(first, 3)
+    state = json.loads(json.dumps(first[0].state_dict()))  # JSON, as checkpointed
+    assert state["offset"] == 24 and state["epoch"] == 0
+    assert all(lo.state_dict() == first[0].state_dict() for lo in first)
+    second = _loaders(53, 8, after)
+    for lo in second:
+        lo.load_state_dict(state)
+    tail = _take(second, None)
+    assert head + tail == reference
+    assert second[0].position == ShardPosition(epoch=1, offset=0)
+
+
+def test_batch_size_change_mid_epoch_counts_samples_and_survives_restart() -> None:
+    loaders = _loaders(50, 8, 2)
+    iters = [iter(lo) for lo in loaders]
+    got = [sum((next(it)[0].tolist() for it in iters), [])]
+    for lo in loaders:
+        lo.batch_size = 12  # takes effect from the next batch
+    got.append(sum((next(it)[0].tolist() for it in iters), []))
+    assert [len(b) for b in got] == [8, 12]
+    state = loaders[0].state_dict()
+    assert (state["offset"], state["batch_size"]) == (20, 12)
+    restarted = _loaders(50, 8, 3)
+    for lo in restarted:
+        lo.load_state_dict(state)
+    rest = _take(restarted, None)
+    assert [len(b) for b in rest] == [12, 12, 6]
+    order = epoch_permutation(50, 0, 3, True)
+    assert sum(got + rest, []) == order
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_prefetching_workers_do_not_advance_the_position(persistent: bool) -> None:
+    loader = DistributedDataLoader(_dataset(64), 4, rank=0, world_size=1, num_workers=2,
+                                   prefetch_factor=4, persistent_workers=persistent)
+    for i, _ in enumerate(loader):
+        if i == 1:
+            loader.batch_size = 6  # re-plans: the prefetched 4-sample batches are dropped
+        if i == 2:
+            break
+    assert loader.position == ShardPosition(epoch=0, offset=14)
+    assert len(loader) == 9
+    rest = [b[0].tolist() for b in loader]
+    assert sum(rest, []) == list(range(14, 64))
+
+
+def test_changed_dataset_restarts_the_epoch_with_a_warning() -> None:
+    state = _loaders(50, 8, 1)[0].state_dict() | {"offset": 16, "epoch": 2}
+    loader = _loaders(60, 8, 1)[0]
+    with pytest.warns(UserWarning, match="restarting its epoch"):
+        loader.load_state_dict(state)
+    assert loader.position == ShardPosition(epoch=2, offset=0)
+    other = _loaders(50, 16, 1)[0]
+    with pytest.warns(UserWarning, match="batch_size changed from 8 to 16"):
+        other.load_state_dict(state | {"batch_size": 24})
+    assert other.batch_size == 16 and other.position.offset == 16
+
+
+def test_follows_the_epoch_loop() -> None:
+    from stratagem.adapt import remaining_epochs_until, reset_states
+
+    reset_states()
+    loader = _loaders(20, 8, 1)[0]
+    try:
+        firsts = [next(iter(loader))[0].tolist() for _ in remaining_epochs_until(3)]
+    finally:
+        reset_states()
+    assert firsts == [epoch_permutation(20, e, 3, True)[:8] for e in range(3)]

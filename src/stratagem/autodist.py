@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem import checkpoint as _checkpoint
+from stratagem.adapt import epoch as _epoch
+from stratagem.adapt import state as _state
 from stratagem.analysis import ModelProfile, analyze
 from stratagem.data import DistributedDataLoader
 from stratagem.errors import StratagemError, StrategyError, install_excepthook
@@ -145,6 +148,9 @@ class AutoDist:
                             world_size=self.world_size, device=self.device)
         self.model = DistributedModel(model, plan)
         self.optimizer = optimizer
+        # Job state for checkpoint-restart (restored here when a checkpoint exists).
+        if _state.track_model(self.model, optimizer):
+            self.log(f"resumed from checkpoint {_state.restore_point()}")
         return self.model, optimizer
 
     def _check_optimizer(self, model: nn.Module, optimizer: Any) -> None:
@@ -164,11 +170,21 @@ class AutoDist:
 
     def data_loader(self, dataset: Any, batch_size: int, shuffle: bool = False,
                     **kwargs: Any) -> DistributedDataLoader:
-        """A loader whose ``batch_size`` is the GLOBAL batch, split across replicas."""
-        return DistributedDataLoader(dataset, batch_size, rank=self.rank,
-                                     world_size=self.world_size, shuffle=shuffle,
-                                     seed=kwargs.pop("seed", self.seed),
-                                     on_batch=self._set_grad_weight, **kwargs)
+        """A loader whose ``batch_size`` is the GLOBAL batch, split across replicas.
+
+        Its position is part of the job state (restored here when a checkpoint exists), and
+        it stops the job gracefully on SIGTERM; iterate it on every rank.
+        """
+        loader = DistributedDataLoader(dataset, batch_size, rank=self.rank,
+                                       world_size=self.world_size, shuffle=shuffle,
+                                       seed=kwargs.pop("seed", self.seed),
+                                       on_batch=self._set_grad_weight, elastic=True, **kwargs)
+        _state.track_loader(loader)
+        return loader
+
+    def remaining_epochs_until(self, epoch: int) -> Iterator[int]:
+        """The epochs left until ``epoch``, resuming at the checkpointed one after a restart."""
+        return _epoch.remaining_epochs_until(epoch)
 
     def _set_grad_weight(self, weight: float) -> None:
         if self.model is not None:

@@ -3,8 +3,13 @@
 Layout of ``path/``: ``model.pt`` and ``optimizer.pt`` (rank 0's replicated state),
 ``sync-rank{r}.pt`` (per-rank synchronizer state such as PowerSGD error feedback),
 ``meta.json`` (world size, strategy id, user metadata, SHA-256 of every file). The directory
-is written under a temporary name and renamed, so a crash never leaves a half-written
-checkpoint under the real name. Everything loads with ``weights_only=True``.
+is written under a temporary name, every file and the directory are fsynced, and only then
+is it renamed, so a crash never leaves a half-written checkpoint under the real name.
+Everything loads with ``weights_only=True``.
+
+:class:`CheckpointDir` keeps a rotating series of such directories (``ckpt-00000007/``) for
+checkpoint-restart: it keeps the newest ones and, when the newest is corrupt, falls back to
+the previous one with a warning.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +32,8 @@ from torch import nn
 from stratagem.errors import CheckpointError
 
 META = "meta.json"
+PREFIX = "ckpt-"
+_NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
 
 def _rank_world() -> tuple[int, int]:
@@ -37,12 +47,33 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _reduce_int(value: int, op: dist.ReduceOp.RedOpType) -> int:
+    """``value`` reduced over all ranks (itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=op)
+    return int(t.item())
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _save_file(obj: Any, path: Path) -> None:
@@ -52,8 +83,51 @@ def _save_file(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _save_json(obj: Any, path: Path) -> None:
+    with path.open("w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _inner(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
+
+
+def write_collectively(final: Path, write: Callable[[Path], None], meta: dict[str, Any],
+                       *, replace: bool = False) -> Path:
+    """Write checkpoint directory ``final`` atomically; every rank must call it.
+
+    Rank 0 creates ``final.tmp``; each rank's ``write(tmp)`` adds its files; rank 0 then
+    records their SHA-256 and ``meta`` in ``meta.json``, fsyncs and renames the directory.
+    With ``replace``, an existing ``final`` is swapped out (kept as ``.old`` until the new one
+    is in place). The temporary directory must be visible to all ranks (shared filesystem).
+    """
+    rank, world = _rank_world()
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    write(tmp)
+    _barrier()
+    if rank == 0:
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.name != META}
+        _save_json({"format": 1, "world_size": world, "time": time.time(), **meta,
+                    "sha256": files}, tmp / META)
+        fsync_dir(tmp)
+        old = final.with_name(final.name + ".old")
+        if final.exists():
+            if not replace:
+                raise CheckpointError("checkpoint already exists", where=str(final),
+                                      fix="remove it or write to a new path")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
 
 
 def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, *,
@@ -62,37 +136,19 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, 
 
     Every rank must call it. ``metadata`` must be JSON-serializable.
     """
-    rank, world = _rank_world()
-    final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    sync_state = getattr(model, "synchronizer_state_dict", None)
-    if sync_state is not None:
-        _save_file(sync_state(), tmp / f"sync-rank{rank}.pt")
-    if rank == 0:
-        _save_file(_inner(model).state_dict(), tmp / "model.pt")
-        if optimizer is not None:
-            _save_file(optimizer.state_dict(), tmp / "optimizer.pt")
-    _barrier()
-    if rank == 0:
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
-        meta = {"format": 1, "world_size": world, "strategy_id": strategy_id,
-                "metadata": metadata or {}, "sha256": files}
-        with (tmp / META).open("w") as f:
-            json.dump(meta, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+    rank, _ = _rank_world()
+
+    def write(tmp: Path) -> None:
+        sync_state = getattr(model, "synchronizer_state_dict", None)
+        if sync_state is not None:
+            _save_file(sync_state(), tmp / f"sync-rank{rank}.pt")
+        if rank == 0:
+            _save_file(_inner(model).state_dict(), tmp / "model.pt")
+            if optimizer is not None:
+                _save_file(optimizer.state_dict(), tmp / "optimizer.pt")
+
+    meta = {"strategy_id": strategy_id, "metadata": metadata or {}}
+    return write_collectively(Path(path), write, meta, replace=True)
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -101,10 +157,29 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError("not a checkpoint (no meta.json)", where=str(p),
                               fix="pass a directory written by stratagem checkpoint save")
     try:
-        return json.loads((p / META).read_text())
-    except json.JSONDecodeError as exc:
+        meta = json.loads((p / META).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"meta.json is corrupt: {exc}", where=str(p),
                               fix="restore the checkpoint from a backup") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), dict):
+        raise CheckpointError("meta.json is corrupt: no checksums", where=str(p),
+                              fix="restore the checkpoint from a backup")
+    return meta
+
+
+def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check every file of checkpoint ``path`` against its checksum; returns the metadata."""
+    p = Path(path)
+    meta = read_meta(p)
+    for name, digest in meta["sha256"].items():
+        f = p / name
+        if not f.is_file():
+            raise CheckpointError(f"missing {name}", where=str(p),
+                                  fix="the checkpoint is incomplete; use an earlier one")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"checksum mismatch in {name}", where=str(p),
+                                  fix="the file is corrupt; use an earlier checkpoint")
+    return meta
 
 
 def load_file(path: str | os.PathLike[str], name: str, map_location: Any = "cpu",
@@ -151,3 +226,85 @@ def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer
     if optimizer is not None and (p / "optimizer.pt").is_file():
         optimizer.load_state_dict(load_file(p, "optimizer.pt", map_location))
     return meta.get("metadata", {})
+
+
+class CheckpointDir:
+    """A series of numbered checkpoints ``root/ckpt-NNNNNNNN/``; the newest ``keep`` stay.
+
+    Writing never touches an existing checkpoint: a new one gets the next number and older
+    ones are pruned only after it is complete. :meth:`latest_good` verifies checksums from
+    the newest down, warns about a corrupt one, renames it ``*.corrupt`` (deleted by the
+    next save) and falls back to the one before.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+
+    def _numbered(self) -> list[tuple[int, Path]]:
+        """Every ``ckpt-N*`` entry (complete, temporary or quarantined), by number."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            m = re.match(rf"^{PREFIX}(\d+)", p.name)
+            if m:
+                out.append((int(m.group(1)), p))
+        return sorted(out)
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first (not verified)."""
+        return [p for _, p in self._numbered() if _NAME.match(p.name) and (p / META).is_file()]
+
+    def save(self, write: Callable[[Path], None], meta: dict[str, Any] | None = None) -> Path:
+        """Collectively write the next checkpoint with ``write(tmp_dir)``; prune old ones."""
+        rank, _ = _rank_world()
+        numbers = [n for n, p in self._numbered() if not p.name.endswith(".tmp")]
+        seq = _reduce_int(max(numbers, default=0) + 1, dist.ReduceOp.MAX)
+        final = self.root / f"{PREFIX}{seq:08d}"
+        write_collectively(final, write, {"seq": seq, **(meta or {})})
+        if rank == 0:
+            self.prune()
+        _barrier()
+        return final
+
+    def prune(self) -> None:
+        """Delete everything but the newest ``keep`` complete checkpoints (older ones,
+        leftovers of crashed saves, quarantined ``*.corrupt`` ones)."""
+        kept = {p.name for p in self.checkpoints()[-self.keep:]}
+        for _, p in self._numbered():
+            if p.name not in kept:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def latest_good(self) -> Path | None:
+        """The newest checkpoint whose files all match their checksums (collective).
+
+        Corrupt newer ones are reported with a warning and renamed ``*.corrupt`` by rank 0.
+        Ranks must see the same files (a shared filesystem); otherwise it raises.
+        """
+        rank, _ = _rank_world()
+        chosen, bad = None, []
+        for p in reversed(self.checkpoints()):
+            try:
+                verify(p)
+            except CheckpointError as exc:
+                bad.append(p)
+                warnings.warn(f"checkpoint {p} is unusable ({exc.problem}); falling back to "
+                              "the previous one", stacklevel=2)
+                continue
+            chosen = p
+            break
+        seq = int(_NAME.match(chosen.name).group(1)) if chosen is not None else 0
+        low, high = _reduce_int(seq, dist.ReduceOp.MIN), _reduce_int(seq, dist.ReduceOp.MAX)
+        if low != high:
+            raise CheckpointError(
+                f"workers disagree on the latest good checkpoint ({low} vs {high})",
+                where=str(self.root),
+                fix="put the checkpoint directory on a filesystem that all workers share")
+        if rank == 0:
+            for p in bad:
+                p.rename(p.with_name(p.name + ".corrupt"))
+        _barrier()
+        return chosen

@@ -2,8 +2,19 @@
 
 Pure math here (numpy, plus torch for optimizer-facing helpers); the data loader, elastic
 restarts and engine integration build on it. See ``docs/concepts/goodput.md``.
+
+Job state and elastic restarts (``state``, ``epoch``, ``elastic``): see
+``docs/how-to/elastic-training.md``.
 """
 
+from stratagem.adapt.elastic import (
+    EXIT_CODE,
+    exit_point,
+    exit_requested,
+    hold_exit,
+    request_exit,
+)
+from stratagem.adapt.epoch import current_epoch, finished_epochs, remaining_epochs_until
 from stratagem.adapt.gns import GNSEstimate, GradientNoiseScale, unbiased_estimates
 from stratagem.adapt.goodput import (
     DEFAULT_SWITCH_THRESHOLD,
@@ -31,6 +42,18 @@ from stratagem.adapt.scaling_rules import (
     scaled_lr,
     scaled_step,
 )
+from stratagem.adapt.state import (
+    ENV_ADAPTDL_CHECKPOINT,
+    ENV_CHECKPOINT_DIR,
+    ObjectState,
+    State,
+    checkpoint_root,
+    load_state,
+    register_state,
+    reset_states,
+    restore_point,
+    save_all_states,
+)
 from stratagem.adapt.throughput import (
     ProfileRecord,
     ThroughputParams,
@@ -43,6 +66,9 @@ from stratagem.adapt.throughput import (
 
 __all__ = [
     "DEFAULT_SWITCH_THRESHOLD",
+    "ENV_ADAPTDL_CHECKPOINT",
+    "ENV_CHECKPOINT_DIR",
+    "EXIT_CODE",
     "LEGW",
     "AdaScale",
     "AdamScale",
@@ -53,21 +79,36 @@ __all__ = [
     "GoodputFunction",
     "GradientNoiseScale",
     "LinearScale",
+    "ObjectState",
     "ProfileRecord",
     "ProgressTracker",
     "ScalingRule",
     "SqrtScale",
+    "State",
     "ThroughputParams",
     "adam_preconditioner",
+    "checkpoint_root",
     "choose_with_hysteresis",
+    "current_epoch",
     "default_rule_for",
+    "exit_point",
+    "exit_requested",
+    "finished_epochs",
     "fit_throughput",
     "group_sqr_norms",
+    "hold_exit",
+    "load_state",
     "param_group_grads",
     "predict_compute_time",
     "predict_step_time",
     "predict_sync_time",
     "predict_throughput",
+    "register_state",
+    "remaining_epochs_until",
+    "request_exit",
+    "reset_states",
+    "restore_point",
+    "save_all_states",
     "scaled_lr",
     "scaled_step",
     "should_switch",

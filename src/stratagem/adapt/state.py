@@ -1,0 +1,264 @@
+"""Job state for checkpoint-restart: a registry of objects saved and restored together.
+
+Every part of a job's state (model, optimizer, data-loader position, epoch, user state) is a
+:class:`State` registered under a unique name. :func:`save_all_states` writes all of them into
+one atomic, checksummed checkpoint under ``$STRATAGEM_CHECKPOINT_DIR`` (fallback
+``$ADAPTDL_CHECKPOINT_PATH``); :func:`load_state` restores one from the newest good
+checkpoint, falling back to the previous one if the newest is corrupt. The files are plain
+tensors (``torch.save``, read back with ``weights_only=True``) or JSON: no pickled objects.
+
+A checkpoint directory is also an ordinary :mod:`stratagem.checkpoint` checkpoint:
+``checkpoint.load(path, model)`` reads its ``model.pt`` in a single process.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO, ClassVar, Literal
+
+import torch
+
+from stratagem import checkpoint as _ckpt
+from stratagem.errors import CheckpointError
+
+ENV_CHECKPOINT_DIR = "STRATAGEM_CHECKPOINT_DIR"
+ENV_ADAPTDL_CHECKPOINT = "ADAPTDL_CHECKPOINT_PATH"
+KEEP = 2  # the newest checkpoint and the one before it
+
+_STATES: dict[str, State] = {}
+_UNSET = object()
+_restore_point: Any = _UNSET  # Path | None once chosen
+
+
+def checkpoint_root() -> Path | None:
+    """The job's checkpoint directory from the environment, or None (no checkpointing)."""
+    value = os.environ.get(ENV_CHECKPOINT_DIR) or os.environ.get(ENV_ADAPTDL_CHECKPOINT)
+    return Path(value) if value else None
+
+
+class State:
+    """A named part of the job state. Subclass and implement ``state_dict`` and
+    ``load_state_dict`` (tensors, numbers, strings, lists and dicts of them), or override
+    ``save``/``load`` to write the file yourself (AdaptDL style).
+
+    ``per_rank = True``: every rank saves its own copy, restored only at the same world size.
+    ``format = "json"``: stored as JSON instead of a ``torch.save`` file.
+    """
+
+    per_rank: ClassVar[bool] = False
+    format: ClassVar[Literal["pt", "json"]] = "pt"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        register(self)
+
+    def state_dict(self) -> Any:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: Any) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Called on every rank before saving (collective hook; default: nothing)."""
+
+    def save(self, f: BinaryIO) -> None:
+        if self.format == "json":
+            f.write(json.dumps(self.state_dict(), indent=1).encode())
+        else:
+            torch.save(self.state_dict(), f)
+
+    def load(self, f: BinaryIO) -> None:
+        if self.format == "json":
+            self.load_state_dict(json.loads(f.read().decode()))
+        else:
+            self.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
+
+    def filename(self, rank: int) -> str:
+        return _filename(self.name, self.format, self.per_rank, rank)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class ObjectState(State):
+    """A State backed by two callables, e.g. an object's ``state_dict``/``load_state_dict``."""
+
+    def __init__(self, name: str, get: Callable[[], Any], put: Callable[[Any], None], *,
+                 per_rank: bool = False, format: Literal["pt", "json"] = "pt") -> None:
+        self._get, self._put = get, put
+        self.per_rank = per_rank  # type: ignore[misc]
+        self.format = format  # type: ignore[misc]
+        super().__init__(name)
+
+    def state_dict(self) -> Any:
+        return self._get()
+
+    def load_state_dict(self, state: Any) -> None:
+        self._put(state)
+
+
+def _filename(name: str, fmt: str, per_rank: bool, rank: int) -> str:
+    ext = "json" if fmt == "json" else "pt"
+    return f"{name}-rank{rank}.{ext}" if per_rank else f"{name}.{ext}"
+
+
+# -- registry -----------------------------------------------------------------------------
+def register(state: State) -> None:
+    """Add ``state`` to the job state (a later registration under the same name replaces
+    an earlier one)."""
+    if not state.name or "/" in state.name or state.name in ("meta",):
+        raise ValueError(f"invalid state name {state.name!r}")
+    _STATES[state.name] = state
+
+
+def registered_states() -> dict[str, State]:
+    return dict(_STATES)
+
+
+def unique_name(prefix: str) -> str:
+    """``prefix``, or ``prefix-1``, ``prefix-2``... if taken (stable across restarts as long
+    as the script creates its objects in the same order)."""
+    name, n = prefix, 0
+    while name in _STATES:
+        n += 1
+        name = f"{prefix}-{n}"
+    return name
+
+
+def register_state(name: str, obj: Any, *, per_rank: bool = False,
+                   format: Literal["pt", "json"] = "pt") -> bool:
+    """Track ``obj`` (with ``state_dict``/``load_state_dict``, e.g. an LR scheduler) under
+    ``name`` and restore it from the checkpoint now; returns whether it was restored."""
+    state = ObjectState(name, obj.state_dict, obj.load_state_dict, per_rank=per_rank,
+                        format=format)
+    return load_state(state)
+
+
+def track_model(model: Any, optimizer: Any = None) -> bool:
+    """Register (and restore) ``model``, its per-rank synchronizer state and ``optimizer``
+    as the states ``model``, ``sync`` and ``optimizer`` (``model-1``, ``sync-1``... for a
+    second model); returns whether the model was restored."""
+    name = unique_name("model")
+    suffix = name[len("model"):]
+    restored = load_state(ObjectState(name, model.state_dict, model.load_state_dict))
+    sync_get = getattr(model, "synchronizer_state_dict", None)
+    if sync_get is not None:
+        load_state(ObjectState(f"sync{suffix}", sync_get, model.load_synchronizer_state_dict,
+                               per_rank=True))
+    if optimizer is not None:
+        load_state(ObjectState(f"optimizer{suffix}", optimizer.state_dict,
+                               optimizer.load_state_dict))
+    return restored
+
+
+def track_loader(loader: Any) -> bool:
+    """Register (and restore) a data loader's position as ``loader``, ``loader-1``, ..."""
+    state = ObjectState(unique_name("loader"), loader.state_dict, loader.load_state_dict,
+                        format="json")
+    return load_state(state)
+
+
+def reset_states() -> None:
+    """Forget every registered state, the chosen restore point and a pending exit request
+    (for tests and in-process restarts)."""
+    global _restore_point
+    from stratagem.adapt import elastic
+
+    _STATES.clear()
+    _restore_point = _UNSET
+    elastic.reset()
+
+
+# -- save and restore -----------------------------------------------------------------------
+def _write_state(state: State, path: Path) -> None:
+    buf = io.BytesIO()
+    state.save(buf)
+    with path.open("wb") as f:
+        f.write(buf.getvalue())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_all_states(root: str | os.PathLike[str] | None = None) -> Path | None:
+    """Collectively save every registered state as the next checkpoint; all ranks call it.
+
+    Returns the checkpoint directory, or None (with a warning) when no checkpoint directory
+    is configured. Rank 0 writes the shared states, every rank its ``per_rank`` ones.
+    """
+    root_path = Path(root) if root is not None else checkpoint_root()
+    if root_path is None:
+        warnings.warn(f"no checkpoint saved: set {ENV_CHECKPOINT_DIR}", stacklevel=2)
+        return None
+    rank, _ = _ckpt._rank_world()
+    states = list(_STATES.values())
+    for state in states:
+        state.sync()
+
+    def write(tmp: Path) -> None:
+        for state in states:
+            if state.per_rank or rank == 0:
+                _write_state(state, tmp / state.filename(rank))
+
+    layout = {s.name: {"format": s.format, "per_rank": s.per_rank} for s in states}
+    return _ckpt.CheckpointDir(root_path, keep=KEEP).save(
+        write, {"states": layout, "metadata": {}, "strategy_id": None})
+
+
+def restore_point() -> Path | None:
+    """The checkpoint states are restored from: the newest good one, chosen once per process
+    (collective on first use)."""
+    global _restore_point
+    if _restore_point is _UNSET:
+        root = checkpoint_root()
+        _restore_point = _ckpt.CheckpointDir(root).latest_good() if root else None
+    return _restore_point
+
+
+def _is_empty(path: Path) -> bool:
+    """Whether a saved state file holds an empty container (nothing lost by skipping it)."""
+    try:
+        if path.suffix == ".json":
+            return not json.loads(path.read_text())
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        return isinstance(obj, (dict, list, tuple)) and not obj
+    except Exception:  # noqa: BLE001 - unreadable: not known to be empty
+        return False
+
+
+def load_state(state: State) -> bool:
+    """Register ``state`` and restore it from the restore point; returns whether it was
+    restored (False: no checkpoint, or the checkpoint has no such state). Every rank must
+    call it (the first call chooses the checkpoint collectively)."""
+    register(state)
+    path = restore_point()
+    if path is None:
+        return False
+    meta = _ckpt.read_meta(path)
+    entry = meta.get("states", {}).get(state.name)
+    if entry is None:
+        return False
+    rank, world = _ckpt._rank_world()
+    if entry["per_rank"] and meta["world_size"] != world:
+        if not _is_empty(path / _filename(state.name, entry["format"], True, 0)):
+            warnings.warn(f"state {state.name!r} was saved per rank by {meta['world_size']} "
+                          f"replicas, now {world}: it starts fresh", stacklevel=3)
+        return False
+    name = _filename(state.name, entry["format"], entry["per_rank"], rank)
+    if entry["format"] != state.format:
+        raise CheckpointError(f"state {state.name!r} was saved as {entry['format']}, "
+                              f"loads as {state.format}", where=str(path),
+                              fix="keep the State's format between runs")
+    try:
+        with (path / name).open("rb") as f:
+            state.load(f)
+    except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as exc:
+        raise CheckpointError(f"cannot restore state {state.name!r} from {name}: {exc}",
+                              where=str(path),
+                              fix="build the same objects as the job that saved it") from None
+    return True
