@@ -9,6 +9,7 @@ stderr are line-buffered.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -82,12 +83,28 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             _write_error_file(exc, _user_frames(exc.__traceback__, script))
-        raise
+            raise
+        _exit_cleanly(0)
     except BaseException as exc:  # noqa: BLE001 - reported, then exit 1 like python does
         tb = _user_frames(exc.__traceback__, script)
         _write_error_file(exc, tb)
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
+    _exit_cleanly(0)
+
+
+def _exit_cleanly(code: int) -> None:
+    """Run atexit handlers, flush, and leave without C++ static destructors.
+
+    torch's gloo backend (seen with 2.13, plain DDP under plain torchrun too) aborts about one
+    successful exit in fifteen while tearing down ("terminate called without an active
+    exception"), which would fail a finished job. Everything Python-level has run by then.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
