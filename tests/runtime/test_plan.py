@@ -15,6 +15,7 @@ from stratagem.runtime import Plan, compile_plan, compressor_names
 from stratagem.strategy import (
     AllReduce,
     AllReduceSynchronizer,
+    GraphConfig,
     NodeConfig,
     PartitionedAR,
     Partitioner,
@@ -119,13 +120,89 @@ def test_nccl_on_cpu_is_a_strategy_error() -> None:
         plan_for(AllReduce(all_reduce_spec="nccl"))
 
 
-def test_ps_synchronizer_is_not_available_yet() -> None:
+def _ps_spec(workers: int = 2, servers: int = 2) -> ResourceSpec:
+    nodes = [{"address": "10.0.0.1", "chief": True, "workers": workers}]
+    nodes += [{"address": f"10.0.1.{i}", "workers": 0} for i in range(servers)]
+    return ResourceSpec.from_dict({"nodes": nodes})
+
+
+def test_ps_pieces_owners_and_buckets() -> None:
+    from stratagem.strategy import Parallax, PartitionedPS, validate
+    from stratagem.strategy.validate import server_devices
+
+    spec = _ps_spec()
+    servers = server_devices(spec)
+    profile = analyze(make_model("sparse", 0))
+    strategy = validate(PartitionedPS().build(profile, spec), profile, spec)
+    plan = compile_plan(strategy, profile, rank=3, world_size=2, device=CPU, servers=servers)
+    assert plan.role == "server" and plan.groups == ()
+    ps = plan.ps
+    assert ps.size == 4 and ps.servers == tuple(servers) and ps.mode == "bsp"
+    emb = [p for p in ps.pieces if p.param == "emb.weight"]
+    assert [(p.axis, p.start, p.length, p.sparse, p.sparse_grad) for p in emb] == [
+        (0, 0, 10, True, True), (0, 10, 10, True, True)]
+    assert {p.owner for p in emb} == {2, 3}  # servers are ranks 2 and 3
+    for b in ps.buckets:  # one owner and dtype per bucket, pieces packed back to back
+        pieces = [ps.pieces[i] for i in b.pieces]
+        assert {p.owner for p in pieces} == {b.owner} and not any(p.sparse for p in pieces)
+        assert [p.offset for p in pieces] == [sum(q.numel for q in pieces[:i])
+                                             for i in range(len(pieces))]
+        assert b.size == b.numel + len(pieces)  # presence slots
+    dense = {p.param for p in ps.pieces if not p.sparse}
+    assert dense == {"fc.weight", "fc.bias"}
+    assert "parameter server (bsp)" in plan.summary()
+    json.dumps(plan.to_dict())
+    # Parallax mixes: dense -> all-reduce groups, the embedding -> PS rows.
+    mixed = compile_plan(validate(Parallax().build(profile, spec), profile, spec), profile,
+                         rank=0, world_size=2, device=CPU, servers=servers)
+    assert {m.param for g in mixed.groups for m in g.members} == {"fc.weight", "fc.bias"}
+    assert {p.param for p in mixed.ps.pieces} == {"emb.weight"} and mixed.role == "worker"
+
+
+def test_dense_declared_embedding_takes_the_row_path() -> None:
+    from stratagem.strategy import PS
+
+    profile = analyze(make_model("tied", 0))  # tied: stays dense
+    plan = compile_plan(PS().build(profile, ResourceSpec.local(2)), profile, rank=0,
+                        world_size=2, device=CPU)
+    assert not any(p.sparse for p in plan.ps.pieces)
+    profile = analyze(torch.nn.Sequential(torch.nn.Embedding(6, 2), torch.nn.Linear(2, 1)))
+    plan = compile_plan(PS().build(profile, ResourceSpec.local(2)), profile, rank=1,
+                        world_size=2, device=CPU)
+    emb = plan.ps.pieces_of("0.weight")[0]
+    assert emb.sparse and not emb.sparse_grad and emb.owner == 0
+
+
+def test_ps_strategy_errors() -> None:
     m = make_model("mlp", 0)
     profile = analyze(m)
-    nodes = tuple(NodeConfig(n, synchronizer=PSSynchronizer("127.0.0.1:CPU:0"))
-                  for n in profile.names)
-    with pytest.raises(StrategyError, match="parameter-server runtime is not available"):
-        compile_plan(Strategy(nodes), profile, rank=0, world_size=2, device=CPU)
+    reps = ("127.0.0.1:CPU:0", "127.0.0.1:CPU:1")
+    graph = GraphConfig(reps)
+
+    def strat(nodes):
+        return Strategy(tuple(nodes), graph_config=graph)
+
+    ps = [NodeConfig(n, synchronizer=PSSynchronizer(reps[0])) for n in profile.names]
+    plan = compile_plan(strat(ps), profile, rank=1, world_size=2, device=CPU)
+    assert {p.owner for p in plan.ps.pieces} == {0} and plan.ps.servers == ()
+    with pytest.raises(StrategyError, match="replicas lists 0 workers"):
+        compile_plan(Strategy(tuple(ps)), profile, rank=0, world_size=2, device=CPU)
+    bad = [*ps[:-1], NodeConfig(profile.names[-1], synchronizer=PSSynchronizer(
+        reps[0], sync=False))]
+    with pytest.raises(StrategyError, match="mix consistency modes"):
+        compile_plan(strat(bad), profile, rank=0, world_size=2, device=CPU)
+    split = NodeConfig("fc1.weight", partitioner=Partitioner((2, 1)), part_config=(
+        NodeConfig("fc1.weight/part_0", AllReduceSynchronizer()),
+        NodeConfig("fc1.weight/part_1", PSSynchronizer(reps[1]))))
+    with pytest.raises(StrategyError, match="mix AllReduce and PS"):
+        compile_plan(strat([split, *ps[1:]]), profile, rank=0, world_size=2, device=CPU)
+    with pytest.raises(StrategyError, match="neither a worker replica"):
+        compile_plan(strat([NodeConfig(profile.names[0], PSSynchronizer("10.9.9.9:PS:0")),
+                            *ps[1:]]), profile, rank=0, world_size=2, device=CPU,
+                     servers=())
+    with pytest.raises(StrategyError, match="rank 3 is not in a world of size 2 plus 1"):
+        compile_plan(strat([NodeConfig(profile.names[0], PSSynchronizer("10.9.9.9:PS:0")),
+                            *ps[1:]]), profile, rank=3, world_size=2, device=CPU)
 
 
 def test_group_mixing_compressors_is_an_error() -> None:

@@ -136,7 +136,7 @@ class AllReduceReducer:
         self._lock = threading.Lock()
         self._handles = []
         ref = weakref.ref(self)
-        for name in plan.params:
+        for name in dict.fromkeys(m.param for g in plan.groups for m in g.members):
             p = params[name]
 
             def hook(param: torch.Tensor, ref: weakref.ref = ref) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,24 +33,42 @@ class DistributedModel(nn.Module):
     -- and running statistics are estimated from rank 0's batches only (use SyncBatchNorm
     for statistics over the global batch). Eval-mode forwards communicate nothing, so
     evaluating on rank 0 alone is safe.
+
+    Parameters with PS synchronizers (``plan.ps``) are run by a parameter-server engine
+    (see docs/concepts/parameter-server.md); it needs the user's ``optimizer`` (one or a
+    sequence), whose ``step()`` triggers the owners' update, and a ``cluster`` when the job
+    has dedicated servers (from ``join_cluster``; default: the workers' default group).
     """
 
     def __init__(self, module: nn.Module, plan: Plan,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, *,
+                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+                 cluster: Any = None) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
         self.comm_stats = CommStats()
+        if plan.role != "worker":
+            raise StratagemError(f"the plan is for a parameter server (rank {plan.rank})",
+                                 where="DistributedModel",
+                                 fix="run it with stratagem.runtime.ps.run_server")
         params = check_params(plan, module)
         self._buffer_sync: BufferSync | None = None
         self._buffers_dirty = False
-        if plan.world_size == 1:
+        self._ps = None
+        if plan.world_size == 1 and not (plan.ps is not None and plan.ps.servers):
             self._reducer: AllReduceReducer | LocalReducer = LocalReducer(params,
                                                                           self.comm_stats)
         else:
+            if plan.ps is not None:
+                from stratagem.runtime.ps import make_engine
+
+                self._ps = make_engine(plan, module, optimizer, cluster, process_group,
+                                       self.comm_stats)
             default, comms = make_comms(plan, process_group, self.comm_stats)
-            states = list(dict.fromkeys([*module.parameters(), *module.buffers()]))
-            broadcast_coalesced([t for t in states if t.numel()], default)
+            if self._ps is None:  # (the PS engine broadcast everything, servers included)
+                states = list(dict.fromkeys([*module.parameters(), *module.buffers()]))
+                broadcast_coalesced([t for t in states if t.numel()], default)
             self._reducer = AllReduceReducer(plan, params, comms, self.comm_stats)
             self._buffer_sync = BufferSync(module, default)
             self._reducer.before_wait = self._sync_buffers_if_dirty
@@ -60,11 +78,15 @@ class DistributedModel(nn.Module):
     # -- training ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._reducer.prepare_for_forward()
+        if self._ps is not None:
+            self._ps.before_forward()
         if self._buffers_dirty:
             finish = self._sync_buffers_if_dirty()
             if finish is not None:
                 finish()
         out = self.module(*args, **kwargs)
+        if self._ps is not None:
+            self._ps.after_forward()
         if self._buffer_sync is not None and self.module.training:
             self._buffers_dirty = True
         return out
@@ -83,10 +105,14 @@ class DistributedModel(nn.Module):
         synced backward averages the accumulated sum."""
         previous = self._reducer.require_sync
         self._reducer.require_sync = False
+        if self._ps is not None:
+            self._ps.require_sync = False
         try:
             yield
         finally:
             self._reducer.require_sync = previous
+            if self._ps is not None:
+                self._ps.require_sync = previous
 
     @property
     def grad_weight(self) -> float:
@@ -102,10 +128,31 @@ class DistributedModel(nn.Module):
                                  where="DistributedModel.grad_weight",
                                  fix="use local_n * world_size / global_n")
         self._reducer.grad_weight = value
+        if self._ps is not None:
+            self._ps.grad_weight = value
+
+    # -- parameter servers ---------------------------------------------------------------
+    def refresh_parameters(self) -> None:
+        """Collective (every worker): make each worker's copy of every PS parameter equal to
+        its owners' values (sparse tables are otherwise only fresh in the rows pulled)."""
+        if self._ps is not None:
+            self._ps.refresh()
+
+    def close(self) -> None:
+        """Finish pending parameter-server traffic and release dedicated servers (the chief
+        sends them STOP; also done at interpreter exit). No-op without PS synchronizers."""
+        if self._ps is not None:
+            self._ps.close()
 
     # -- state -------------------------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The wrapped module's state dict (no ``module.`` prefix)."""
+        """The wrapped module's state dict (no ``module.`` prefix).
+
+        With PS synchronizers, pending pulls are finished first; on-demand sparse tables
+        are fresh only in the rows this worker pulled -- call :meth:`refresh_parameters`
+        (collective) first for the full current values."""
+        if self._ps is not None:
+            self._ps.finish_pulls()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,

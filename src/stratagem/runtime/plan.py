@@ -17,6 +17,7 @@ import torch
 
 from stratagem.analysis.profile import ModelProfile, ParamInfo
 from stratagem.errors import StrategyError
+from stratagem.runtime.ps.plan import PSPiece, PSPlan, make_buckets, owner_of, uses_sparse_path
 from stratagem.strategy.schema import (
     ALL_REDUCE_SPECS,
     AllReduceSynchronizer,
@@ -96,6 +97,12 @@ class Plan:
     groups: tuple[GroupPlan, ...]
     params: tuple[str, ...]
     densified: tuple[str, ...] = field(default=())  # sparse-gradient params reduced densely
+    ps: PSPlan | None = None  # parameter-server pieces (None: all-reduce only)
+
+    @property
+    def role(self) -> str:
+        """``worker`` (ranks below ``world_size``) or ``server`` (dedicated PS ranks)."""
+        return "worker" if self.rank < self.world_size else "server"
 
     @property
     def launch_order(self) -> tuple[int, ...]:
@@ -130,6 +137,8 @@ class Plan:
             lines.extend(f"    {m.describe()} @ {m.offset}" for m in g.members)
         if self.densified:
             lines.append(f"  sparse gradients reduced densely: {', '.join(self.densified)}")
+        if self.ps is not None:
+            lines.extend(self.ps.summary_lines())
         return "\n".join(lines)
 
 
@@ -148,22 +157,49 @@ def resolve_backend(spec: str, device: torch.device, where: str = "") -> str:
 
 
 def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_size: int,
-                 device: torch.device) -> Plan:
-    """Turn ``strategy`` into rank ``rank``'s plan; raises :class:`StrategyError`."""
+                 device: torch.device, servers: tuple[str, ...] | list[str] | None = None
+                 ) -> Plan:
+    """Turn ``strategy`` into rank ``rank``'s plan; raises :class:`StrategyError`.
+
+    ``world_size`` is the number of workers. ``servers`` lists the dedicated
+    parameter-server devices in server-rank order (default: the strategy's ``:PS:``
+    destinations, sorted); ranks ``world_size..world_size+len(servers)-1`` are servers.
+    """
     device = torch.device(device)
     where = f"strategy {strategy.id}"
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise StrategyError(f"rank {rank} is not in a world of size {world_size}",
-                            where=where, fix="pass 0 <= rank < world_size")
     configs = _configs_by_param(strategy, profile, where)
+    replicas = tuple(strategy.graph_config.replicas)
+    if servers is None:
+        servers = tuple(sorted({leaf.synchronizer.reduction_destination
+                                for nc in strategy.node_config for leaf in nc.leaves()
+                                if isinstance(leaf.synchronizer, PSSynchronizer)
+                                and leaf.synchronizer.reduction_destination not in replicas}))
+    servers = tuple(servers)
+    total = world_size + len(servers)
+    if world_size < 1 or not 0 <= rank < total:
+        raise StrategyError(f"rank {rank} is not in a world of size {world_size}"
+                            + (f" plus {len(servers)} servers" if servers else ""),
+                            where=where, fix="pass 0 <= rank < world_size (+ servers)")
 
     pieces: dict[int, list[tuple[AllReduceSynchronizer, dict[str, Any]]]] = {}
+    ps_leaves: list[tuple[PSSynchronizer, ParamInfo, int, dict[str, Any], str]] = []
     for index, info in enumerate(profile.params):
         nc = configs[info.name]
-        for sync, piece in _pieces(nc, info, f"node_config[{nc.var_name}]"):
+        nwhere = f"node_config[{nc.var_name}]"
+        leaves = _pieces(nc, info, nwhere)
+        kinds = {type(sync) for sync, _ in leaves}
+        if len(kinds) > 1:
+            raise StrategyError("the parts of one parameter mix AllReduce and PS "
+                                "synchronizers", where=nwhere,
+                                fix="give all parts of a parameter the same kind of "
+                                    "synchronizer")
+        for sync, piece in leaves:
+            if isinstance(sync, PSSynchronizer):
+                ps_leaves.append((sync, info, index, piece, nwhere))
+                continue
             if info.sparse and sync.compressor == "powersgd":
                 raise StrategyError("powersgd cannot compress a sparse embedding gradient",
-                                    where=f"node_config[{nc.var_name}]",
+                                    where=nwhere,
                                     fix="use compressor none, or a PS synchronizer")
             pieces.setdefault(sync.group, []).append(
                 (sync, {"param": info.name, "index": index, **piece}))
@@ -196,10 +232,50 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
     # Launch order = expected gradient-ready order: backward produces gradients roughly in
     # reverse registration order, and a group is ready once its earliest parameter is.
     groups.sort(key=lambda g: (-min(m.index for m in g.members), g.id))
+    ar_params = {m.param for g in groups for m in g.members}
+    ps = _compile_ps(ps_leaves, replicas, servers, world_size, where) if ps_leaves else None
     return Plan(rank=rank, world_size=world_size, device=str(device),
                 strategy_id=strategy.id, groups=tuple(groups),
                 params=tuple(profile.names),
-                densified=tuple(p.name for p in profile.params if p.sparse))
+                densified=tuple(p.name for p in profile.params
+                                if p.sparse and (p.name in ar_params or (
+                                    ps is not None and any(
+                                        not q.sparse for q in ps.pieces_of(p.name))))),
+                ps=ps)
+
+
+def _compile_ps(leaves: list[tuple[PSSynchronizer, ParamInfo, int, dict[str, Any], str]],
+                replicas: tuple[str, ...], servers: tuple[str, ...], world_size: int,
+                where: str) -> PSPlan:
+    """The PS pieces with their owners, and the dense buckets."""
+    if len(replicas) != world_size:
+        raise StrategyError(f"graph_config.replicas lists {len(replicas)} workers but the "
+                            f"world has {world_size}", where=where,
+                            fix="build or validate the strategy for these resources (the "
+                                "replicas name the workers that PS destinations refer to)")
+    modes = {(s.sync, s.staleness) for s, *_ in leaves}
+    if len(modes) > 1:
+        raise StrategyError(f"PS synchronizers mix consistency modes {sorted(modes)} "
+                            "(sync, staleness)", where=where,
+                            fix="use one sync/staleness setting for every PS synchronizer")
+    sync, staleness = modes.pop()
+    if staleness < 0 or (not sync and staleness):
+        raise StrategyError(f"invalid consistency mode sync={sync}, staleness={staleness}",
+                            where=where, fix="use staleness >= 0, and 0 when sync is false")
+    out: list[PSPiece] = []
+    for s, info, index, piece, nwhere in leaves:
+        owner = owner_of(s.reduction_destination, replicas, servers, nwhere)
+        sparse = uses_sparse_path(info) and piece.get("axis") in (None, 0)
+        out.append(PSPiece(id=len(out), param=info.name, index=index, shape=piece["shape"],
+                           dtype=info.dtype, owner=owner,
+                           destination=s.reduction_destination, axis=piece.get("axis"),
+                           start=piece["start"], length=piece["length"],
+                           part=piece.get("part"), sparse=sparse,
+                           sparse_grad=sparse and info.sparse,
+                           local_replication=s.local_replication))
+    placed, buckets = make_buckets(out)
+    return PSPlan(workers=world_size, servers=servers, pieces=tuple(placed),
+                  buckets=tuple(buckets), sync=sync, staleness=staleness, replicas=replicas)
 
 
 def _configs_by_param(strategy: Strategy, profile: ModelProfile, where: str
@@ -225,13 +301,12 @@ def _configs_by_param(strategy: Strategy, profile: ModelProfile, where: str
     return configs
 
 
-def _check_sync(sync: object, where: str) -> AllReduceSynchronizer:
+def _check_sync(sync: object, where: str) -> AllReduceSynchronizer | PSSynchronizer:
     if isinstance(sync, PSSynchronizer):
-        raise StrategyError("PS synchronizers are not supported by the runtime yet: the "
-                            "parameter-server runtime is not available in this release",
-                            where=where,
-                            fix="use an AllReduce synchronizer (e.g. the AllReduce or "
-                                "PartitionedAR builder) for this parameter")
+        if not sync.reduction_destination:
+            raise StrategyError("PS synchronizer without a reduction_destination",
+                                where=where, fix="name the owning worker or server device")
+        return sync
     if not isinstance(sync, AllReduceSynchronizer):
         raise StrategyError("no synchronizer", where=where,
                             fix="add one, e.g. {type: AllReduce}")
@@ -249,7 +324,7 @@ def _check_sync(sync: object, where: str) -> AllReduceSynchronizer:
 
 
 def _pieces(nc: NodeConfig, info: ParamInfo, where: str
-            ) -> list[tuple[AllReduceSynchronizer, dict[str, Any]]]:
+            ) -> list[tuple[AllReduceSynchronizer | PSSynchronizer, dict[str, Any]]]:
     """(synchronizer, member fields) for the whole parameter or each of its parts."""
     if nc.partitioner is None:
         sync = _check_sync(nc.synchronizer, where)

@@ -14,6 +14,11 @@ class CommStats:
     ``(N-1)/N*payload`` for a broadcast. ``wait_seconds`` is host time blocked in
     ``Work.wait()``. ``overlapped`` counts collectives launched from gradient hooks, i.e.
     while backward was still running.
+
+    Parameter-server traffic of a worker (to and from other ranks, not itself):
+    ``push_bytes`` gradients sent to owners (dense buckets; sparse row indices, rows and
+    counts), ``pull_bytes`` what it took to get values back (dense buckets; sparse
+    requests and rows), ``rows_pushed``/``rows_pulled`` sparse rows.
     """
 
     collectives: int = 0
@@ -22,6 +27,10 @@ class CommStats:
     wait_seconds: float = 0.0
     overlapped: int = 0
     steps: int = 0
+    push_bytes: int = 0
+    pull_bytes: int = 0
+    rows_pushed: int = 0
+    rows_pulled: int = 0
 
     def record(self, nbytes: int, world_size: int, kind: str = "all_reduce") -> None:
         self.collectives += 1
@@ -38,4 +47,7 @@ class CommStats:
                 f"({self.overlapped} overlapped with backward), "
                 f"{self.payload_bytes / 2**20:.2f} MiB payload, "
                 f"{self.wire_bytes / 2**20:.2f} MiB on the wire, "
-                f"{self.wait_seconds:.3f} s waiting")
+                f"{self.wait_seconds:.3f} s waiting"
+                + (f"; PS push {self.push_bytes / 2**20:.3f} MiB ({self.rows_pushed} rows), "
+                   f"pull {self.pull_bytes / 2**20:.3f} MiB ({self.rows_pulled} rows)"
+                   if self.push_bytes or self.pull_bytes else ""))

@@ -1,0 +1,127 @@
+"""Dense PS pieces: gradients reduced to the owner per bucket, values broadcast back.
+
+One :class:`DenseBucket` per plan bucket (all pieces of one owner and dtype, in backward
+order). Workers copy each pre-scaled gradient into the flat buffer as it becomes ready and
+start ``reduce(dst=owner)`` as soon as the bucket is complete; the owner sums the workers'
+contributions into an accumulator (several backward passes before one optimizer step add
+up, like ``.grad``). After the owner's update it broadcasts the new values from the same
+buffer; workers wait for them just before the next forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stratagem.runtime.ps.cluster import Group
+from stratagem.runtime.ps.plan import PSBucket, PSPiece
+from stratagem.runtime.stats import CommStats
+
+
+def piece_view(param: torch.Tensor, piece: PSPiece) -> torch.Tensor:
+    """The slice of ``param`` that ``piece`` covers (``.data``: writes bump no version)."""
+    t = param.data
+    return t if piece.whole else t.narrow(piece.axis, piece.start, piece.length)
+
+
+class DenseBucket:
+    def __init__(self, plan: PSBucket, pieces: list[PSPiece],
+                 params: dict[str, torch.nn.Parameter], group: Group, rank: int,
+                 device: torch.device, stats: CommStats) -> None:
+        self.plan = plan
+        self.pieces = pieces
+        self.group = group
+        self.owner = plan.owner
+        self.is_owner = rank == plan.owner
+        self.stats = stats
+        self.buf = torch.zeros(plan.size, dtype=getattr(torch, plan.dtype), device=device)
+        self.views = [self.buf[p.offset:p.offset + p.numel].view(p.shape) for p in pieces]
+        self.presence = self.buf[plan.numel:]
+        self.params = [params[p.param] for p in pieces]
+        self.targets = [piece_view(params[p.param], p) for p in pieces]
+        self.acc = torch.zeros_like(self.buf) if self.is_owner else None
+        self.acc_views = ([self.acc[p.offset:p.offset + p.numel].view(p.shape) for p in pieces]
+                          if self.acc is not None else [])
+        self.captured = [False] * len(pieces)
+        self.pending = len(pieces)
+        self.work = None
+        self.pull = None
+        self.pushed = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+    # -- push -----------------------------------------------------------------------
+    def capture(self, i: int, grad: torch.Tensor | None, factor: float) -> None:
+        piece = self.pieces[i]
+        view = self.views[i]
+        if grad is None:
+            view.zero_()
+            self.presence[i] = 0
+        else:
+            if grad.is_sparse:
+                grad = grad.to_dense()
+            if not piece.whole:
+                grad = grad.narrow(piece.axis, piece.start, piece.length)
+            torch.mul(grad, factor, out=view)
+            self.presence[i] = 1
+        self.captured[i] = True
+        self.pending -= 1
+
+    def fill_missing(self) -> None:
+        for i, done in enumerate(self.captured):
+            if not done:
+                self.capture(i, None, 1.0)
+
+    def launch(self) -> None:
+        self.work = self.group.reduce(self.buf, self.owner)
+        self.stats.collectives += 1
+        if not self.is_owner:
+            self.stats.push_bytes += self.nbytes
+
+    def finish_push(self) -> None:
+        if self.work is not None:
+            self.group.wait(self.work, f"pushing gradients to {self.describe_owner()}")
+            self.work = None
+        if self.is_owner:
+            self.acc.add_(self.buf)
+            self.pushed = True
+        self.captured = [False] * len(self.pieces)
+        self.pending = len(self.pieces)
+
+    # -- update (owner) -------------------------------------------------------------
+    def attach_grads(self, shards: dict[int, torch.Tensor]) -> None:
+        """Give each owned shard its summed gradient (None where no worker had one)."""
+        present = self.acc[self.plan.numel:]
+        for i, piece in enumerate(self.pieces):
+            shards[piece.id].grad = self.acc_views[i] if present[i] > 0 else None
+
+    def clear_grads(self, shards: dict[int, torch.Tensor]) -> None:
+        for piece in self.pieces:
+            shards[piece.id].grad = None
+        self.acc.zero_()
+        self.pushed = False
+
+    # -- pull -----------------------------------------------------------------------
+    def post_values(self, shards: dict[int, torch.Tensor] | None = None) -> None:
+        """Broadcast the owner's values (the owner fills the buffer first)."""
+        if self.is_owner:
+            for piece, view in zip(self.pieces, self.views, strict=True):
+                view.copy_(shards[piece.id])
+        self.pull = self.group.broadcast(self.buf, self.owner)
+        self.stats.collectives += 1
+        if not self.is_owner:
+            self.stats.pull_bytes += self.nbytes
+
+    @torch.no_grad()
+    def finish_pull(self, write: bool = True) -> None:
+        if self.pull is None:
+            return
+        self.group.wait(self.pull, f"pulling values from {self.describe_owner()}")
+        self.pull = None
+        if write and not self.is_owner:
+            for target, view in zip(self.targets, self.views, strict=True):
+                target.copy_(view)
+
+    def describe_owner(self) -> str:
+        return self.group.cluster.describe(self.owner)

@@ -1,0 +1,502 @@
+"""The bulk-synchronous parameter-server engine: one per rank, worker or server.
+
+A step on a worker (``DistributedModel`` calls these):
+
+``before_forward``  wait for the values broadcast after the last update and write them
+                    into the local copy; announce the forward to the servers;
+embedding hooks     one pull round per embedding call (rows this batch needs);
+``after_forward``   closing pull rounds until every worker is done;
+gradient hooks      dense pieces go into their bucket as they become ready, a bucket is
+                    reduced to its owner as soon as it (and the ones before it) is full;
+end of backward     the rest of the buckets, then the sparse push; the worker's own
+                    ``.grad`` of a PS parameter is left ``None`` (its optimizer skips it);
+``on_step``         (``optimizer.step()`` pre-hook) owners apply their optimizer to their
+                    shards and broadcast the new values (waited for in the next forward).
+
+The chief (worker 0) tells dedicated servers which phase comes next with a small control
+broadcast (phase, step, the optimizers' current hyperparameters); a server runs the same
+engine in :meth:`serve`, taking part in every exchange with empty contributions.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.errors import StrategyError, UnsupportedModelError
+from stratagem.runtime.plan import Plan
+from stratagem.runtime.ps.cluster import IDLE_TIMEOUT, Cluster, Group
+from stratagem.runtime.ps.dense import DenseBucket, piece_view
+from stratagem.runtime.ps.optim import (
+    ShardOptimizer,
+    hparam_layout,
+    locate,
+    pack_hparams,
+    unpack_hparams,
+)
+from stratagem.runtime.ps.plan import PSPiece
+from stratagem.runtime.ps.sparse import SparseExchange
+from stratagem.runtime.stats import CommStats
+
+PULL, PUSH, UPDATE, REFRESH, STOP, GATHER, SCATTER = 1, 2, 3, 4, 5, 6, 7
+CMD_NAMES = {PULL: "pull", PUSH: "push", UPDATE: "update", REFRESH: "refresh", STOP: "stop",
+             GATHER: "gather", SCATTER: "scatter"}
+HEADER = 4  # cmd, step, arg, number of hyperparameter values
+
+
+def _queue_callback(fn: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class _Stopper:
+    """Sends STOP to the servers once (at close() or interpreter exit)."""
+
+    def __init__(self, ctrl: Group | None, length: int) -> None:
+        self.ctrl = ctrl
+        self.length = length
+        self.sent = False
+        self.works: list[Any] = []
+
+    def send(self, cmd: int, step: int = 0, arg: int = 0,
+             hparams: Sequence[float] = ()) -> None:
+        if self.ctrl is None or self.sent:
+            return
+        msg = torch.zeros(self.length, dtype=torch.float64)
+        msg[0], msg[1], msg[2], msg[3] = cmd, step, arg, len(hparams)
+        if hparams:
+            msg[HEADER:HEADER + len(hparams)] = torch.tensor(hparams, dtype=torch.float64)
+        self.works = [(w, m) for w, m in self.works if not w.is_completed()]
+        self.works.append((self.ctrl.broadcast(msg, 0), msg))
+        if cmd == STOP:
+            self.sent = True
+
+    def stop(self) -> None:
+        try:
+            self.send(STOP)
+            for w, _ in self.works:
+                w.wait()
+        except Exception:  # noqa: BLE001 - at exit, peers may already be gone
+            pass
+
+
+class PSEngine:
+    """Runs ``plan.ps`` on this rank. Workers: hooks on the model; servers: :meth:`serve`."""
+
+    def __init__(self, plan: Plan, module: nn.Module,
+                 optimizers: Sequence[torch.optim.Optimizer], cluster: Cluster,
+                 stats: CommStats) -> None:
+        ps = plan.ps
+        assert ps is not None
+        if not ps.sync or ps.staleness:
+            raise StrategyError(f"PS consistency mode {ps.mode!r} is not supported by this "
+                                "engine", where=f"strategy {plan.strategy_id}",
+                                fix="use sync=True, staleness=0")
+        self.plan = plan
+        self.ps = ps
+        self.cluster = cluster
+        self.rank = cluster.rank
+        self.W = ps.workers
+        self.is_server = self.rank >= self.W
+        self.is_chief = self.rank == 0
+        self.stats = stats
+        self.module = module
+        self.optimizers = list(optimizers)
+        self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        self.by_param: dict[str, list[PSPiece]] = {}
+        for p in ps.pieces:
+            self.by_param.setdefault(p.param, []).append(p)
+        self.grad_weight = 1.0
+        self.require_sync = True
+        self.step_count = 0
+        self._lock = threading.Lock()
+        self._check_optimizers()
+
+        # Process groups: created in the same order on every rank (members only).
+        ns = cluster.next_namespace()
+        everyone = range(ps.size)
+        self.g_all = cluster.make_group(f"{ns}/all", everyone)
+        self.g_ctrl = (cluster.make_group(f"{ns}/ctrl", [0, *range(self.W, ps.size)],
+                                          IDLE_TIMEOUT) if ps.servers else None)
+        self.g_owner: dict[int, Group] = {}
+        colocated = any(o < self.W for o in ps.owners)
+        g_workers = cluster.make_group(f"{ns}/colocated", range(self.W)) if colocated else None
+        for o in ps.owners:
+            if o < self.W:
+                if g_workers is not None:
+                    self.g_owner[o] = g_workers
+            else:
+                g = cluster.make_group(f"{ns}/server{o}", [*range(self.W), o])
+                if g is not None:
+                    self.g_owner[o] = g
+
+        self._broadcast_initial_state()
+
+        # Owned shards and their optimizer.
+        self.shards: dict[int, torch.Tensor] = {}
+        entries = []
+        for p in ps.pieces:
+            if p.owner == self.rank:
+                shard = piece_view(self.params[p.param], p)
+                self.shards[p.id] = shard
+                oi, gi = self._loc[p.param]
+                entries.append((shard, oi, gi, p.sparse, f"node_config[{p.param}]"))
+        self.shard_optimizer = ShardOptimizer(self.optimizers, entries) if entries else None
+        self.hlayout = hparam_layout(self.optimizers) if ps.servers else []
+        self.ctrl_len = HEADER + sum(n for *_, n in self.hlayout)
+        self.stopper = _Stopper(self.g_ctrl if self.is_chief else None, self.ctrl_len)
+
+        device = torch.device(plan.device)
+        self.buckets: list[DenseBucket] = []
+        for b in ps.buckets:
+            if b.owner not in self.g_owner:
+                continue  # a server's bucket this server does not own
+            pieces = [ps.pieces[i] for i in b.pieces]
+            self.buckets.append(DenseBucket(b, pieces, self.params, self.g_owner[b.owner],
+                                            self.rank, device, stats))
+        self.slot: dict[int, tuple[DenseBucket, int]] = {}
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.pieces):
+                self.slot[p.id] = (bucket, i)
+        self.sparse = (SparseExchange(list(ps.sparse), self.g_all, self.rank, self.W,
+                                      self.params, self.shards, stats)
+                       if ps.sparse else None)
+        self.on_demand = [p for p in ps.sparse if not p.local_replication]
+
+        # Worker state.
+        self._next = 0
+        self._queued = False
+        self._pushed = False  # a push happened since the last update
+        self._pulling = False
+        self._touched: dict[str, list[torch.Tensor]] = {}
+        self._handles: list[Any] = []
+        if not self.is_server:
+            self._install_hooks()
+            if self.is_chief and ps.servers:
+                atexit.register(self.stopper.stop)
+
+    # -- set-up --------------------------------------------------------------------------
+    def _check_optimizers(self) -> None:
+        if not self.optimizers:
+            raise StrategyError("parameter-server synchronizers need the optimizer",
+                                where="DistributedModel",
+                                fix="pass it: ad.distribute(model, optimizer) or "
+                                    "DistributedModel(model, plan, optimizer=optimizer)")
+        self._loc: dict[str, tuple[int, int]] = {}
+        for name in self.by_param:
+            loc = locate(self.optimizers, self.params[name])
+            if loc is None:
+                raise StrategyError(f"parameter {name!r} has a PS synchronizer but is in no "
+                                    "optimizer", where=f"node_config[{name}]",
+                                    fix="build the optimizer over model.parameters(), or "
+                                        "freeze the parameter (requires_grad=False)")
+            self._loc[name] = loc
+
+    @torch.no_grad()
+    def _broadcast_initial_state(self) -> None:
+        """Everyone (servers included) starts from worker 0's parameters and buffers."""
+        states = list(dict.fromkeys([*self.module.parameters(), *self.module.buffers()]))
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in states:
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append(t)
+        for tensors in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            self.g_all.run(lambda flat=flat: self.g_all.broadcast(flat, 0),
+                           "broadcasting the initial parameters")
+            if self.rank != 0:
+                off = 0
+                for t in tensors:
+                    t.copy_(flat[off:off + t.numel()].view_as(t))
+                    off += t.numel()
+
+    def _install_hooks(self) -> None:
+        ref = weakref.ref(self)
+        for p in self.params.values():
+            def hook(param: torch.Tensor, ref: weakref.ref = ref) -> None:
+                engine = ref()
+                if engine is not None:
+                    engine._on_grad(param)
+
+            self._handles.append(p.register_post_accumulate_grad_hook(hook))
+        self._name_of = {id(p): n for n, p in self.params.items()}
+        sparse_params = {p.param for p in self.ps.sparse}
+        found: set[str] = set()
+        for mod in self.module.modules():
+            if not isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+                continue
+            name = self._name_of.get(id(mod.weight))
+            if name not in sparse_params:
+                continue
+            if getattr(mod, "max_norm", None) is not None:
+                raise UnsupportedModelError(
+                    f"embedding {name!r} uses max_norm, which rewrites rows during forward",
+                    where="parameter-server runtime",
+                    fix="drop max_norm, or use an AllReduce synchronizer for it")
+            found.add(name)
+
+            def pre(module: nn.Module, args: tuple, kwargs: dict, name: str = name,
+                    ref: weakref.ref = ref) -> None:
+                engine = ref()
+                if engine is not None:
+                    ids = args[0] if args else kwargs.get("input")
+                    engine._on_embedding(name, module, ids)
+
+            self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        missing = sparse_params - found
+        if missing:
+            raise UnsupportedModelError(
+                f"sparse PS parameters {sorted(missing)} are not the weight of an "
+                "nn.Embedding/nn.EmbeddingBag, so their rows cannot be tracked",
+                where="parameter-server runtime",
+                fix="look rows up through the embedding module")
+        for opt in self.optimizers:
+            self._handles.append(opt.register_step_pre_hook(
+                lambda *_a, ref=ref: ref() and ref().on_step()))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- forward -------------------------------------------------------------------------
+    def before_forward(self) -> None:
+        """Wait for pending pulls; start the pull phase of a training forward."""
+        if self._queued:  # a backward pass failed before its end callback ran
+            self._reset_backward()
+        self.finish_pulls()
+        if torch.is_grad_enabled() and self.on_demand:
+            if self.ps.servers and self.is_chief:
+                self.stopper.send(PULL, self.step_count)
+            self._pulling = True
+
+    def after_forward(self) -> None:
+        if self._pulling:
+            self._pulling = False
+            while not self.sparse.pull_round(None):
+                pass
+
+    def _on_embedding(self, name: str, module: nn.Module, ids: torch.Tensor) -> None:
+        if not torch.is_grad_enabled():
+            return
+        flat = ids.reshape(-1)
+        pieces = self.by_param[name]
+        if not pieces[0].sparse_grad:  # dense-declared: remember the rows it touches
+            pad = getattr(module, "padding_idx", None)
+            touched = flat if pad is None else flat[flat != pad]
+            self._touched.setdefault(name, []).append(touched)
+        if not self._pulling:
+            return
+        uniq = torch.unique(flat)
+        requests = {}
+        for p in pieces:
+            if p.local_replication:
+                continue
+            sel = uniq[(uniq >= p.row_start) & (uniq < p.row_start + p.rows)]
+            requests[self.sparse.pos[p.id]] = sel
+        self.sparse.pull_round(requests)
+
+    def finish_pulls(self) -> None:
+        for b in self.buckets:
+            b.finish_pull()
+        if self.sparse is not None:
+            self.sparse.finish_updates()
+
+    # -- backward ------------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.require_sync:
+            return
+        with self._lock:
+            if not self._queued:
+                self._queued = True
+                _queue_callback(self._finish_backward)
+                if self.is_chief and self.ps.servers:
+                    self.stopper.send(PUSH, self.step_count)
+            name = self._name_of[id(param)]
+            pieces = self.by_param.get(name)
+            if pieces is None:
+                return
+            factor = self.grad_weight / self.W
+            self._capture(name, pieces, param.grad, factor)
+            param.grad = None
+            self._launch_ready()
+
+    def _capture(self, name: str, pieces: list[PSPiece], grad: torch.Tensor | None,
+                 factor: float) -> None:
+        if pieces[0].sparse:
+            idx, vals = self._sparse_rows(name, pieces[0], grad, factor)
+            self.sparse.stash_grad(pieces, idx, vals)
+            return
+        for p in pieces:
+            bucket, i = self.slot[p.id]
+            if bucket.captured[i]:
+                raise UnsupportedModelError(
+                    f"the gradient of {name!r} was accumulated twice in one backward pass",
+                    where="DistributedModel backward",
+                    fix="use torch.utils.checkpoint with use_reentrant=False")
+            bucket.capture(i, grad, factor)
+
+    def _sparse_rows(self, name: str, piece: PSPiece, grad: torch.Tensor | None,
+                     factor: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        touched = self._touched.pop(name, None)
+        if grad is None:
+            return None, None
+        if grad.is_sparse:
+            g = grad.coalesce()
+            return g.indices()[0], g.values() * factor
+        if touched is None:  # used, but not through the module's forward
+            rows = torch.nonzero(grad.reshape(grad.shape[0], -1).any(dim=1)).reshape(-1)
+        else:
+            rows = torch.unique(torch.cat(touched))
+        return rows, grad.index_select(0, rows) * factor
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self.buckets[self._next].launch()
+            self.stats.overlapped += 1
+            self._next += 1
+
+    def _finish_backward(self) -> None:
+        with self._lock:
+            try:
+                for name, pieces in self.by_param.items():
+                    if pieces[0].sparse:
+                        if self.sparse.pos[pieces[0].id] not in self.sparse.stash:
+                            self._capture(name, pieces, None, 1.0)
+                        continue
+                for b in self.buckets[self._next:]:
+                    b.fill_missing()
+                    b.launch()
+                self._next = len(self.buckets)
+                self._push_and_wait()
+                if not self.plan.groups:  # else the all-reduce reducer counts the step
+                    self.stats.steps += 1
+            finally:
+                self._reset_backward()
+
+    def _push_and_wait(self) -> None:
+        if self.sparse is not None:
+            self.sparse.push()
+        for b in self.buckets:
+            b.finish_push()
+        self._pushed = True
+
+    def _reset_backward(self) -> None:
+        self._queued = False
+        self._next = 0
+        self._touched.clear()
+        for b in self.buckets:
+            b.captured = [False] * len(b.pieces)
+            b.pending = len(b.pieces)
+
+    # -- update --------------------------------------------------------------------------
+    def on_step(self) -> None:
+        """Owners apply the update and broadcast the values (optimizer.step() pre-hook)."""
+        if not self._pushed:
+            return
+        if self.is_chief and self.ps.servers:
+            self.stopper.send(UPDATE, self.step_count, 0,
+                              pack_hparams(self.optimizers, self.hlayout))
+        self._update()
+
+    def _update(self) -> None:
+        self._pushed = False
+        self.step_count += 1
+        updated_sparse: dict[int, torch.Tensor] = {}
+        owned = [b for b in self.buckets if b.is_owner]
+        for b in owned:
+            b.attach_grads(self.shards)
+        sparse_ids = self.sparse.attach_grads() if self.sparse is not None else []
+        if self.shard_optimizer is not None:
+            if sparse_ids:
+                for pid in sparse_ids:
+                    p = self.ps.pieces[pid]
+                    if p.local_replication:
+                        updated_sparse[self.sparse.pos[pid]] = self._updated_rows(pid)
+            self.shard_optimizer.step()
+        for b in owned:
+            b.clear_grads(self.shards)
+        if self.sparse is not None:
+            self.sparse.clear()
+        for b in self.buckets:
+            b.post_values(self.shards)
+        if self.sparse is not None and any(p.local_replication for p in self.ps.sparse):
+            self.sparse.send_updates(updated_sparse)
+
+    def _updated_rows(self, pid: int) -> torch.Tensor:
+        """Local rows the coming update changes: the gradient's, plus for SGD with momentum
+        every row with a momentum buffer (torch's sparse SGD keeps moving them)."""
+        shard = self.shards[pid]
+        rows = shard.grad.coalesce().indices()[0]
+        for opt, _, _ in self.shard_optimizer.optimizers:
+            buf = opt.state.get(shard, {}).get("momentum_buffer")
+            if buf is not None and buf.is_sparse:
+                rows = torch.unique(torch.cat([rows, buf.coalesce().indices()[0]]))
+        return rows
+
+    # -- whole-value refresh -------------------------------------------------------------
+    def refresh(self) -> None:
+        """Collective: every worker's copy of every PS parameter becomes the owners'."""
+        self.finish_pulls()
+        if self.is_chief and self.ps.servers:
+            self.stopper.send(REFRESH, self.step_count)
+        self._refresh()
+
+    @torch.no_grad()
+    def _refresh(self) -> None:
+        for p in self.ps.pieces:
+            g = self.g_owner.get(p.owner)
+            if g is None:
+                continue
+            if p.owner == self.rank:
+                buf = self.shards[p.id].contiguous().clone()
+            else:
+                buf = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+            g.run(lambda g=g, buf=buf, p=p: g.broadcast(buf, p.owner),
+                  f"refreshing {p.param} from {self.cluster.describe(p.owner)}")
+            if p.owner != self.rank and self.rank < self.W:
+                piece_view(self.params[p.param], p).copy_(buf)
+
+    # -- server loop ---------------------------------------------------------------------
+    def serve(self) -> None:
+        """Dedicated server: follow the chief's phases until it sends STOP."""
+        msg = torch.zeros(self.ctrl_len, dtype=torch.float64)
+        while True:
+            self.g_ctrl.run(lambda: self.g_ctrl.broadcast(msg, 0), "waiting for the chief")
+            cmd, nh = int(msg[0]), int(msg[3])
+            if cmd == STOP:
+                self.finish_pulls()
+                return
+            if cmd == PULL:
+                self.finish_pulls()
+                while not self.sparse.pull_round(None):
+                    pass
+            elif cmd == PUSH:
+                self.finish_pulls()
+                for b in self.buckets:
+                    b.fill_missing()
+                    b.launch()
+                self._push_and_wait()
+                self._reset_backward()
+            elif cmd == UPDATE:
+                unpack_hparams(self.optimizers, self.hlayout,
+                               msg[HEADER:HEADER + nh].tolist())
+                self.finish_pulls()
+                self._update()
+            elif cmd == REFRESH:
+                self.finish_pulls()
+                self._refresh()
+            else:
+                raise RuntimeError(f"unknown parameter-server command {cmd}")
+
+    def close(self) -> None:
+        """Finish pending pulls and release the servers (the chief sends STOP)."""
+        self.finish_pulls()
+        if self.is_chief:
+            self.stopper.stop()
+        self.remove_hooks()

@@ -1,0 +1,137 @@
+"""Shared by the parameter-server tests: an embedding model, specs, references, spawning.
+
+Workers and servers run in spawned processes that join a PS cluster the way AutoDist does
+(``join_cluster``: no default group beforehand; servers get none). The parent compares
+their results with plain-torch single-process references.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from rt_common import free_port
+from torch import nn
+
+from stratagem.resource import ResourceSpec
+
+STEPS = 20
+BATCH = 8
+VOCAB = 24
+DIM = 4
+BAG = 3
+
+
+class EmbNet(nn.Module):
+    """A sparse embedding (bags of ids) plus a dense tower; 24 rows split evenly 2/3/4 ways."""
+
+    def __init__(self, sparse: bool = True, bag: bool = True) -> None:
+        super().__init__()
+        self.bag = bag
+        self.emb = (nn.EmbeddingBag(VOCAB, DIM, mode="sum", sparse=sparse) if bag
+                    else nn.Embedding(VOCAB, DIM, sparse=sparse))
+        self.fc1 = nn.Linear(DIM, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) if self.bag else self.emb(ids).sum(dim=1)
+        return self.fc2(torch.tanh(self.fc1(h)))
+
+
+def make_model(seed: int, sparse: bool = True, bag: bool = True) -> EmbNet:
+    torch.manual_seed(seed)
+    return EmbNet(sparse, bag).double()
+
+
+def batch(step: int, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Skewed ids (low ids are hot), labels in 0..2."""
+    g = torch.Generator().manual_seed(500 + step)
+    u = torch.rand(n, BAG, generator=g, dtype=torch.float64)
+    ids = (VOCAB * u ** 2).long().clamp_max(VOCAB - 1)
+    y = torch.randint(0, 3, (n,), generator=g)
+    return ids, y
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, y)
+
+
+def make_optimizers(name: str, model: EmbNet) -> list[torch.optim.Optimizer]:
+    """What a user writes; the Adam variant is torch's own lazy-Adam recipe."""
+    if name == "sgd":
+        return [torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
+    if name == "adagrad":
+        return [torch.optim.Adagrad(model.parameters(), lr=0.2)]
+    if name == "adam":
+        dense = [p for n, p in model.named_parameters() if not n.startswith("emb.")]
+        return [torch.optim.SparseAdam([model.emb.weight], lr=0.05),
+                torch.optim.Adam(dense, lr=0.05)]
+    if name == "adam1":  # one Adam over everything: lazy Adam for the embedding rows
+        return [torch.optim.Adam(model.parameters(), lr=0.05)]
+    raise ValueError(name)
+
+
+def reference(opt: str, steps: int = STEPS, sparse: bool = True, bag: bool = True,
+              lr_decay: bool = False) -> dict[str, torch.Tensor]:
+    """Plain torch, one process, the global batch."""
+    m = make_model(0, sparse, bag)
+    # One Adam over everything is lazy Adam for the rows: SparseAdam + Adam.
+    opts = make_optimizers("adam" if opt == "adam1" else opt, m)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 5, 0.5) for o in opts] if lr_decay else []
+    for step in range(steps):
+        x, y = batch(step)
+        for o in opts:
+            o.zero_grad()
+        loss_fn(m(x), y).backward()
+        for o in opts:
+            o.step()
+        for s in scheds:
+            s.step()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def spec_for(workers: int, servers: int) -> ResourceSpec:
+    """One worker node (``workers`` CPU workers) plus ``servers`` server-only nodes."""
+    nodes = [{"address": "10.0.0.1", "chief": True, "workers": workers, "cpus": [0]}]
+    nodes += [{"address": f"10.0.1.{i + 1}", "workers": 0, "cpus": [0]} for i in range(servers)]
+    return ResourceSpec.from_dict({"nodes": nodes})
+
+
+# -- spawning ---------------------------------------------------------------------------
+def _entry(rank: int, world: int, port: int, servers: int, fn: Callable, kwargs: dict,
+           out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      STRATAGEM_ROLE="server" if rank >= world - servers else "worker")
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world - servers, servers, **kwargs)
+    except Exception:
+        result = {"__error__": traceback.format_exc()}
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def spawn_ps(fn: Callable, workers: int, servers: int, out: Path, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, workers, servers, **kw)`` in workers + servers processes."""
+    out.mkdir(parents=True, exist_ok=True)
+    world = workers + servers
+    mp.start_processes(_entry, args=(world, free_port(), servers, fn, kwargs, str(out)),
+                       nprocs=world, start_method="spawn", join=True)
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        if isinstance(res, dict) and "__error__" in res:
+            raise AssertionError(f"rank {r} failed:\n{res['__error__']}")
+    return results
+
+
+TIMEOUT = timedelta(seconds=60)

@@ -1,0 +1,88 @@
+"""Engine-side PS cases, run inside spawned processes (see ps_common.spawn_ps)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from ps_common import (
+    BATCH,
+    STEPS,
+    TIMEOUT,
+    batch,
+    loss_fn,
+    make_model,
+    make_optimizers,
+    spec_for,
+)
+from rt_common import guarded
+
+from stratagem.analysis import analyze
+from stratagem.runtime import DistributedModel, compile_plan
+from stratagem.runtime.ps import join_cluster, run_server
+from stratagem.strategy import (
+    PS,
+    Parallax,
+    PartitionedPS,
+    PSLoadBalancing,
+    UnevenPartitionedPS,
+    validate,
+)
+from stratagem.strategy.validate import server_devices
+
+BUILDERS = {"PS": PS, "PSLoadBalancing": PSLoadBalancing, "PartitionedPS": PartitionedPS,
+            "UnevenPartitionedPS": UnevenPartitionedPS, "Parallax": Parallax}
+OPTS = ("sgd", "adagrad", "adam")
+SYNC_CASES = [(b, o) for b in BUILDERS for o in OPTS]
+
+
+def train(cluster: Any, builder: Any, opt: str, spec: Any, steps: int = STEPS,
+          sparse: bool = True, bag: bool = True, lr_decay: bool = False) -> Any:
+    rank, W = cluster.rank, cluster.workers
+    model = make_model(seed=rank, sparse=sparse, bag=bag)  # seeds differ (worker 0: 0)
+    opts = make_optimizers(opt, model)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 5, 0.5) for o in opts] if lr_decay else []
+    profile = analyze(model)
+    strategy = validate(builder.build(profile, spec), profile, spec)
+    plan = compile_plan(strategy, profile, rank=rank, world_size=W,
+                        device=torch.device("cpu"), servers=server_devices(spec))
+    if plan.role == "server":
+        stats = run_server(model, plan, opts, cluster)
+        return {"server": True, "stats": stats}
+    dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
+    per = BATCH // W
+    sl = slice(rank * per, (rank + 1) * per)
+    for step in range(steps):
+        x, y = batch(step)
+        for o in opts:
+            o.zero_grad()
+        loss_fn(dm(x[sl]), y[sl]).backward()
+        for o in opts:
+            o.step()
+        for s in scheds:
+            s.step()
+    dm.refresh_parameters()
+    state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
+    stats = dm.comm_stats
+    dm.close()
+    return {"state": state, "stats": stats, "plan": plan.summary()}
+
+
+def cases_for(workers: int, servers: int) -> list[tuple[str, str]]:
+    """Every builder x optimizer (the 4-worker runs too: a case costs ~0.5 s a spawn)."""
+    return SYNC_CASES
+
+
+def sync_family(cluster: Any, spec: Any, cases: list | None = None) -> dict:
+    out = {}
+    for b, o in cases or cases_for(cluster.workers, len(cluster.servers)):
+        out[f"{b}/{o}"] = guarded(lambda b=b, o=o: train(cluster, BUILDERS[b](), o, spec))
+    return out
+
+
+def suite(rank: int, workers: int, servers: int, cases: list | None = None) -> dict:
+    """Everything one spawn runs (workers + servers)."""
+    spec = spec_for(workers, servers)
+    cluster = join_cluster(spec.replicas, server_devices(spec), timeout=TIMEOUT)
+    out = sync_family(cluster, spec, cases)
+    return out
