@@ -135,3 +135,59 @@ def spawn_ps(fn: Callable, workers: int, servers: int, out: Path, **kwargs: Any)
 
 
 TIMEOUT = timedelta(seconds=60)
+
+
+def _script_entry(index: int, world: int, port: int, roles: list[str], script: str,
+                  env: dict, out: str) -> None:
+    import runpy
+    import sys
+
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index),
+                      WORLD_SIZE=str(world), LOCAL_RANK="0", STRATAGEM_ROLE=roles[index],
+                      PS_OUT=out)
+    torch.set_num_threads(1)
+    code: object = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        code = traceback.format_exc()
+    (Path(out) / f"exit{index}.txt").write_text(repr(code))
+    sys.exit(0)
+
+
+def run_script(script: Path, roles: list[str], out: Path, env: dict[str, str]) -> list[str]:
+    """Run ``script`` as a torchrun-like job (one process per role, launcher rank = index);
+    returns each process's exit code (repr) or traceback."""
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_script_entry, args=(len(roles), free_port(), roles, str(script), env,
+                                            str(out)),
+                       nprocs=len(roles), start_method="spawn", join=True)
+    return [(out / f"exit{i}.txt").read_text() for i in range(len(roles))]
+
+
+def spawn_and_kill(fn: Callable, workers: int, servers: int, out: Path, victim: int,
+                   ready: str = "ready", **kwargs: Any) -> tuple[list[Any], float]:
+    """Like :func:`spawn_ps`, but SIGKILL rank ``victim`` once every worker has written
+    ``out/<ready><rank>``; returns the survivors' results and the kill time."""
+    import signal
+    import time
+
+    out.mkdir(parents=True, exist_ok=True)
+    world = workers + servers
+    ctx = mp.start_processes(_entry, args=(world, free_port(), servers, fn, kwargs, str(out)),
+                             nprocs=world, start_method="spawn", join=False)
+    deadline = time.monotonic() + 120
+    while not all((out / f"{ready}{r}").exists() for r in range(workers)):
+        if time.monotonic() > deadline:
+            raise AssertionError("workers never got ready")
+        time.sleep(0.05)
+    os.kill(ctx.processes[victim].pid, signal.SIGKILL)
+    killed = time.time()
+    for p in ctx.processes:
+        p.join(timeout=120)
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False)
+               if (out / f"rank{r}.pt").exists() else None for r in range(world)]
+    return results, killed

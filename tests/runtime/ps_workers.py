@@ -86,3 +86,45 @@ def suite(rank: int, workers: int, servers: int, cases: list | None = None) -> d
     cluster = join_cluster(spec.replicas, server_devices(spec), timeout=TIMEOUT)
     out = sync_family(cluster, spec, cases)
     return out
+
+
+def until_failure(rank: int, workers: int, servers: int, signal_dir: str, delay: float = 0.0
+                  ) -> dict:
+    """Train until the engine raises (a peer is killed by the test); report the error."""
+    import time
+    from pathlib import Path
+
+    spec = spec_for(workers, servers)
+    cluster = join_cluster(spec.replicas, server_devices(spec), timeout=TIMEOUT)
+    model = make_model(seed=rank)
+    opts = make_optimizers("sgd", model)
+    profile = analyze(model)
+    strategy = validate(PartitionedPS().build(profile, spec), profile, spec)
+    plan = compile_plan(strategy, profile, rank=rank, world_size=workers,
+                        device=torch.device("cpu"), servers=server_devices(spec))
+    if plan.role == "server":
+        try:
+            run_server(model, plan, opts, cluster)
+        except Exception as exc:  # noqa: BLE001 - the other server's view of the failure
+            return {"server": True, "error": str(exc), "time": time.time()}
+        return {"server": True}
+    dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
+    per = BATCH // workers
+    sl = slice(rank * per, (rank + 1) * per)
+    step = 0
+    try:
+        while step < 100000:
+            x, y = batch(step % 50)
+            for o in opts:
+                o.zero_grad()
+            loss_fn(dm(x[sl]), y[sl]).backward()
+            for o in opts:
+                o.step()
+            step += 1
+            if step == 5:
+                (Path(signal_dir) / f"ready{rank}").write_text("")
+            time.sleep(delay)
+    except Exception as exc:  # noqa: BLE001 - what the user would see
+        return {"error": str(exc), "type": type(exc).__name__, "time": time.time(),
+                "step": step}
+    return {"error": None, "step": step}

@@ -8,8 +8,8 @@ Adam (dense) is lazy Adam.
 
 from __future__ import annotations
 
-import pytest
 import ps_workers
+import pytest
 import torch
 from ps_common import reference, spawn_ps
 

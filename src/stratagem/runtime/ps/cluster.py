@@ -207,16 +207,18 @@ class Cluster:
         dead = self.dead_peers(members) if closed or "timed out" in text.lower() else []
         if dead:
             who = ", ".join(self.describe(r) for r in dead)
-            problem = f"lost {who} during {what}: it stopped (crashed or was killed)"
+            problem = (f"lost {who} while {what}: the process stopped (crashed or was "
+                       "killed)")
         elif closed:
             peers = [r for r in members if r != self.rank]
             who = ", ".join(self.describe(r) for r in peers[:4])
-            problem = f"a peer closed its connection during {what} (one of {who})"
+            problem = f"a peer closed its connection while {what} (one of {who})"
         else:
-            problem = f"{what} failed: {text}"
+            problem = f"failed while {what}: {text}"
         return DistributedError(problem, where=f"{self.describe(self.rank)}",
-                                fix="look at the failed process's own error above; "
-                                    f"(gloo: {text[:160]})")
+                                fix="the job cannot go on without it: see that process's "
+                                    "own error or exit status (crash, OOM killer), then "
+                                    f"restart the job [gloo: {text[:120]}]")
 
 
 class Group:
@@ -276,7 +278,7 @@ class Group:
         try:
             work.wait()
         except RuntimeError as exc:
-            raise self.cluster.explain(exc, what or f"an operation on {self.name}",
+            raise self.cluster.explain(exc, what or f"waiting on group {self.name}",
                                        self.members) from None
 
     def run(self, fn, what: str) -> None:  # noqa: ANN001 - a zero-argument callable
@@ -287,7 +289,8 @@ class Group:
         try:
             return fn()
         except RuntimeError as exc:
-            raise self.cluster.explain(exc, f"{what} on {self.name}", self.members) from None
+            raise self.cluster.explain(exc, f"starting a {what} on group {self.name}",
+                                       self.members) from None
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):

@@ -1,0 +1,34 @@
+"""A user's training script with AutoDist and parameter servers (run by test_ps.py).
+
+Servers run it too: ``ad.distribute`` serves there and exits the process, so nothing below
+it runs on a server. Env: PS_SPEC (spec file), PS_OUT (result directory), PS_BUILDER.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ps_common import BATCH, STEPS, batch, loss_fn, make_model  # noqa: E402
+
+import stratagem as sg  # noqa: E402
+
+ad = sg.AutoDist(resource_spec_file=os.environ["PS_SPEC"],
+                 strategy_builder=os.environ.get("PS_BUILDER", "PartitionedPS"), verbose=False)
+model = make_model(seed=ad.rank)
+optimizer = torch.optim.Adagrad(model.parameters(), lr=0.2)
+model, optimizer = ad.distribute(model, optimizer)
+
+assert ad.role == "worker", "servers never get past distribute()"
+per = BATCH // ad.world_size
+sl = slice(ad.rank * per, (ad.rank + 1) * per)
+for step in range(STEPS):
+    x, y = batch(step)
+    optimizer.zero_grad()
+    loss_fn(model(x[sl]), y[sl]).backward()
+    optimizer.step()
+model.refresh_parameters()
+torch.save({"state": model.state_dict(), "rank": ad.rank, "world": ad.world_size,
+            "plan": model.plan.summary()}, Path(os.environ["PS_OUT"]) / f"worker{ad.rank}.pt")
