@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,9 +24,11 @@ from stratagem.runtime import DistributedModel, compile_plan
 from stratagem.runtime.ps import join_cluster, run_server
 from stratagem.strategy import (
     PS,
+    AllReduceSynchronizer,
     Parallax,
     PartitionedPS,
     PSLoadBalancing,
+    Strategy,
     UnevenPartitionedPS,
     validate,
 )
@@ -85,7 +89,23 @@ def suite(rank: int, workers: int, servers: int, cases: list | None = None) -> d
     spec = spec_for(workers, servers)
     cluster = join_cluster(spec.replicas, server_devices(spec), timeout=TIMEOUT)
     out = sync_family(cluster, spec, cases)
+    if (workers, servers) == (2, 2) and cases is None:
+        for comp in ("fp16", "none"):
+            out[f"mixed/{comp}"] = guarded(lambda c=comp: train(
+                cluster, mixed_strategy(c), "adam", spec))
     return out
+
+
+MIXED = Path(__file__).with_name("ps_mixed_strategy.yaml")
+
+
+def mixed_strategy(compressor: str) -> Strategy:
+    """The hand-written mixed strategy file, with the encoder's compressor replaced."""
+    s = Strategy.load(MIXED)
+    nodes = tuple(replace(nc, synchronizer=replace(nc.synchronizer, compressor=compressor))
+                  if isinstance(nc.synchronizer, AllReduceSynchronizer) else nc
+                  for nc in s.node_config)
+    return replace(s, node_config=nodes)
 
 
 def until_failure(rank: int, workers: int, servers: int, signal_dir: str, delay: float = 0.0

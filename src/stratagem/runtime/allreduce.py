@@ -38,6 +38,12 @@ from stratagem.runtime.plan import GroupPlan, Member, Plan
 from stratagem.runtime.stats import CommStats
 
 
+GradObserver = Callable[[str, GroupPlan, torch.Tensor, float], None]
+"""``fn(event, group, buffer, scale)``: ``event`` is ``"local"`` (``buffer`` holds ``scale`` x
+this rank's gradient, about to be averaged) or ``"reduced"`` (the average, ``scale`` 1).
+Observers must not modify the buffer."""
+
+
 def _queue_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
@@ -130,6 +136,9 @@ class AllReduceReducer:
         self.require_sync = True
         self.grad_weight = 1.0
         self.before_wait: Callable[[], Callable[[], None] | None] | None = None
+        # Gradient observers (DistributedModel.add_grad_observer): called with each group's
+        # buffer before its collective ("local") and after the average ("reduced").
+        self.observers: list[GradObserver] = []
         self._next = 0
         self._queued = False
         # Hooks of CPU and CUDA parameters may run on different autograd threads.
@@ -186,6 +195,10 @@ class AllReduceReducer:
 
     def _launch(self, g: _GroupRT) -> None:
         g.launched = True
+        if self.observers:
+            scale = self.grad_weight / self.world_size
+            for fn in self.observers:
+                fn("local", g.plan, g.buffer, scale)
         g.compressor.start(g.comm)
 
     def _finish(self) -> None:
@@ -203,6 +216,9 @@ class AllReduceReducer:
             finish_extra = self.before_wait() if self.before_wait is not None else None
             for g in self.groups:
                 g.compressor.finish(g.comm)
+            for fn in self.observers:
+                for g in self.groups:
+                    fn("reduced", g.plan, g.buffer, 1.0)
             for g in self.groups:
                 for m in g.members:
                     m.write_back()

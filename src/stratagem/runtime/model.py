@@ -99,6 +99,19 @@ class DistributedModel(nn.Module):
             return None
         return self._buffer_sync.launch()
 
+    def add_grad_observer(self, fn: Any) -> Any:
+        """Call ``fn(event, group, buffer, scale)`` for every all-reduced gradient group of
+        each synced backward: ``"local"`` right before the group's collective (``buffer`` =
+        ``scale`` x this rank's gradient) and ``"reduced"`` after it (the average). Used by
+        ``stratagem.adapt`` for gradient statistics; ``fn`` must not modify the buffer.
+        Groups synced otherwise (one process, parameter servers) are not observed.
+        Returns a handle whose ``remove()`` detaches ``fn``."""
+        observers = getattr(self._reducer, "observers", None)
+        if observers is None:
+            observers = []
+        observers.append(fn)
+        return _ObserverHandle(observers, fn)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip gradient sync inside the block; gradients accumulate locally and the next
@@ -174,3 +187,14 @@ class DistributedModel(nn.Module):
     def extra_repr(self) -> str:
         return (f"rank={self.plan.rank}, world_size={self.plan.world_size}, "
                 f"groups={len(self.plan.groups)}")
+
+
+class _ObserverHandle:
+    """Detaches a gradient observer (see :meth:`DistributedModel.add_grad_observer`)."""
+
+    def __init__(self, observers: list, fn: Any) -> None:
+        self._observers, self._fn = observers, fn
+
+    def remove(self) -> None:
+        if self._fn in self._observers:
+            self._observers.remove(self._fn)

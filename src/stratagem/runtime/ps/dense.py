@@ -33,7 +33,8 @@ class DenseBucket:
         self.owner = plan.owner
         self.is_owner = rank == plan.owner
         self.stats = stats
-        self.buf = torch.zeros(plan.size, dtype=getattr(torch, plan.dtype), device=device)
+        # Host memory: gloo's reduce and all-to-all take CPU tensors.
+        self.buf = torch.zeros(plan.size, dtype=getattr(torch, plan.dtype))
         self.views = [self.buf[p.offset:p.offset + p.numel].view(p.shape) for p in pieces]
         self.presence = self.buf[plan.numel:]
         self.params = [params[p.param] for p in pieces]
@@ -63,7 +64,11 @@ class DenseBucket:
                 grad = grad.to_dense()
             if not piece.whole:
                 grad = grad.narrow(piece.axis, piece.start, piece.length)
-            torch.mul(grad, factor, out=view)
+            if grad.device == view.device:
+                torch.mul(grad, factor, out=view)
+            else:  # (GPU workers: PS traffic is staged through host memory)
+                view.copy_(grad)
+                view.mul_(factor)
             self.presence[i] = 1
         self.captured[i] = True
         self.pending -= 1
@@ -94,7 +99,9 @@ class DenseBucket:
         """Give each owned shard its summed gradient (None where no worker had one)."""
         present = self.acc[self.plan.numel:]
         for i, piece in enumerate(self.pieces):
-            shards[piece.id].grad = self.acc_views[i] if present[i] > 0 else None
+            shard = shards[piece.id]
+            grad = self.acc_views[i] if present[i] > 0 else None
+            shard.grad = grad if grad is None else grad.to(shard.device)
 
     def clear_grads(self, shards: dict[int, torch.Tensor]) -> None:
         for piece in self.pieces:

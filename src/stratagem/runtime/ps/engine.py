@@ -21,8 +21,6 @@ engine in :meth:`serve`, taking part in every exchange with empty contributions.
 from __future__ import annotations
 
 import atexit
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,12 +29,12 @@ from torch import nn
 
 from stratagem.errors import StrategyError, UnsupportedModelError
 from stratagem.runtime.plan import Plan
+from stratagem.runtime.ps.base import EngineBase
 from stratagem.runtime.ps.cluster import IDLE_TIMEOUT, Cluster, Group
 from stratagem.runtime.ps.dense import DenseBucket, piece_view
 from stratagem.runtime.ps.optim import (
     ShardOptimizer,
     hparam_layout,
-    locate,
     pack_hparams,
     unpack_hparams,
 )
@@ -85,37 +83,20 @@ class _Stopper:
             pass
 
 
-class PSEngine:
-    """Runs ``plan.ps`` on this rank. Workers: hooks on the model; servers: :meth:`serve`."""
+class PSEngine(EngineBase):
+    """Runs ``plan.ps`` (bulk-synchronous) on this rank. Workers: hooks on the model;
+    servers: :meth:`serve`."""
 
     def __init__(self, plan: Plan, module: nn.Module,
                  optimizers: Sequence[torch.optim.Optimizer], cluster: Cluster,
                  stats: CommStats) -> None:
-        ps = plan.ps
-        assert ps is not None
+        super().__init__(plan, module, optimizers, cluster, stats)
+        ps = self.ps
         if not ps.sync or ps.staleness:
-            raise StrategyError(f"PS consistency mode {ps.mode!r} is not supported by this "
+            raise StrategyError(f"PS consistency mode {ps.mode!r} needs the consistency "
                                 "engine", where=f"strategy {plan.strategy_id}",
-                                fix="use sync=True, staleness=0")
-        self.plan = plan
-        self.ps = ps
-        self.cluster = cluster
-        self.rank = cluster.rank
-        self.W = ps.workers
-        self.is_server = self.rank >= self.W
-        self.is_chief = self.rank == 0
-        self.stats = stats
-        self.module = module
-        self.optimizers = list(optimizers)
-        self.params = {n: p for n, p in module.named_parameters() if p.requires_grad}
-        self.by_param: dict[str, list[PSPiece]] = {}
-        for p in ps.pieces:
-            self.by_param.setdefault(p.param, []).append(p)
-        self.grad_weight = 1.0
-        self.require_sync = True
+                                fix="use stratagem.runtime.ps.make_engine")
         self.step_count = 0
-        self._lock = threading.Lock()
-        self._check_optimizers()
 
         # Process groups: created in the same order on every rank (members only).
         ns = cluster.next_namespace()
@@ -135,7 +116,7 @@ class PSEngine:
                 if g is not None:
                     self.g_owner[o] = g
 
-        self._broadcast_initial_state()
+        self._broadcast_initial_state(self.g_all)
 
         # Owned shards and their optimizer.
         self.shards: dict[int, torch.Tensor] = {}
@@ -173,97 +154,12 @@ class PSEngine:
         self._queued = False
         self._pushed = False  # a push happened since the last update
         self._pulling = False
-        self._touched: dict[str, list[torch.Tensor]] = {}
-        self._handles: list[Any] = []
         if not self.is_server:
             self._install_hooks()
             if self.is_chief and ps.servers:
                 atexit.register(self.stopper.stop)
 
     # -- set-up --------------------------------------------------------------------------
-    def _check_optimizers(self) -> None:
-        if not self.optimizers:
-            raise StrategyError("parameter-server synchronizers need the optimizer",
-                                where="DistributedModel",
-                                fix="pass it: ad.distribute(model, optimizer) or "
-                                    "DistributedModel(model, plan, optimizer=optimizer)")
-        self._loc: dict[str, tuple[int, int]] = {}
-        for name in self.by_param:
-            loc = locate(self.optimizers, self.params[name])
-            if loc is None:
-                raise StrategyError(f"parameter {name!r} has a PS synchronizer but is in no "
-                                    "optimizer", where=f"node_config[{name}]",
-                                    fix="build the optimizer over model.parameters(), or "
-                                        "freeze the parameter (requires_grad=False)")
-            self._loc[name] = loc
-
-    @torch.no_grad()
-    def _broadcast_initial_state(self) -> None:
-        """Everyone (servers included) starts from worker 0's parameters and buffers."""
-        states = list(dict.fromkeys([*self.module.parameters(), *self.module.buffers()]))
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in states:
-            if t.numel():
-                by_dtype.setdefault(t.dtype, []).append(t)
-        for tensors in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            self.g_all.run(lambda flat=flat: self.g_all.broadcast(flat, 0),
-                           "broadcasting the initial parameters")
-            if self.rank != 0:
-                off = 0
-                for t in tensors:
-                    t.copy_(flat[off:off + t.numel()].view_as(t))
-                    off += t.numel()
-
-    def _install_hooks(self) -> None:
-        ref = weakref.ref(self)
-        for p in self.params.values():
-            def hook(param: torch.Tensor, ref: weakref.ref = ref) -> None:
-                engine = ref()
-                if engine is not None:
-                    engine._on_grad(param)
-
-            self._handles.append(p.register_post_accumulate_grad_hook(hook))
-        self._name_of = {id(p): n for n, p in self.params.items()}
-        sparse_params = {p.param for p in self.ps.sparse}
-        found: set[str] = set()
-        for mod in self.module.modules():
-            if not isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
-                continue
-            name = self._name_of.get(id(mod.weight))
-            if name not in sparse_params:
-                continue
-            if getattr(mod, "max_norm", None) is not None:
-                raise UnsupportedModelError(
-                    f"embedding {name!r} uses max_norm, which rewrites rows during forward",
-                    where="parameter-server runtime",
-                    fix="drop max_norm, or use an AllReduce synchronizer for it")
-            found.add(name)
-
-            def pre(module: nn.Module, args: tuple, kwargs: dict, name: str = name,
-                    ref: weakref.ref = ref) -> None:
-                engine = ref()
-                if engine is not None:
-                    ids = args[0] if args else kwargs.get("input")
-                    engine._on_embedding(name, module, ids)
-
-            self._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        missing = sparse_params - found
-        if missing:
-            raise UnsupportedModelError(
-                f"sparse PS parameters {sorted(missing)} are not the weight of an "
-                "nn.Embedding/nn.EmbeddingBag, so their rows cannot be tracked",
-                where="parameter-server runtime",
-                fix="look rows up through the embedding module")
-        for opt in self.optimizers:
-            self._handles.append(opt.register_step_pre_hook(
-                lambda *_a, ref=ref: ref() and ref().on_step()))
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
     # -- forward -------------------------------------------------------------------------
     def before_forward(self) -> None:
         """Wait for pending pulls; start the pull phase of a training forward."""
@@ -286,10 +182,7 @@ class PSEngine:
             return
         flat = ids.reshape(-1)
         pieces = self.by_param[name]
-        if not pieces[0].sparse_grad:  # dense-declared: remember the rows it touches
-            pad = getattr(module, "padding_idx", None)
-            touched = flat if pad is None else flat[flat != pad]
-            self._touched.setdefault(name, []).append(touched)
+        self.record_touched(name, module, flat)
         if not self._pulling:
             return
         uniq = torch.unique(flat)
@@ -340,20 +233,6 @@ class PSEngine:
                     where="DistributedModel backward",
                     fix="use torch.utils.checkpoint with use_reentrant=False")
             bucket.capture(i, grad, factor)
-
-    def _sparse_rows(self, name: str, piece: PSPiece, grad: torch.Tensor | None,
-                     factor: float) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        touched = self._touched.pop(name, None)
-        if grad is None:
-            return None, None
-        if grad.is_sparse:
-            g = grad.coalesce()
-            return g.indices()[0], g.values() * factor
-        if touched is None:  # used, but not through the module's forward
-            rows = torch.nonzero(grad.reshape(grad.shape[0], -1).any(dim=1)).reshape(-1)
-        else:
-            rows = torch.unique(torch.cat(touched))
-        return rows, grad.index_select(0, rows) * factor
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
@@ -454,7 +333,7 @@ class PSEngine:
             if g is None:
                 continue
             if p.owner == self.rank:
-                buf = self.shards[p.id].contiguous().clone()
+                buf = self.shards[p.id].detach().cpu().clone()
             else:
                 buf = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
             g.run(lambda g=g, buf=buf, p=p: g.broadcast(buf, p.owner),

@@ -35,6 +35,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
+def write_rows(param: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Overwrite rows ``ids`` of a worker's copy (``.data``: no autograd version bump, so
+    a lookup earlier in the same forward stays valid -- the values did not change)."""
+    param.data.index_copy_(0, ids.to(param.device), rows.to(param.device))
+
+
 def _as(chunk: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Reinterpret a byte slice (copied if misaligned) as ``dtype`` of ``shape``."""
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -145,7 +151,7 @@ class SparseExchange:
                 idx = torch.empty(0, dtype=torch.int64)
                 vals = torch.empty((0, *self.row_shapes[i]), dtype=self.dtypes[i])
             shard.grad = torch.sparse_coo_tensor(idx.unsqueeze(0), vals, tuple(shard.shape),
-                                                 is_coalesced=False).coalesce()
+                                                 is_coalesced=False).coalesce().to(shard.device)
             out.append(p.id)
         return out
 
@@ -199,7 +205,8 @@ class SparseExchange:
                     continue
                 ids = _as(ids_in[off:off + n * I64], torch.int64, (n,))
                 off += n * I64
-                rows = self.shards[p.id].index_select(0, ids - p.row_start)
+                shard = self.shards[p.id]
+                rows = shard.index_select(0, (ids - p.row_start).to(shard.device)).cpu()
                 replies[q].append(_bytes(rows))
                 reply_bytes[q] += n * self.row_bytes[i]
         expect = [sum(int(counts[q, 2 + i]) * self.row_bytes[i] for i in range(P))
@@ -214,7 +221,7 @@ class SparseExchange:
                 nb = n * self.row_bytes[i]
                 rows = _as(rows_in[off:off + nb], self.dtypes[i], (n, *self.row_shapes[i]))
                 off += nb
-                self.params[i].data.index_copy_(0, wanted[i], rows)
+                write_rows(self.params[i], wanted[i], rows)
                 self.stats.rows_pulled += n
             if q != self.rank:
                 self.stats.pull_bytes += in_bytes[q] + expect[q]
@@ -229,8 +236,9 @@ class SparseExchange:
         payload: list[torch.Tensor] = []
         for i, rows in sorted(updated.items()):
             p = self.pieces[i]
-            vals = self.shards[p.id].index_select(0, rows)
-            payload += [_bytes(rows + p.row_start), _bytes(vals)]
+            shard = self.shards[p.id]
+            vals = shard.index_select(0, rows.to(shard.device)).cpu()
+            payload += [_bytes(rows.cpu() + p.row_start), _bytes(vals)]
             for q in range(W):
                 if q != self.rank:
                     counts[q, i] = len(rows)
@@ -259,7 +267,7 @@ class SparseExchange:
                 nb = n * self.row_bytes[i]
                 rows = _as(out[off:off + nb], self.dtypes[i], (n, *self.row_shapes[i]))
                 off += nb
-                self.params[i].data.index_copy_(0, idx, rows)
+                write_rows(self.params[i], idx, rows)
                 self.stats.rows_pulled += n
                 self.stats.pull_bytes += n * (I64 + self.row_bytes[i])
 
