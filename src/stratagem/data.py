@@ -4,6 +4,10 @@
 whatever the number of replicas, so distributed training matches single-process training
 with the same batch size. Shuffling is a deterministic permutation of (seed, epoch).
 
+With ``accum_steps = a > 0`` every global batch is handed out as ``a + 1`` consecutive
+micro-batches (each again split across replicas); the step's gradient is accumulated over
+them (see ``stratagem.adapt.loop``, which AutoDist attaches as the loader's ``hooks``).
+
 The loader's position is ``ShardPosition(epoch, offset)``: ``offset`` counts the samples of
 the epoch's permutation handed out so far. It is a sample count, not a batch count, so a
 restart with another number of replicas -- or a batch size changed mid-epoch -- continues
@@ -12,10 +16,11 @@ with the very next sample: nothing is skipped or repeated within the epoch.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator, Mapping, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -39,6 +44,28 @@ class GlobalBatch:
     size: int
     indices: list[int]
     weight: float  # local_n * world_size / size: averaged over ranks gives the global mean
+    micro: int = 0  # index of this micro-batch within the global batch
+    micros: int = 1  # micro-batches of the global batch (accumulation steps + 1)
+    next_local: int = 0  # this rank's samples in the next micro-batch (0: this is the last)
+
+    @property
+    def final(self) -> bool:
+        """Whether this micro-batch completes the global batch (the synced step)."""
+        return self.micro == self.micros - 1
+
+
+class LoaderHooks(Protocol):
+    """What a training loop (``stratagem.adapt.loop``) plugs into a loader."""
+
+    def start(self, loader: DistributedDataLoader) -> None:
+        """Before batches are planned (an iteration begins or resumes); collective."""
+
+    def scope(self, loader: DistributedDataLoader,
+              info: GlobalBatch) -> contextlib.AbstractContextManager[Any]:
+        """Entered around the hand-out of each (micro-)batch."""
+
+    def end(self, loader: DistributedDataLoader) -> None:
+        """After the epoch's last batch; collective."""
 
 
 def epoch_permutation(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
@@ -77,6 +104,7 @@ class GlobalBatchSampler:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.accum_steps = 0
         self.position = ShardPosition()
         self.batches: list[GlobalBatch] = []  # what the next iteration yields
 
@@ -97,10 +125,18 @@ class GlobalBatchSampler:
                         "dataset size that leaves at least one sample per replica)",
                         stacklevel=3)
                 break
-            local_start, local_len = split_evenly(size, self.world_size)[self.rank]
-            first = start + local_start
-            out.append(GlobalBatch(start, size, order[first:first + local_len],
-                                   local_len * self.world_size / size))
+            # Micro-batches of at least one sample per replica; one without accumulation.
+            micros = max(min(self.accum_steps + 1, size // self.world_size), 1)
+            shares = []
+            for chunk_start, chunk_len in split_evenly(size, micros):
+                local_start, local_len = split_evenly(chunk_len, self.world_size)[self.rank]
+                first = start + chunk_start + local_start
+                shares.append(order[first:first + local_len])
+            for k, indices in enumerate(shares):
+                following = len(shares[k + 1]) if k + 1 < micros else 0
+                out.append(GlobalBatch(start, size, indices,
+                                       len(indices) * self.world_size / size, k, micros,
+                                       following))
             start += size
         return out
 
@@ -136,6 +172,10 @@ class DistributedDataLoader:
                                           shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.batch_size = batch_size  # validates
         self.elastic = elastic
+        self.hooks: LoaderHooks | None = None  # set by AutoDist (stratagem.adapt.loop)
+        self.max_batch_size: int | None = None  # autoscaling limits, see autoscale_batch_size
+        self.local_bsz_bounds: tuple[int | None, int | None] = (None, None)
+        self.gradient_accumulation = False
         self._on_batch = on_batch
         self._loader = DataLoader(dataset, batch_sampler=self.sampler, **loader_kwargs)
 
@@ -154,6 +194,55 @@ class DistributedDataLoader:
                 f"global batch_size {value} is smaller than the {world} replicas",
                 where="data_loader", fix=f"use batch_size >= {world}")
         self.sampler.batch_size = value
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches accumulated before the synchronising one (0: none); a change takes
+        effect from the next global batch."""
+        return self.sampler.accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value: int) -> None:
+        value = int(value)
+        if value < 0:
+            raise StratagemError(f"accum_steps must be >= 0, got {value}", where="data_loader",
+                                 fix="use 0 for no gradient accumulation")
+        self.sampler.accum_steps = value
+
+    @property
+    def current_local_bsz(self) -> int:
+        """The (largest) micro-batch per replica of the current configuration."""
+        parts = self.sampler.world_size * (self.accum_steps + 1)
+        return -(-self.batch_size // parts)
+
+    def autoscale_batch_size(self, max_batch_size: int,
+                             local_bsz_bounds: tuple[int | None, int | None] = (None, None),
+                             gradient_accumulation: bool = False) -> None:
+        """Let the job choose the goodput-optimal global batch (from ``batch_size`` up to
+        ``max_batch_size``), micro-batch per replica (within ``local_bsz_bounds``; the upper
+        end is the memory limit) and, if allowed, gradient accumulation. The learning rate
+        follows the model's scaling rule. Needs a loader from ``AutoDist.data_loader``."""
+        if self.hooks is None or not hasattr(self.hooks, "enable_autoscale"):
+            raise StratagemError("this loader has no adaptive training loop attached",
+                                 where="autoscale_batch_size",
+                                 fix="create it with ad.data_loader(...) after "
+                                     "ad.distribute(model, optimizer)")
+        lo, hi = local_bsz_bounds
+        if max_batch_size < self.base_batch_size or (lo and hi and lo > hi):
+            raise StratagemError(
+                f"max_batch_size {max_batch_size} < batch_size {self.base_batch_size}, or "
+                f"local_bsz_bounds {local_bsz_bounds} empty", where="autoscale_batch_size",
+                fix="use max_batch_size >= batch_size and lower bound <= upper bound")
+        self.max_batch_size = int(max_batch_size)
+        self.local_bsz_bounds = (lo, hi)
+        self.gradient_accumulation = bool(gradient_accumulation)
+        self.hooks.enable_autoscale(self)
+
+    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
+        """Write batch size, accumulation, LR factor, goodput... to a TensorBoard
+        ``SummaryWriter`` (rank 0; nothing without an adaptive loop)."""
+        if self.hooks is not None and hasattr(self.hooks, "to_tensorboard"):
+            self.hooks.to_tensorboard(self, writer, global_step, tag_prefix)
 
     @property
     def position(self) -> ShardPosition:
@@ -182,24 +271,34 @@ class DistributedDataLoader:
         from stratagem.adapt.elastic import exit_point
 
         self._follow_epoch_loop()
+        hooks = self.hooks
         while True:
-            batch_size = self.batch_size
+            if hooks is not None:
+                hooks.start(self)
+            config = (self.batch_size, self.accum_steps)
             plan = self.sampler.plan()
             self.sampler.batches = plan
             resized = False
             for info, batch in zip(plan, self._loader, strict=True):
-                # Handed out = consumed: a checkpoint taken during this step resumes after it.
-                self.position.offset = info.start + info.size
+                if info.final:
+                    # Handed out = consumed: a checkpoint taken during this step resumes
+                    # after it (no exit point comes between its micro-batches).
+                    self.position.offset = info.start + info.size
                 if self._on_batch is not None:
                     self._on_batch(info.weight)
-                yield batch
+                with hooks.scope(self, info) if hooks is not None else contextlib.nullcontext():
+                    yield batch
+                if not info.final:
+                    continue
                 if self.elastic:
                     exit_point()
-                if self.batch_size != batch_size:
+                if (self.batch_size, self.accum_steps) != config:
                     resized = True  # re-plan from the position (prefetched batches dropped)
                     break
             if not resized:
                 break
+        if hooks is not None:
+            hooks.end(self)
         self.sampler.position = ShardPosition(epoch=self.position.epoch + 1, offset=0)
 
     # -- state ---------------------------------------------------------------------------
@@ -208,6 +307,7 @@ class DistributedDataLoader:
         s = self.sampler
         return {"epoch": s.position.epoch, "offset": s.position.offset,
                 "batch_size": s.batch_size, "base_batch_size": self.base_batch_size,
+                "accum_steps": s.accum_steps,
                 "num_samples": s.num_samples, "seed": s.seed, "shuffle": s.shuffle}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -223,6 +323,7 @@ class DistributedDataLoader:
         s.position = ShardPosition(int(state["epoch"]), offset)
         if int(state["base_batch_size"]) == self.base_batch_size:
             self.batch_size = int(state["batch_size"])
+            self.accum_steps = int(state.get("accum_steps", 0))
         else:
             warnings.warn(f"batch_size changed from {state['base_batch_size']} to "
                           f"{self.base_batch_size} since the checkpoint; using the new one",

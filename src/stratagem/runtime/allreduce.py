@@ -37,7 +37,6 @@ from stratagem.runtime.compressors import Compressor, make_compressor
 from stratagem.runtime.plan import GroupPlan, Member, Plan
 from stratagem.runtime.stats import CommStats
 
-
 GradObserver = Callable[[str, GroupPlan, torch.Tensor, float], None]
 """``fn(event, group, buffer, scale)``: ``event`` is ``"local"`` (``buffer`` holds ``scale`` x
 this rank's gradient, about to be averaged) or ``"reduced"`` (the average, ``scale`` 1).
