@@ -61,8 +61,34 @@ def cmd_run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run))
 
 
+# -- plan -----------------------------------------------------------------------------------
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="show the strategy and per-rank plan for a model, without training",
+        description="Profile a model, build and validate its strategy for a resource spec, "
+                    "and print it (optionally with rank 0's compiled plan); --out saves it "
+                    "for hand editing.")
+    p.add_argument("--model", required=True, metavar="MODULE:CALLABLE",
+                   help="callable that returns the nn.Module, e.g. examples/models.py:mlp")
+    p.add_argument("--resource-spec", metavar="FILE", help="YAML resource spec")
+    p.add_argument("--nproc", type=int, metavar="N", help="workers on this machine (no spec)")
+    p.add_argument("--strategy", metavar="NAME|FILE", help="builder name or strategy file")
+    p.add_argument("--out", metavar="FILE", help="save the strategy (.json/.yaml)")
+    p.add_argument("--show-plan", action="store_true", help="also print rank 0's plan")
+    p.set_defaults(handler=cmd_plan, parser=p)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from stratagem.explain import explain
+
+    print(explain(args.model, args.resource_spec, args.strategy, args.nproc, args.out,
+                  args.show_plan))
+    return 0
+
+
 # -- dispatcher -----------------------------------------------------------------------------
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_run_parser]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_run_parser,
+                                                                   add_plan_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,23 @@
+"""Small models for `stratagem plan --model examples/models.py:NAME` and the docs."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def mlp() -> nn.Module:
+    """The demo's model (examples/train_mlp.py)."""
+    return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                         nn.Linear(128, 1))
+
+
+class Recommender(nn.Module):
+    """A sparse embedding plus a dense tower: what Parallax is for."""
+
+    def __init__(self, vocab: int = 100_000, dim: int = 32) -> None:
+        super().__init__()
+        self.embedding = nn.EmbeddingBag(vocab, dim, mode="sum", sparse=True)
+        self.tower = nn.Sequential(nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, ids, offsets):  # noqa: ANN001, ANN201 - example
+        return self.tower(self.embedding(ids, offsets))

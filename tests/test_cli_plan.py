@@ -1,0 +1,46 @@
+"""`stratagem plan`: explains a strategy for a model without training."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from stratagem.cli import main
+from stratagem.strategy import Strategy
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "examples" / "models.py"
+
+
+def test_plan_prints_strategy_and_plan_and_saves(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    out = tmp_path / "s.yaml"
+    assert main(["plan", "--model", f"{MODELS}:mlp", "--nproc", "2", "--strategy",
+                 "AllReduce", "--show-plan", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 worker(s): 127.0.0.1:CPU:0, 127.0.0.1:CPU:1" in text
+    assert "0.weight: AllReduce(group=0, compressor=none)" in text
+    assert "plan for rank 0/2" in text and "launch order" in text
+    saved = Strategy.load(out)
+    assert [nc.var_name for nc in saved.node_config][:2] == ["0.weight", "0.bias"]
+
+
+def test_plan_with_a_spec_file_and_saved_strategy(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    spec = ROOT / "examples" / "specs" / "two-node.yml"
+    first = tmp_path / "s.json"
+    assert main(["plan", "--model", f"{MODELS}:mlp", "--resource-spec", str(spec),
+                 "--strategy", "PartitionedAR", "--out", str(first)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--model", f"{MODELS}:mlp", "--resource-spec", str(spec),
+                 "--strategy", str(first)]) == 0
+    assert "builder PartitionedAR" in capsys.readouterr().out
+
+
+def test_bad_model_target_is_one_clear_error() -> None:
+    for target, needle in [("nocolon", "MODULE:CALLABLE"), (f"{MODELS}:nope", "no callable"),
+                           ("no_such_module_x:f", "cannot import")]:
+        proc = subprocess.run([sys.executable, "-m", "stratagem", "plan", "--model", target],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2
+        assert needle in proc.stderr and "fix:" in proc.stderr
+        assert "Traceback" not in proc.stderr
