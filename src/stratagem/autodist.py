@@ -132,8 +132,12 @@ class AutoDist:
         strategy = self._builder.build(self.profile, self.resource_spec)
         return validate(strategy, self.profile, self.resource_spec)
 
-    def distribute(self, model: nn.Module, optimizer: Any = None) -> tuple[nn.Module, Any]:
-        """Return (distributed model, optimizer); the optimizer object is used unchanged."""
+    def distribute(self, model: nn.Module, optimizer: Any = None, *,
+                   scaling_rule: Any = None) -> tuple[nn.Module, Any]:
+        """Return (distributed model, optimizer); the optimizer object is the same, its
+        ``step``/``zero_grad`` wrapped by the adaptive loop (``stratagem.adapt.loop``): LR
+        scaled by ``scaling_rule`` (default by optimizer type) when the batch size changes,
+        gradient accumulation over the loader's micro-batches."""
         from stratagem.runtime import DistributedModel, compile_plan
 
         if not isinstance(model, nn.Module):
@@ -151,6 +155,13 @@ class AutoDist:
         # Job state for checkpoint-restart (restored here when a checkpoint exists).
         if _state.track_model(self.model, optimizer):
             self.log(f"resumed from checkpoint {_state.restore_point()}")
+        if optimizer is not None:
+            from stratagem.adapt.loop import AdaptiveTrainer
+
+            self.adaptive = AdaptiveTrainer(
+                self.model, optimizer, scaling_rule=scaling_rule, rank=self.rank,
+                world_size=self.world_size, log=self.log,
+                num_nodes=sum(1 for n in self.resource_spec.nodes if n.workers > 0) or 1)
         return self.model, optimizer
 
     def _check_optimizer(self, model: nn.Module, optimizer: Any) -> None:
@@ -180,6 +191,7 @@ class AutoDist:
                                        seed=kwargs.pop("seed", self.seed),
                                        on_batch=self._set_grad_weight, elastic=True, **kwargs)
         _state.track_loader(loader)
+        loader.hooks = getattr(self, "adaptive", None)  # the adaptive loop, once distributed
         return loader
 
     def remaining_epochs_until(self, epoch: int) -> Iterator[int]:

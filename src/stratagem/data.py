@@ -158,6 +158,8 @@ class DistributedDataLoader:
     each step: the job state is saved and the process exits (see ``stratagem.adapt``).
     """
 
+    iterating: int = 0  # loader iterations in progress, all loaders (see adapt.Accumulator)
+
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False,
                  on_batch: Any = None, elastic: bool = False, **loader_kwargs: Any) -> None:
@@ -268,9 +270,16 @@ class DistributedDataLoader:
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        self._follow_epoch_loop()
+        DistributedDataLoader.iterating += 1
+        try:
+            yield from self._iterate()
+        finally:
+            DistributedDataLoader.iterating -= 1
+
+    def _iterate(self) -> Iterator[Any]:
         from stratagem.adapt.elastic import exit_point
 
-        self._follow_epoch_loop()
         hooks = self.hooks
         while True:
             if hooks is not None:

@@ -3,10 +3,16 @@
 Pure math here (numpy, plus torch for optimizer-facing helpers); the data loader, elastic
 restarts and engine integration build on it. See ``docs/concepts/goodput.md``.
 
+The adaptive training loop that AutoDist attaches (``loop``: profiling, gradient statistics,
+batch-size decisions, LR scaling, hints, per-epoch progress) and the ``Accumulator`` of
+metrics: see ``docs/how-to/adaptive-batch-size.md``.
+
 Job state and elastic restarts (``state``, ``epoch``, ``elastic``): see
 ``docs/how-to/elastic-training.md``.
 """
 
+from stratagem.adapt.accumulator import Accumulator
+from stratagem.adapt.autoscale import Autoscaler, BatchConfig
 from stratagem.adapt.elastic import (
     EXIT_CODE,
     exit_point,
@@ -30,7 +36,12 @@ from stratagem.adapt.grad_norms import (
     group_sqr_norms,
     param_group_grads,
 )
+from stratagem.adapt.gradstats import GradStats
+from stratagem.adapt.hints import HintsPublisher
+from stratagem.adapt.loop import AdaptiveTrainer
+from stratagem.adapt.metrics import StepProfiler
 from stratagem.adapt.progress import ProgressTracker
+from stratagem.adapt.progress_report import EpochReport
 from stratagem.adapt.scaling_rules import (
     LEGW,
     AdamScale,
@@ -65,6 +76,14 @@ from stratagem.adapt.throughput import (
 )
 
 __all__ = [
+    "Accumulator",
+    "AdaptiveTrainer",
+    "Autoscaler",
+    "BatchConfig",
+    "EpochReport",
+    "GradStats",
+    "HintsPublisher",
+    "StepProfiler",
     "DEFAULT_SWITCH_THRESHOLD",
     "ENV_ADAPTDL_CHECKPOINT",
     "ENV_CHECKPOINT_DIR",

@@ -1,0 +1,260 @@
+"""Gradient statistics for the noise scale, taken from the runtime's own gradient traffic.
+
+Per optimizer step :class:`GradStats` feeds one update into a
+:class:`~stratagem.adapt.gns.GradientNoiseScale`, choosing the cheapest unbiased source:
+
+* several replicas, no accumulation: the squared norm of each replica's gradient, taken
+  from the fused all-reduce buffers right before their collective (a runtime *gradient
+  observer*, one dot per buffer), summed over replicas with one tiny all-reduce that runs
+  while the optimizer steps; and the squared norm of the averaged gradient, from the same
+  buffers after the collective;
+* gradient accumulation (any number of replicas): the squared norm of the first
+  micro-batch's gradient (before anything else accumulates into it) against that of the
+  whole step's averaged gradient; no extra copies;
+* one replica without accumulation, or gradients that no observer sees (parameter-server
+  synchronisation): two consecutive steps' gradients (``ConsecutiveGradients``, biased).
+
+Statistics are kept per optimizer param group. For Adam-type optimizers they are of the
+preconditioned gradient ``g / (sqrt(v_hat) + eps)``; the divisors change slowly, so they are
+refreshed every ``precond_every`` steps rather than rebuilt at every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from stratagem.adapt.gns import GradientNoiseScale
+from stratagem.adapt.grad_norms import ConsecutiveGradients, adam_preconditioner
+
+Run = tuple[int, int, int]  # (start, end, optimizer param group) within a fused buffer
+
+
+def _sqr(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype in (torch.float32, torch.float64):
+        return torch.dot(t, t)
+    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+
+
+class GradStats:
+    """Collects each step's gradient norms and updates ``gns`` (see the module docstring).
+
+    The loop calls :meth:`begin_step` before the step's first micro-batch, :meth:`first_micro`
+    after the first of several micro-batches, :meth:`before_step` right before the optimizer
+    step and :meth:`after_step` after it. All ranks must make the same calls.
+    """
+
+    def __init__(self, model: Any, optimizer: torch.optim.Optimizer, gns: GradientNoiseScale,
+                 *, world_size: int = 1, precond_every: int = 10,
+                 process_group: Any = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.gns = gns
+        self.world_size = int(world_size)
+        self.precond_every = max(int(precond_every), 1)
+        self.process_group = process_group
+        self.groups = len(optimizer.param_groups)
+        self._index = {id(p): (i, j) for i, g in enumerate(optimizer.param_groups)
+                       for j, p in enumerate(g["params"])}
+        self._opt_group = {k: gi for k, (gi, _) in self._index.items()}
+        module = getattr(model, "module", model)
+        self._params = dict(module.named_parameters())
+        self._runs: dict[int, list[Run]] = {}
+        self._pinv: dict[int, torch.Tensor] = {}  # fused group id -> flat 1/divisor
+        self._divisors: list[list[torch.Tensor | None]] | None = None
+        self._precond_age = 0
+        self._consecutive = ConsecutiveGradients()
+        self._prev_size = 0
+        self._handle = None
+        if self.world_size > 1 and hasattr(model, "add_grad_observer"):
+            self._handle = model.add_grad_observer(self._observe)
+        self.active = False
+        self._reset()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _reset(self) -> None:
+        self._local: list[tuple[int, torch.Tensor]] = []
+        self._reduced: list[tuple[int, torch.Tensor]] = []
+        self._first: torch.Tensor | None = None
+        self._pending: tuple[Any, ...] | None = None
+
+    # -- preconditioner ------------------------------------------------------------------
+    @property
+    def preconditioned(self) -> bool:
+        return self.gns.preconditioned
+
+    def _ready(self) -> bool:
+        return not self.preconditioned or self._divisors is not None
+
+    @torch.no_grad()
+    def _refresh_preconditioner(self) -> None:
+        self._divisors = adam_preconditioner(self.optimizer)
+        self._pinv.clear()
+        self._precond_age = 0
+
+    def _flat_pinv(self, group: Any, buffer: torch.Tensor) -> torch.Tensor | None:
+        flat = self._pinv.get(group.id)
+        if flat is not None or self._divisors is None:
+            return flat
+        flat = torch.ones(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        for m in group.members:
+            gi, j = self._index.get(id(self._params.get(m.param)), (-1, -1))
+            if gi < 0:
+                continue
+            d = self._divisors[gi][j]
+            if d is None:
+                continue
+            if not m.whole:
+                d = d.narrow(m.axis, m.start, m.length)
+            flat[m.offset:m.offset + m.numel].copy_(d.reshape(-1)).reciprocal_()
+        self._pinv[group.id] = flat
+        return flat
+
+    # -- runtime observer ----------------------------------------------------------------
+    def _group_runs(self, group: Any) -> list[Run]:
+        runs = self._runs.get(group.id)
+        if runs is None:
+            runs = []
+            for m in sorted(group.members, key=lambda m: m.offset):
+                gi = self._opt_group.get(id(self._params.get(m.param)), -1)
+                if gi < 0:
+                    continue
+                if runs and runs[-1][2] == gi and runs[-1][1] == m.offset:
+                    runs[-1] = (runs[-1][0], m.offset + m.numel, gi)
+                else:
+                    runs.append((m.offset, m.offset + m.numel, gi))
+            self._runs[group.id] = runs
+        return runs
+
+    @torch.no_grad()
+    def _observe(self, event: str, group: Any, buffer: torch.Tensor, scale: float) -> None:
+        if not self.active:
+            return
+        pinv = self._flat_pinv(group, buffer) if self.preconditioned else None
+        out = self._local if event == "local" else self._reduced
+        inv_scale2 = 1.0 / (scale * scale) if scale else 0.0
+        for start, end, gi in self._group_runs(group):
+            seg = buffer[start:end]
+            if pinv is not None:
+                seg = seg.float() * pinv[start:end]
+            out.append((gi, _sqr(seg) * inv_scale2))
+
+    # -- parameter-level norms ------------------------------------------------------------
+    def _grads(self) -> list[list[torch.Tensor | None]]:
+        return [[p.grad for p in g["params"]] for g in self.optimizer.param_groups]
+
+    @torch.no_grad()
+    def _param_sqr_norms(self) -> torch.Tensor:
+        """Per param group: squared norm of the current ``.grad`` (preconditioned if so)."""
+        out = []
+        for gi, grads in enumerate(self._grads()):
+            divs = self._divisors[gi] if self.preconditioned and self._divisors else None
+            dense, total = [], None
+            for j, g in enumerate(grads):
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    g = g.to_dense()
+                if divs is not None and divs[j] is not None:
+                    g = g / divs[j]
+                dense.append(g)
+            if dense:
+                norms = torch._foreach_norm(dense)
+                total = torch.stack([n.float() for n in norms]).square().sum()
+            out.append(total if total is not None else torch.zeros((), dtype=torch.float32))
+        device = next((t.device for t in out if t.device.type != "cpu"), torch.device("cpu"))
+        return torch.stack([t.to(device) for t in out]).double()
+
+    def _sum(self, parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        out = [None] * self.groups
+        for gi, t in parts:
+            out[gi] = t if out[gi] is None else out[gi] + t
+        device = parts[0][1].device
+        return torch.stack([torch.zeros((), device=device) if t is None else t.float()
+                            for t in out]).double()
+
+    # -- the step ------------------------------------------------------------------------
+    def begin_step(self, collect: bool) -> None:
+        """Start a step; ``collect=False`` (nothing needs the statistics) costs nothing."""
+        self._reset()
+        self.active = bool(collect) and self._ready()
+
+    def first_micro(self) -> None:
+        """After the backward of the first of several micro-batches (local gradient)."""
+        if self.active:
+            self._first = self._param_sqr_norms()
+
+    def before_step(self, replica_sizes: Sequence[int], micros: int) -> None:
+        """Right before the optimizer step: read the averaged gradient and start the
+        cross-replica sum of the local statistics.
+
+        ``replica_sizes``: samples of this step on each replica; ``micros``: micro-batches
+        per replica (accumulation steps + 1).
+        """
+        if not self.active:
+            self._consecutive.reset()
+            return
+        sizes = [int(s) for s in replica_sizes]
+        total = sum(sizes)
+        replicas = len(sizes)
+        if micros > 1:
+            if self._first is None:
+                return
+            regular = total % (replicas * micros) == 0
+            mean = self._reduced_or_param()
+            local, n, size = self._first, replicas * micros, total // (replicas * micros)
+            self._consecutive.reset()
+            if regular:
+                self._pending = ("pair", self._allreduce(local), mean, n, size, replicas)
+        elif replicas > 1 and self._local:
+            mean = self._sum(self._reduced) if self._reduced else self._param_sqr_norms()
+            self._consecutive.reset()
+            self._pending = ("pair", self._allreduce(self._sum(self._local)), mean,
+                             replicas, sizes, replicas)
+        else:  # one gradient per step: pair it with the previous step's (biased)
+            divs = self._divisors if self.preconditioned else None
+            pair = self._consecutive.push(self._grads(), divs)
+            if pair is not None:
+                self._pending = ("consecutive", pair, [self._prev_size, total])
+            self._prev_size = total
+
+    def _reduced_or_param(self) -> torch.Tensor:
+        return self._sum(self._reduced) if self._reduced else self._param_sqr_norms()
+
+    def _allreduce(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if self.world_size <= 1:
+            return t, None
+        t = t.float().contiguous()  # NCCL may lack float64 on some builds; sums are few
+        return t, dist.all_reduce(t, group=self.process_group, async_op=True)
+
+    @torch.no_grad()
+    def after_step(self, collecting: bool = True) -> bool:
+        """Finish the step's statistics and update the noise scale; returns whether it
+        changed. While ``collecting``, also refreshes the Adam preconditioner every
+        ``precond_every`` steps."""
+        updated = False
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == "pair":
+            _, (local, work), mean, n, size, replicas = pending
+            if work is not None:
+                work.wait()
+            s_mean = local.double().cpu().numpy() / replicas
+            t = mean.cpu().numpy()
+            updated = self.gns.update(np.tile(s_mean, (n, 1)), t, size)
+        elif pending is not None:
+            _, (local, mean), sizes = pending
+            updated = self.gns.update(local, mean, sizes, biased=True)
+        if self.preconditioned and collecting:
+            self._precond_age += 1
+            if self._divisors is None or self._precond_age >= self.precond_every:
+                self._refresh_preconditioner()
+        self.active = False
+        return updated

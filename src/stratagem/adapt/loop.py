@@ -1,0 +1,438 @@
+"""The adaptive training loop: what ``AutoDist.distribute`` attaches to a model, optimizer
+and data loader so that batch size, accumulation and learning rate adapt while training.
+
+:class:`AdaptiveTrainer` is the loader's ``hooks`` (see :class:`stratagem.data.LoaderHooks`)
+and wraps ``optimizer.step``/``zero_grad`` (the script keeps calling them as usual):
+
+* every optimizer step runs with the scaling rule's LR factors (the user's LR is restored
+  right after it) and credits its gain to a :class:`ProgressTracker`;
+* with accumulation the loader hands out micro-batches; non-final ones run under
+  ``model.no_sync()`` and ``hold_exit()``, and ``step()``/``zero_grad()`` called for them do
+  nothing (AdaptDL semantics), so the script needs no change;
+* step times go to a :class:`StepProfiler`, gradient norms to a :class:`GradStats`;
+* every few steps (and when a loader iteration starts: epochs, restarts) rank 0 refits the
+  throughput model, picks the goodput-optimal configuration with hysteresis and broadcasts
+  it; the loader switches from the next global batch on;
+* rank 0 prints one line per epoch and publishes scheduling hints.
+
+Everything adaptive is job state (``adapt``, JSON), so a checkpoint-restart keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from stratagem.adapt import elastic
+from stratagem.adapt.autoscale import Autoscaler, BatchConfig
+from stratagem.adapt.gns import GradientNoiseScale
+from stratagem.adapt.goodput import BatchChoice, GoodputFunction
+from stratagem.adapt.gradstats import GradStats
+from stratagem.adapt.hints import SCHEMA_VERSION, HintsPublisher
+from stratagem.adapt.metrics import StepProfiler
+from stratagem.adapt.progress import ProgressTracker
+from stratagem.adapt.progress_report import EpochReport, to_tensorboard
+from stratagem.adapt.scaling_rules import AdamScale, ScalingRule, default_rule_for, scaled_lr
+from stratagem.adapt.state import ObjectState, load_state, unique_name
+from stratagem.data import DistributedDataLoader, GlobalBatch, split_evenly
+
+MIN_INTERVAL = 10  # steps between batch-size decisions, at least
+MAX_INTERVAL = 1000
+DECISION_BUDGET = 0.02  # decisions may take this fraction of the training time
+
+
+class AdaptiveTrainer:
+    """Adaptive batch size and learning rate for one model and optimizer (module doc).
+
+    ``scaling_rule``: default by optimizer type (:func:`default_rule_for`);
+    ``decision_interval``: steps between decisions (default: adaptive, so that fitting and
+    deciding take at most 2% of the time, at least every 10 steps); ``smoothing``: the noise
+    estimate's EMA factor per base batch of samples; ``precond_every``: steps between
+    refreshes of the Adam preconditioner used for the statistics.
+    """
+
+    def __init__(self, model: Any, optimizer: torch.optim.Optimizer, *,
+                 scaling_rule: ScalingRule | None = None, rank: int = 0, world_size: int = 1,
+                 num_nodes: int = 1, log: Callable[[str], None] | None = None,
+                 decision_interval: int | None = None, smoothing: float = 0.999,
+                 precond_every: int = 10, hints: HintsPublisher | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.rule = scaling_rule if scaling_rule is not None else default_rule_for(optimizer)
+        self.preconditioned = isinstance(default_rule_for(optimizer), AdamScale)
+        self.rank, self.world_size, self.num_nodes = rank, world_size, num_nodes
+        self.log = log or (lambda message: None)
+        self.decision_interval = decision_interval
+        self.smoothing = smoothing
+        self.precond_every = precond_every
+        self._hints = hints
+        self.profiler = StepProfiler()
+        self.loader: DistributedDataLoader | None = None
+        self.base_batch_size: int | None = None
+        self.gns: GradientNoiseScale | None = None
+        self.tracker: ProgressTracker | None = None
+        self.stats: GradStats | None = None
+        self.autoscaler: Autoscaler | None = None
+        self.collect_stats = False  # force gradient statistics without autoscaling
+        self.steps = 0
+        self.next_decision = 0
+        self.last_decision_step = -1
+        self.decision_seconds = 0.0
+        self.choice: BatchChoice | None = None
+        self.lr_factor = 1.0
+        self.gain = 1.0
+        self.last_report: EpochReport | None = None
+        self._decided = False  # in this process
+        self._micro: GlobalBatch | None = None
+        self._made_step = True
+        self._t0: float | None = None  # when the step being timed began
+        self._wait0 = 0.0
+        self._last_end: float | None = None  # end of the previous step of this iteration
+        self._collecting = False
+        self._epoch_t0: float | None = None
+        self._epoch_steps = 0
+        self._epoch_samples = 0
+        self._pending_state: dict[str, Any] | None = None
+        self._wrap_optimizer()
+        self._state = ObjectState(unique_name("adapt"), self.state_dict, self.load_state_dict,
+                                  format="json")
+        load_state(self._state)
+
+    # -- optimizer wrapping ---------------------------------------------------------------
+    def _wrap_optimizer(self) -> None:
+        opt = self.optimizer
+        step, zero_grad = opt.step, opt.zero_grad
+        trainer = self
+
+        @functools.wraps(step)
+        def adaptive_step(_opt: Any, *args: Any, **kwargs: Any) -> Any:
+            return trainer._step(step, *args, **kwargs)
+
+        @functools.wraps(zero_grad)
+        def adaptive_zero_grad(_opt: Any, *args: Any, **kwargs: Any) -> Any:
+            if not trainer._made_step:
+                return None  # gradients of earlier micro-batches are still accumulating
+            return zero_grad(*args, **kwargs)
+
+        opt.step = types.MethodType(adaptive_step, opt)  # type: ignore[method-assign]
+        opt.zero_grad = types.MethodType(adaptive_zero_grad, opt)  # type: ignore[method-assign]
+
+    def _step(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        info = self._micro
+        if info is not None and not info.final:
+            self._made_step = False  # an accumulation micro-step: nothing to apply yet
+            return None
+        self._made_step = True
+        if self.tracker is None or self.base_batch_size is None:
+            return step(*args, **kwargs)
+        size = info.size if info is not None else self.loader.batch_size
+        scale = size / self.base_batch_size
+        collecting = info is not None and self._collecting
+        if collecting:
+            self.stats.before_step(self._replica_sizes(size), info.micros)
+        factors = self.rule.lr_factors(scale, self.gns, self.tracker.progress,
+                                       len(self.optimizer.param_groups))
+        if np.all(factors == 1.0):
+            loss = step(*args, **kwargs)
+        else:
+            with scaled_lr(self.optimizer, factors):
+                loss = step(*args, **kwargs)
+        self.gain = self.rule.gain(scale, self.gns)
+        self.lr_factor = float(np.mean(factors))
+        self.tracker.update(self.gain, size)
+        if info is not None:
+            if self.stats is not None:
+                self.stats.after_step(collecting)
+            self._profile(info)
+        self.steps += 1
+        self._epoch_steps += 1
+        self._epoch_samples += size
+        if self.autoscaler is not None and self.steps >= self.next_decision:
+            self._decide()
+        return loss
+
+    def _replica_sizes(self, size: int) -> list[int]:
+        return [n for _, n in split_evenly(size, self.world_size)]
+
+    def _profile(self, info: GlobalBatch) -> None:
+        if self._t0 is None or info.size != self.loader.batch_size:
+            return  # not timed, or the epoch's last (smaller) batch
+        elapsed = time.perf_counter() - self._t0
+        wait = self._comm_wait() - self._wait0
+        local = -(-info.size // (self.world_size * info.micros))
+        self.profiler.record(self.num_nodes, self.world_size, local, info.micros - 1,
+                             elapsed, wait)
+        self._t0 = None
+        self._last_end = time.perf_counter()
+        self._wait0 = self._comm_wait()
+
+    def _comm_wait(self) -> float:
+        stats = getattr(self.model, "comm_stats", None)
+        return float(stats.wait_seconds) if stats is not None else 0.0
+
+    # -- loader hooks ---------------------------------------------------------------------
+    def attach(self, loader: DistributedDataLoader) -> None:
+        """Make ``loader`` the training loader (its base batch is the LR's reference)."""
+        if self.loader is loader:
+            return
+        self.loader = loader
+        if self.base_batch_size == loader.base_batch_size:
+            return
+        base = loader.base_batch_size
+        self.base_batch_size = base
+        self.gns = GradientNoiseScale(base, self.smoothing, len(self.optimizer.param_groups),
+                                      preconditioned=self.preconditioned)
+        self.tracker = ProgressTracker(base)
+        if self.stats is not None:
+            self.stats.close()
+        self.stats = GradStats(self.model, self.optimizer, self.gns, world_size=self.world_size,
+                               precond_every=self.precond_every)
+        if self._pending_state is not None:
+            self._apply_state(self._pending_state)
+            self._pending_state = None
+
+    def enable_autoscale(self, loader: DistributedDataLoader) -> None:
+        """Called by ``loader.autoscale_batch_size``: decide for ``loader`` from now on."""
+        self.attach(loader)
+        self.autoscaler = Autoscaler(loader.base_batch_size, int(loader.max_batch_size),
+                                     tuple(loader.local_bsz_bounds),
+                                     bool(loader.gradient_accumulation))
+
+    def start(self, loader: DistributedDataLoader) -> None:
+        if self.loader is None:
+            self.attach(loader)
+        if loader is not self.loader:
+            return
+        self._last_end = None  # (re)planned: the first step's loading is not typical
+        if self._epoch_t0 is None:
+            self._epoch_t0 = time.perf_counter()
+            self._epoch_steps = self._epoch_samples = 0
+        if self.autoscaler is not None and (not self._decided
+                                            or self.steps != self.last_decision_step):
+            self._decide()
+
+    @contextlib.contextmanager
+    def scope(self, loader: DistributedDataLoader, info: GlobalBatch) -> Iterator[None]:
+        if loader is not self.loader:
+            yield
+            return
+        if info.micro == 0:
+            # A step runs from the end of the previous one (loading its data included).
+            self._t0 = self._last_end if self._last_end is not None else time.perf_counter()
+            if self._last_end is None:
+                self._wait0 = self._comm_wait()
+            self._collecting = self.autoscaler is not None or self.collect_stats or (
+                loader.batch_size != self.base_batch_size)
+            self.stats.begin_step(self._collecting)
+        with contextlib.ExitStack() as stack:
+            if not info.final:
+                if hasattr(self.model, "no_sync"):
+                    stack.enter_context(self.model.no_sync())
+                stack.enter_context(elastic.hold_exit())
+            self._micro = info
+            try:
+                yield
+            finally:
+                self._micro = None
+        if not info.final:
+            if info.micro == 0:
+                self.stats.first_micro()
+            self._rescale_accumulated(len(info.indices), info.next_local)
+
+    @torch.no_grad()
+    def _rescale_accumulated(self, this: int, following: int) -> None:
+        """Keep the accumulated gradient exact when micro-batches differ in size.
+
+        Invariant: before micro-batch ``k`` the ``.grad`` holds ``sum_{j<k} n_j g_j / n_k``
+        (``g_j`` each micro-batch's mean gradient, ``n_j`` its local samples), so after the
+        last one the runtime's ``grad_weight = n_last * replicas / global`` gives the mean
+        over the whole global batch."""
+        if following <= 0 or following == this:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, this / following)
+
+    def end(self, loader: DistributedDataLoader) -> None:
+        if loader is not self.loader:
+            return
+        report = self.report()
+        self._epoch_t0 = None
+        if report is None:
+            return
+        self.last_report = report
+        if self.rank == 0:
+            self.log(report.line())
+            self.publish()
+
+    # -- decisions ------------------------------------------------------------------------
+    def current_config(self) -> BatchConfig:
+        loader = self.loader
+        return BatchConfig.of(loader.batch_size, self.world_size, loader.accum_steps)
+
+    def _interval(self) -> int:
+        if self.decision_interval is not None:
+            return max(int(self.decision_interval), 1)
+        step = self.profiler.median_step_time()
+        cost = max(self.decision_seconds, self.profiler.fit_seconds, 1e-3)
+        if not step:
+            return MIN_INTERVAL
+        return int(min(max(math.ceil(cost / (DECISION_BUDGET * step)), MIN_INTERVAL),
+                       MAX_INTERVAL))
+
+    def _decide(self) -> None:
+        """Collective: rank 0 chooses the configuration, every rank applies it."""
+        t0 = time.perf_counter()
+        current = self.current_config()
+        payload = torch.zeros(3, dtype=torch.int64)
+        if self.rank == 0:
+            params = self.profiler.fit()
+            config, self.choice = self.autoscaler.decide(
+                params, self.gns, self.num_nodes, self.world_size, current)
+            payload[:] = torch.tensor([config.global_bsz, config.accum_steps, self._interval()])
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.broadcast(payload, src=0, group=elastic._control_group())
+        global_bsz, accum, interval = (int(v) for v in payload.tolist())
+        loader = self.loader
+        if (global_bsz, accum) != (loader.batch_size, loader.accum_steps):
+            if self.rank == 0:
+                new = BatchConfig.of(global_bsz, self.world_size, accum)
+                self.log(f"batch size {current.global_bsz} -> {global_bsz} "
+                         f"({self.world_size} x {new.local_bsz}"
+                         + (f" x {accum + 1} accum" if accum else "") + ")"
+                         + self._predicted(self.choice))
+            loader.batch_size = global_bsz
+            loader.accum_steps = accum
+        self.next_decision = self.steps + interval
+        self.last_decision_step = self.steps
+        self._decided = True
+        self.decision_seconds = time.perf_counter() - t0
+        if self.rank == 0 and self.choice is not None:
+            self.publish()
+
+    @staticmethod
+    def _predicted(choice: BatchChoice | None) -> str:
+        if choice is None:
+            return ""
+        return (f", predicted goodput {choice.goodput:.4g}/s, efficiency "
+                f"{choice.efficiency:.2f}")
+
+    # -- reporting ------------------------------------------------------------------------
+    def goodput_function(self) -> GoodputFunction | None:
+        params = self.profiler.fit()
+        if params is None or self.gns is None or not self.gns.ready:
+            return None
+        return GoodputFunction(params, self.gns, self.base_batch_size)
+
+    def report(self) -> EpochReport | None:
+        """The current configuration and how the epoch so far went (None before a step)."""
+        if self.loader is None or self.tracker is None or not self._epoch_steps:
+            return None
+        config = self.current_config()
+        elapsed = time.perf_counter() - self._epoch_t0 if self._epoch_t0 else 0.0
+        fn = self.goodput_function() if self.rank == 0 else None
+        now = fn.describe(self.num_nodes, self.world_size, config.local_bsz,
+                          config.accum_steps) if fn is not None else None
+        return EpochReport(
+            epoch=self.loader.epoch, steps=self._epoch_steps, global_bsz=config.global_bsz,
+            num_replicas=self.world_size, local_bsz=config.local_bsz,
+            accum_steps=config.accum_steps, lr_factor=self.lr_factor, gain=self.gain,
+            throughput=self._epoch_samples / elapsed if elapsed > 0 else None,
+            goodput=now.goodput if now else None, efficiency=now.efficiency if now else None,
+            noise_scale=self.gns.noise_scale if self.gns is not None else None,
+            progress=self.tracker.progress)
+
+    def to_tensorboard(self, loader: DistributedDataLoader, writer: Any, global_step: int,
+                       tag_prefix: str = "") -> None:
+        if self.rank != 0:
+            return
+        report = self.last_report or self.report()
+        if report is not None:
+            to_tensorboard(writer, report, global_step, tag_prefix)
+
+    @property
+    def hints(self) -> HintsPublisher:
+        if self._hints is None:
+            self._hints = HintsPublisher(enabled=self.rank == 0)
+        return self._hints
+
+    def hints_document(self) -> dict[str, Any]:
+        """The scheduling hints (schema: docs/reference/hints.md)."""
+        params = self.profiler.fit()
+        gns = self.gns
+        scaler = self.autoscaler
+        config = self.current_config() if self.loader is not None else None
+        fn = self.goodput_function()
+        now = (fn.describe(self.num_nodes, self.world_size, config.local_bsz,
+                           config.accum_steps) if fn is not None and config else None)
+        return {
+            "version": SCHEMA_VERSION,
+            "time": time.time(),
+            "allocation": {"num_nodes": self.num_nodes, "num_replicas": self.world_size},
+            "batch": {
+                "base_batch_size": self.base_batch_size,
+                "max_batch_size": scaler.max_batch_size if scaler else self.base_batch_size,
+                "local_bsz_bounds": list(scaler.local_bsz_bounds) if scaler else [None, None],
+                "gradient_accumulation": bool(scaler and scaler.gradient_accumulation),
+                "autoscale": scaler is not None,
+                "current": config.to_dict() if config else None,
+            },
+            "throughput_params": params.to_dict() if params is not None else None,
+            "gradient": None if gns is None or not gns.ready else {
+                "sqr_norm": gns.sqr_norm, "var": gns.var, "noise_scale": gns.noise_scale,
+                "preconditioned": gns.preconditioned, "updates": gns.updates,
+                "biased": gns.biased},
+            "goodput": now.to_dict() if now else None,
+            "scaling_rule": type(self.rule).__name__,
+            "lr_factor": self.lr_factor,
+            "gain": self.gain,
+            "progress": self.tracker.state_dict() if self.tracker else None,
+            "epoch": self.loader.epoch if self.loader is not None else None,
+            "profile": self.profiler.summary(),
+        }
+
+    def publish(self) -> None:
+        """Publish the hints now (rank 0; file and/or HTTP, see :mod:`.hints`)."""
+        if self.rank == 0:
+            self.hints.publish(self.hints_document())
+
+    # -- state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1, "steps": self.steps, "next_decision": self.next_decision,
+            "last_decision_step": self.last_decision_step,
+            "base_batch_size": self.base_batch_size,
+            "gns": self.gns.state_dict() if self.gns is not None else None,
+            "tracker": self.tracker.state_dict() if self.tracker is not None else None,
+            "profile": self.profiler.state_dict(),
+            "config": self.current_config().to_dict() if self.loader is not None else None,
+            "num_replicas": self.world_size, "num_nodes": self.num_nodes,
+            "scaling_rule": type(self.rule).__name__,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self.next_decision = int(state["next_decision"])
+        self.last_decision_step = int(state["last_decision_step"])
+        self.profiler.load_state_dict(state["profile"])
+        if self.base_batch_size is None:
+            self._pending_state = dict(state)
+        else:
+            self._apply_state(state)
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        if state.get("base_batch_size") != self.base_batch_size:
+            return  # statistics relative to another base batch: start afresh
+        if state.get("gns") is not None:
+            self.gns.load_state_dict(state["gns"])
+        if state.get("tracker") is not None:
+            self.tracker.load_state_dict(state["tracker"])

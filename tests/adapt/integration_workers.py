@@ -1,0 +1,161 @@
+"""Shared by the adaptive-training integration tests: data, scripts, process spawning.
+
+Workers run in spawned processes (gloo on 127.0.0.1) through ``AutoDist``, exactly like a
+user script, and return plain data that the tests compare with single-process references.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+DIM = 6
+
+
+def regression_data(n: int = 1024, noise: float = 1.0, seed: int = 0
+                    ) -> torch.utils.data.TensorDataset:
+    """``y = x . w* + noise``: gradient noise known in closed form (see exact_noise)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, DIM, generator=g)
+    w = torch.randn(DIM, 1, generator=g)
+    y = x @ w + noise * torch.randn(n, 1, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(DIM, 1)
+
+
+def exact_noise(model: nn.Module, data: torch.utils.data.TensorDataset) -> tuple[float, float]:
+    """(|G|^2, tr(Sigma)) of the MSE loss' per-sample gradients at the model's parameters."""
+    x, y = data.tensors
+    with torch.no_grad():
+        r = 2 * (model(x) - y)  # d/dpred of (pred - y)^2
+    grads = torch.cat([r * x, r], dim=1).double()  # per-sample gradient of (weight, bias)
+    mean = grads.mean(0)
+    var = ((grads - mean) ** 2).sum(1).mean()
+    return float(mean.pow(2).sum()), float(var)
+
+
+def train(steps: int | None, *, batch_size: int = 32, accum_steps: int = 0, lr: float = 0.05,
+          optimizer: str = "sgd", data: Any = None, autoscale: dict | None = None,
+          collect_stats: bool = False, epochs: int = 1, shuffle: bool = True,
+          seed: int = 0) -> dict[str, Any]:
+    """A user script through AutoDist; returns the final parameters and adaptive state."""
+    import stratagem as sg
+
+    data = data if data is not None else regression_data()
+    ad = sg.AutoDist(verbose=False)
+    model = make_model(seed)
+    opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=lr))
+    model, opt = ad.distribute(model, opt)
+    loader = ad.data_loader(data, batch_size=batch_size, shuffle=shuffle)
+    loader.accum_steps = accum_steps
+    if autoscale:
+        loader.autoscale_batch_size(**autoscale)
+    ad.adaptive.collect_stats = collect_stats
+    done, sizes = 0, []
+    for _ in ad.remaining_epochs_until(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            sizes.append(len(y))
+            done += 1
+            if steps is not None and done >= steps:
+                break
+    gns = ad.adaptive.gns
+    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "sqr_norm": gns.sqr_norm, "var": gns.var, "updates": gns.updates,
+            "biased": gns.biased, "micro_batches": done, "sizes": sizes,
+            "progress": ad.adaptive.tracker.progress, "steps": ad.adaptive.steps,
+            "batch_size": loader.batch_size, "accum_steps": loader.accum_steps}
+
+
+def reference_big_batch(micro_batches: int, batch_size: int, *, lr: float = 0.05,
+                        data: Any = None, shuffle: bool = True, seed: int = 0
+                        ) -> dict[str, torch.Tensor]:
+    """Plain torch: ``micro_batches`` optimizer steps on consecutive global batches of the
+    epoch's permutation (the loader's sample order), no Stratagem."""
+    from stratagem.data import epoch_permutation
+
+    data = data if data is not None else regression_data()
+    model = make_model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    order = epoch_permutation(len(data), 0, 0, shuffle)
+    x, y = data.tensors
+    for t in range(micro_batches):
+        idx = order[t * batch_size:(t + 1) * batch_size]
+        if not idx:
+            break
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# -- spawning -------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    for var in ("STRATAGEM_RESOURCE_SPEC", "STRATAGEM_STRATEGY"):
+        os.environ.pop(var, None)
+    torch.set_num_threads(1)
+    try:
+        result = fn(rank, world, **kwargs)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = {"__error__": traceback.format_exc()}
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world: int, out: Path, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world, **kwargs)`` in ``world`` processes; their return values."""
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_entry, args=(world, free_port(), fn, kwargs, str(out)), nprocs=world,
+                       start_method="spawn", join=True)
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        if isinstance(res, dict) and "__error__" in res:
+            raise AssertionError(f"rank {r} failed:\n{res['__error__']}")
+    return results
+
+
+def train_worker(rank: int, world: int, **kwargs: Any) -> dict[str, Any]:
+    return train(**kwargs)
+
+
+def accumulator_worker(rank: int, world: int) -> dict[str, Any]:
+    import stratagem as sg
+
+    sg.AutoDist(verbose=False)  # joins the process group
+    stats = sg.adapt.Accumulator()
+    stats["n"] += rank + 1
+    stats["loss"] += 0.5 * (rank + 1)
+    stats += {"only_rank1": 7} if rank == 1 else {}
+    with stats.synchronized():
+        first = dict(stats)
+        stats["mean"] = stats["loss"] / stats["n"]
+    stats["n"] += 10
+    with stats.synchronized():
+        second = dict(stats)
+    return {"first": first, "second": second}
