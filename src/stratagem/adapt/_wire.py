@@ -1,0 +1,118 @@
+"""Moving job state between replicas without pickles: JSON skeletons plus raw tensors.
+
+``broadcast_state`` sends a state dict (tensors, numbers, strings, lists, dicts) from a root:
+its structure travels as JSON bytes in a uint8 tensor, its tensors as tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_T = "__tensor__"
+
+
+def comm_device(group: Any = None) -> torch.device:
+    """Where tensors for collectives on ``group`` must live (CUDA for NCCL)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _bytes_tensor(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    buf = torch.zeros(size, dtype=torch.uint8, device=device)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    return buf
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0, group: Any = None) -> bytes:
+    """``data`` of rank ``src`` on every rank (others pass None)."""
+    device = comm_device(group)
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
+                        device=device)
+    dist.broadcast(size, src=src, group=group)
+    n = int(size.item())
+    buf = _bytes_tensor(data or b"", n, device)
+    dist.broadcast(buf, src=src, group=group)
+    return buf.cpu().numpy().tobytes()
+
+
+def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
+    """Every rank's ``data``, in rank order."""
+    device = comm_device(group)
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    buf = _bytes_tensor(data, max(lengths), device)
+    bufs = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf, group=group)
+    return [b[:n].cpu().numpy().tobytes() for b, n in zip(bufs, lengths, strict=True)]
+
+
+def split_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by a placeholder (appended to ``tensors``)."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return {_T: len(tensors) - 1, "shape": list(obj.shape),
+                "dtype": str(obj.dtype).removeprefix("torch.")}
+    if isinstance(obj, dict):
+        if not all(isinstance(k, (str, int)) for k in obj):
+            raise TypeError(f"state dict keys must be str or int, got {list(obj)!r}")
+        return {"__dict__": [[k, split_tensors(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [split_tensors(v, tensors) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot send a {type(obj).__name__} (tensors, numbers, strings, "
+                    "lists and dicts only)")
+
+
+def join_tensors(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`split_tensors`."""
+    if isinstance(skeleton, dict) and _T in skeleton:
+        return tensors[skeleton[_T]]
+    if isinstance(skeleton, dict):
+        return {k: join_tensors(v, tensors) for k, v in skeleton["__dict__"]}
+    if isinstance(skeleton, list):
+        return [join_tensors(v, tensors) for v in skeleton]
+    return skeleton
+
+
+def tensor_specs(skeleton: Any, out: list[tuple[list[int], str]]) -> None:
+    """The (shape, dtype) of every placeholder, in order."""
+    if isinstance(skeleton, dict) and _T in skeleton:
+        out.append((skeleton["shape"], skeleton["dtype"]))
+    elif isinstance(skeleton, dict):
+        for _, v in skeleton["__dict__"]:
+            tensor_specs(v, out)
+    elif isinstance(skeleton, list):
+        for v in skeleton:
+            tensor_specs(v, out)
+
+
+@torch.no_grad()
+def broadcast_state(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (tensors arrive on CPU)."""
+    rank = dist.get_rank(group) if group is not None else dist.get_rank()
+    tensors: list[torch.Tensor] = []
+    data = json.dumps(split_tensors(obj, tensors)).encode() if rank == src else None
+    skeleton = json.loads(broadcast_bytes(data, src, group).decode())
+    specs: list[tuple[list[int], str]] = []
+    tensor_specs(skeleton, specs)
+    device = comm_device(group)
+    received = []
+    for i, (shape, dtype) in enumerate(specs):
+        if rank == src:
+            t = tensors[i].detach().to(device).contiguous()
+        else:
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.broadcast(t, src=src, group=group)
+        received.append(t.cpu() if rank != src else tensors[i])
+    return join_tensors(skeleton, received)

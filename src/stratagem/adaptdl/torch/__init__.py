@@ -1,0 +1,42 @@
+"""AdaptDL's ``adaptdl.torch`` on Stratagem: change only the imports of an AdaptDL script.
+
+    import stratagem.adaptdl.torch as adl
+    adl.init_process_group("gloo")
+    loader = adl.AdaptiveDataLoader(dataset, batch_size=128, shuffle=True)
+    loader.autoscale_batch_size(4096, local_bsz_bounds=(32, 1024))
+    model = adl.AdaptiveDataParallel(model, optimizer, lr_scheduler)
+    for epoch in adl.remaining_epochs_until(60): ...
+"""
+
+from stratagem.adaptdl.torch._runtime import init_process_group
+from stratagem.adaptdl.torch.accumulator import Accumulator
+from stratagem.adaptdl.torch.data import AdaptiveDataLoader, current_dataloader
+from stratagem.adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
+from stratagem.adaptdl.torch.parallel import AdaptiveDataParallel
+from stratagem.adaptdl.torch.scaling_rules import (
+    LEGW,
+    AdamScale,
+    AdaScale,
+    LEGWScale,
+    LinearScale,
+    ScalingRuleBase,
+    SqrtScale,
+)
+
+__all__ = [
+    "LEGW",
+    "Accumulator",
+    "AdaScale",
+    "AdamScale",
+    "AdaptiveDataLoader",
+    "AdaptiveDataParallel",
+    "LEGWScale",
+    "LinearScale",
+    "ScalingRuleBase",
+    "SqrtScale",
+    "current_dataloader",
+    "current_epoch",
+    "finished_epochs",
+    "init_process_group",
+    "remaining_epochs_until",
+]

@@ -1,0 +1,122 @@
+"""AdaptDL's ``AdaptiveDataParallel`` on Stratagem's ``AutoDist.distribute``.
+
+The model is distributed with the job's strategy (all-reduce by default; ``stratagem run
+--strategy`` picks another). Model, optimizer, LR scheduler and AMP scaler are part of the
+job state: saved on SIGTERM, restored after a restart with any number of replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.adapt.state import State, load_state, register_state
+from stratagem.adaptdl.torch import _runtime
+from stratagem.adaptdl.torch.scaling_rules import AdaScale
+
+
+class _Stats(State):
+    """Gain and LR factor of the last step, kept across restarts (JSON)."""
+
+    format = "json"
+
+    def __init__(self, name: str) -> None:
+        self.gain = 1.0
+        self.lr_factor = 1.0
+        super().__init__(name)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"gain": self.gain, "lr_factor": self.lr_factor}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.gain, self.lr_factor = float(state["gain"]), float(state["lr_factor"])
+
+
+def _distribute(ad: Any, model: nn.Module, optimizer: Any, rule: Any) -> nn.Module:
+    """``ad.distribute`` with the scaling rule where this AutoDist takes one."""
+    if "scaling_rule" in inspect.signature(ad.distribute).parameters:
+        dmodel, _ = ad.distribute(model, optimizer, scaling_rule=rule)
+    else:
+        dmodel, _ = ad.distribute(model, optimizer)
+    return dmodel
+
+
+class AdaptiveDataParallel(nn.Module):
+    """Distribute ``model`` for data-parallel training with adaptive batch sizes.
+
+    ``optimizer`` is stepped as usual; with an autoscaled loader its learning rate follows
+    ``scaling_rule`` (default :class:`AdaScale`). ``lr_scheduler`` and ``mp_scaler``
+    (``torch.cuda.amp.GradScaler``) are checkpointed with the model. Extra keyword
+    arguments (DistributedDataParallel options) are accepted and ignored.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: Any = None, mp_scaler: Any = None, scaling_rule: Any = None,
+                 name: str = "adaptdl-dataparallel", **kwargs: Any) -> None:
+        super().__init__()
+        ad = _runtime.autodist()
+        self.module = model
+        self.optimizer = optimizer
+        self.scaling_rule = scaling_rule if scaling_rule is not None else AdaScale()
+        object.__setattr__(self, "_dist", _distribute(ad, model, optimizer,
+                                                      self.scaling_rule))
+        self._trainer = getattr(ad, "adaptive", None)  # the adaptive loop, when available
+        _runtime.attach_loaders()
+        if lr_scheduler is not None:
+            register_state(f"{name}-lr_scheduler", lr_scheduler)
+        if mp_scaler is not None:
+            register_state(f"{name}-mp_scaler", mp_scaler)
+        self._stats = _Stats(name)
+        load_state(self._stats)
+        _runtime.register_model(self)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dist(*args, **kwargs)
+
+    def _set_grad_weight(self, weight: float) -> None:
+        self._dist.grad_weight = weight
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block (synced at the next backward)."""
+        with self._dist.no_sync():
+            yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        warnings.warn("zero_grad has no effect with AdaptiveDataParallel", stacklevel=2)
+
+    @property
+    def gain(self) -> float:
+        """The current AdaScale gain estimate r_t (1.0 until it is measured)."""
+        gain = getattr(self._trainer, "gain", None)
+        if gain is not None:
+            self._stats.gain = float(gain)
+        return self._stats.gain
+
+    def _lr_factor(self) -> float:
+        factor = getattr(self._trainer, "lr_factor", None)
+        if factor is not None:
+            self._stats.lr_factor = float(factor)
+        return self._stats.lr_factor
+
+    def _gns(self) -> tuple[float, float]:
+        gns = getattr(self._trainer, "gns", None)
+        if gns is None or not getattr(gns, "ready", False):
+            return 0.0, 0.0
+        return float(gns.sqr_norm), float(gns.var)
+
+    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
+        """Write gradient statistics, gain and LR factor to TensorBoard."""
+        if tag_prefix and not tag_prefix.endswith("/"):
+            tag_prefix += "/"
+        sqr, var = self._gns()
+        writer.add_scalar(tag_prefix + "Gradient_Norm_Sqr", sqr, global_step)
+        writer.add_scalar(tag_prefix + "Gradient_Variance", var, global_step)
+        writer.add_scalar(tag_prefix + "Gain", self.gain, global_step)
+        writer.add_scalar(tag_prefix + "Learning_Rate_Factor", self._lr_factor(), global_step)
