@@ -64,6 +64,10 @@ class AutoDist:
                  resource_spec: ResourceSpec | None = None, seed: int = 0,
                  verbose: bool = True) -> None:
         install_excepthook()
+        from stratagem.adapt import rescale
+
+        # In-process elastic jobs (STRATAGEM_RESCALE_STORE): join the group, set RANK etc.
+        self.elastic_group = rescale.begin(self)
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)

@@ -284,7 +284,8 @@ class DistributedDataLoader:
         while True:
             if hooks is not None:
                 hooks.start(self)
-            config = (self.batch_size, self.accum_steps)
+            config = (self.batch_size, self.accum_steps, self.sampler.world_size,
+                      self.sampler.rank)  # world: changed by an in-process rescale
             plan = self.sampler.plan()
             self.sampler.batches = plan
             resized = False
@@ -301,7 +302,8 @@ class DistributedDataLoader:
                     continue
                 if self.elastic:
                     exit_point()
-                if (self.batch_size, self.accum_steps) != config:
+                if (self.batch_size, self.accum_steps, self.sampler.world_size,
+                        self.sampler.rank) != config:
                     resized = True  # re-plan from the position (prefetched batches dropped)
                     break
             if not resized:

@@ -116,9 +116,13 @@ def exit_point() -> None:
     Does nothing without a checkpoint directory (SIGTERM then keeps its default effect).
     The first call installs the SIGTERM handler. Every rank must call it at the same points.
     """
+    from stratagem.adapt.rescale import rescale_point
     from stratagem.adapt.state import checkpoint_root, save_all_states
 
-    if _holds or checkpoint_root() is None:
+    if _holds:
+        return
+    rescale_point()  # in-process elastic jobs: workers join and leave here
+    if checkpoint_root() is None:
         return
     install_signal_handler()
     if not _any_rank(_requested):

@@ -1,0 +1,346 @@
+"""In-process rescale: workers join or leave a running job, nobody restarts.
+
+The job's workers share one ``TCPStore`` (``STRATAGEM_RESCALE_STORE=host:port``), hosted by
+``python -m stratagem.adapt.rescale serve`` (a launcher) or by one worker with
+``STRATAGEM_RESCALE_HOST=1``. Membership moves in *generations*:
+
+* The first ``STRATAGEM_RESCALE_NPROC`` workers form generation 0 when ``AutoDist()`` is
+  created (each takes a ticket; ticket 0 writes the member list).
+* A worker started later builds its model alone (world 1, no process group) and, at its
+  first exit point (the top of ``remaining_epochs_until``), takes a ticket and waits.
+* At every step boundary (each exit point, :func:`rescale_point`) the members agree in one
+  small all-reduce on who leaves (SIGTERM or :func:`request_leave`) and how many ready
+  joiners to admit. On a change, rank 0 writes generation ``g+1`` to the store; every member
+  syncs its job state (accumulators), leavers exit, the rest destroy the old process group
+  and create the new one under the store prefix of ``g+1``; the joiners do the same.
+* Then (:mod:`stratagem.adapt._regroup`) every member rebuilds the strategy, plan and
+  gradient synchronizers for the new world, rank 0 broadcasts parameters, buffers and all
+  job state (optimizer, loader position, epoch, adaptive loop, user states: tensors and
+  JSON, no pickles) to the joiners, and loaders re-plan the epoch's remaining global
+  batches from the current sample offset. Global batch ``t`` is the same set of samples at
+  any world size, so no sample is lost or repeated and training equals one process's.
+
+When every member leaves at once (the whole job is stopped) nothing happens here: the
+checkpoint path of :func:`stratagem.adapt.exit_point` saves and exits as usual.
+All-reduce strategies only (parameter-server strategies are refused); single-node resource
+specs (the world is rebuilt as this machine's workers).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stratagem.errors import DistributedError
+
+ENV_STORE = "STRATAGEM_RESCALE_STORE"
+ENV_HOST = "STRATAGEM_RESCALE_HOST"
+ENV_NPROC = "STRATAGEM_RESCALE_NPROC"
+ENV_ID = "STRATAGEM_RESCALE_ID"
+ENV_TIMEOUT = "STRATAGEM_RESCALE_TIMEOUT_S"
+NS = "sg-rescale"
+
+_group: ElasticGroup | None = None
+_leave_requested = False
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership: ``members`` in rank order; tickets below ``admitted`` are handled."""
+
+    number: int
+    members: tuple[str, ...]
+    admitted: int
+
+    def to_json(self) -> str:
+        return json.dumps({"number": self.number, "members": list(self.members),
+                           "admitted": self.admitted})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Generation:
+        d = json.loads(text)
+        return cls(int(d["number"]), tuple(d["members"]), int(d["admitted"]))
+
+
+@dataclass(frozen=True)
+class Change:
+    """A completed rescale, as seen by one member."""
+
+    generation: int
+    old_world: int
+    new_world: int
+    left: tuple[str, ...]
+    joined: tuple[str, ...]
+    seconds: float  # this member's pause: agreement, regroup and state transfer
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise DistributedError(f"{ENV_STORE}={value!r} is not host:port",
+                               fix="e.g. STRATAGEM_RESCALE_STORE=127.0.0.1:29600")
+    return host, int(port)
+
+
+def host_store(host: str, port: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """Serve a job's rescale store (keep the returned object alive)."""
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+class ElasticGroup:
+    """This worker's membership of an in-process elastic job (see the module docstring)."""
+
+    def __init__(self, store: dist.Store, member_id: str, *, nproc: int = 1,
+                 timeout_s: float = 300.0, backend: str | None = None) -> None:
+        self.store = store
+        self.id = member_id
+        self.nproc = max(int(nproc), 1)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available()
+                                   else "gloo")
+        self.rank, self.world_size = 0, 1
+        self.generation: Generation | None = None
+        self.ticket: int | None = None
+        self.pending = False  # started late: joins at its first exit point
+        self.history: list[Change] = []
+        self.ad: Any = None  # the AutoDist whose model, loaders and states follow the group
+        self._server: Any = None
+
+    @classmethod
+    def from_env(cls) -> ElasticGroup | None:
+        """The group described by ``STRATAGEM_RESCALE_*``, or None when unset."""
+        address = os.environ.get(ENV_STORE)
+        if not address:
+            return None
+        host, port = parse_address(address)
+        timeout_s = float(os.environ.get(ENV_TIMEOUT) or 300)
+        server = None
+        if os.environ.get(ENV_HOST) == "1":
+            server = host_store(host, port, timeout_s)
+        store = dist.TCPStore(host, port, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        member = os.environ.get(ENV_ID) or f"{socket.gethostname()}-{os.getpid()}"
+        nproc = int(os.environ.get(ENV_NPROC) or os.environ.get("WORLD_SIZE") or 1)
+        group = cls(store, member, nproc=nproc, timeout_s=timeout_s)
+        group._server = server
+        return group
+
+    # -- keys ----------------------------------------------------------------------------
+    def _key(self, *parts: object) -> str:
+        return "/".join([NS, *map(str, parts)])
+
+    def _read_generation(self, number: int) -> Generation:
+        key = self._key("gen", number)
+        self.store.wait([key], self.timeout)
+        return Generation.from_json(self.store.get(key))
+
+    def _take_ticket(self) -> int:
+        ticket = self.store.add(self._key("tickets"), 1) - 1
+        self.store.set(self._key("ticket", ticket), self.id)
+        return ticket
+
+    # -- joining -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Join generation 0 if the job is forming, else wait to join at the first exit
+        point. Exports this worker's ``RANK`` and ``WORLD_SIZE``."""
+        if not self.store.check([self._key("gen")]):
+            ticket = self._take_ticket()
+            if ticket < self.nproc:
+                if ticket == 0:
+                    self.store.wait([self._key("ticket", self.nproc - 1)], self.timeout)
+                    ids = [self.store.get(self._key("ticket", t)).decode()
+                           for t in range(self.nproc)]
+                    self._publish(Generation(0, tuple(ids), self.nproc), [])
+                self._enter(self._read_generation(0))
+                return
+            self.ticket = ticket  # the job filled up meanwhile: a late joiner
+        self.pending = True
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+
+    def _publish(self, gen: Generation, tickets: list[int]) -> None:
+        self.store.set(self._key("gen", gen.number), gen.to_json())
+        for t in tickets:
+            self.store.set(self._key("admit", t), str(gen.number))
+        self.store.set(self._key("gen"), str(gen.number))
+
+    def _enter(self, gen: Generation) -> None:
+        """Create this worker's process group of generation ``gen``."""
+        rank, world = gen.members.index(self.id), len(gen.members)
+        store = dist.PrefixStore(self._key("pg", gen.number), self.store)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
+                                timeout=self.timeout)
+        self.rank, self.world_size, self.generation = rank, world, gen
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+        if self.history == [] and not getattr(self, "_atexit", False):
+            atexit.register(_destroy)
+            self._atexit = True
+
+    def join_late(self) -> Change:
+        """A late worker's first exit point: wait for admission, then take the job state."""
+        t0 = time.perf_counter()
+        if self.ticket is None:
+            self.ticket = self._take_ticket()
+        key = self._key("admit", self.ticket)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise DistributedError(f"not admitted within {self.timeout}",
+                                       where=f"rescale ticket {self.ticket}",
+                                       fix="check that the job is running and reaches "
+                                           f"step boundaries; raise {ENV_TIMEOUT}")
+            time.sleep(0.005)
+        gen = self._read_generation(int(self.store.get(key)))
+        self._enter(gen)
+        self.pending = False
+        from stratagem.adapt import _regroup
+
+        _regroup.regroup(self, newcomer=True)
+        change = Change(gen.number, len(gen.members) - 1, len(gen.members), (), (self.id,),
+                        time.perf_counter() - t0)
+        self.history.append(change)
+        return change
+
+    # -- members -------------------------------------------------------------------------
+    def ready_joiners(self) -> int:
+        """Joiners waiting with consecutive tickets from ``admitted`` (a store read)."""
+        gen = self.generation
+        if gen is None:
+            return 0
+        n = 0
+        while self.store.check([self._key("ticket", gen.admitted + n)]):
+            n += 1
+        return n
+
+    def poll(self, leaving: bool) -> Change | None:
+        """Collective over the members: agree on leavers and joiners, then rescale."""
+        t0 = time.perf_counter()
+        gen = self.generation
+        assert gen is not None
+        joiners = self.ready_joiners() if self.rank == 0 else 0
+        if self.world_size == 1:
+            flags, n = [leaving], joiners
+        else:
+            t = torch.zeros(self.world_size + 1, dtype=torch.int64)
+            t[self.rank], t[-1] = int(leaving), joiners
+            dist.all_reduce(t)
+            flags, n = [bool(v) for v in t[:-1].tolist()], int(t[-1])
+        if not any(flags) and n == 0:
+            return None
+        survivors = [m for m, f in zip(gen.members, flags, strict=True) if not f]
+        if not survivors:
+            return None  # the whole job stops: the checkpoint path takes over
+        joined = [self.store.get(self._key("ticket", t)).decode()
+                  for t in range(gen.admitted, gen.admitted + n)]
+        new = Generation(gen.number + 1, tuple(survivors + joined), gen.admitted + n)
+        if self.rank == 0:
+            self._publish(new, list(range(gen.admitted, new.admitted)))
+        from stratagem.adapt import _regroup
+
+        _regroup.sync_states()  # pending accumulator updates, leavers' included
+        left = tuple(m for m, f in zip(gen.members, flags, strict=True) if f)
+        old_world = self.world_size
+        _destroy()
+        if leaving:
+            print(f"stratagem: worker {self.id} left the job (generation {new.number}: "
+                  f"{len(new.members)} workers)", file=sys.stderr, flush=True)
+            sys.exit(0)
+        self._enter(new)
+        _regroup.regroup(self, newcomer=False)
+        change = Change(new.number, old_world, self.world_size, left, tuple(joined),
+                        time.perf_counter() - t0)
+        self.history.append(change)
+        if self.rank == 0:
+            print(f"stratagem: rescaled {old_world} -> {self.world_size} workers (generation "
+                  f"{new.number}) in {change.seconds:.2f} s", file=sys.stderr, flush=True)
+        return change
+
+
+def _destroy() -> None:
+    from stratagem.adapt import elastic
+
+    elastic._group = None  # its cached control group belongs to the old process group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- module API -------------------------------------------------------------------------------
+def begin(ad: Any = None) -> ElasticGroup | None:
+    """Called by ``AutoDist()``: join the in-process elastic job described by the environment
+    (``STRATAGEM_RESCALE_STORE``), or return None when there is none."""
+    global _group
+    if _group is None:
+        group = ElasticGroup.from_env()
+        if group is None:
+            return None
+        from stratagem.adapt import elastic
+
+        elastic.install_signal_handler()  # SIGTERM: leave at the next step boundary
+        group.start()
+        _group = group
+    if ad is not None:
+        _group.ad = ad
+    return _group
+
+
+def active_group() -> ElasticGroup | None:
+    return _group
+
+
+def request_leave() -> None:
+    """Leave the job at the next step boundary (like SIGTERM, without stopping the rest)."""
+    global _leave_requested
+    _leave_requested = True
+
+
+def rescale_point() -> Change | None:
+    """A step boundary (every exit point calls it): apply pending joins and leaves.
+    Collective over the members; a no-op outside in-process elastic jobs."""
+    group = _group
+    if group is None:
+        return None
+    if group.pending:
+        return group.join_late()
+    from stratagem.adapt import elastic
+
+    return group.poll(_leave_requested or elastic.exit_requested())
+
+
+def reset() -> None:
+    """Forget the group (tests)."""
+    global _group, _leave_requested
+    _group, _leave_requested = None, False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m stratagem.adapt.rescale serve [--host H] --port P``: host a job's store."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m stratagem.adapt.rescale")
+    parser.add_argument("command", choices=["serve"])
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    server = host_store(args.host, args.port)
+    print(f"stratagem: rescale store on {args.host}:{args.port}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    del server
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

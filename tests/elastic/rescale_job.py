@@ -1,0 +1,103 @@
+"""A plain AutoDist training script used by the in-process rescale test and benchmark.
+
+Started with ``STRATAGEM_RESCALE_STORE`` (and ``STRATAGEM_RESCALE_NPROC`` for the first
+workers), it joins the job's elastic group. Every step appends the sample ids it trained on
+to ``OUT/ids-<pid>.jsonl``. ``--leave-at S --leave-rank R``: rank R leaves after step S.
+``--wait-joiner-at S``: at step S a lone rank 0 waits until a new worker is ready to join, so
+that the join lands at a known step. At the end every worker writes
+``OUT/changes-<pid>.json`` (its rescales) and rank 0 ``OUT/final.pt``.
+
+The job: 3 epochs over 48 samples, global batch 8 (6 steps per epoch), Adam.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import stratagem as sg
+from stratagem.adapt import rescale
+from stratagem.data import epoch_permutation
+
+N, EPOCHS, BATCH, SEED = 48, 3, 8, 0
+
+
+def make_model(width: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 2))
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.arange(N), torch.randn(N, 6, generator=g),
+                         torch.randn(N, 2, generator=g))
+
+
+def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: int = 0,
+          width: int = 16, epochs: int = EPOCHS, step_sleep: float = 0.0) -> None:
+    ad = sg.AutoDist(verbose=False)
+    plain = make_model(width)
+    model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.01))
+    loader = ad.data_loader(dataset(), batch_size=BATCH, shuffle=True, seed=SEED)
+    group = rescale.active_group()
+    step = 0
+    with (out / f"ids-{os.getpid()}.jsonl").open("a") as log:
+        for epoch in ad.remaining_epochs_until(epochs):
+            for ids, x, y in loader:
+                step = loader.position.offset // BATCH + epoch * (N // BATCH)
+                log.write(json.dumps({"step": step, "epoch": epoch, "rank": ad.rank,
+                                      "world": ad.world_size, "ids": ids.tolist(),
+                                      "time": time.time()}) + "\n")
+                log.flush()
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                if step == leave_at and ad.rank == leave_rank:
+                    rescale.request_leave()
+                if step == wait_joiner_at and ad.rank == 0 and ad.world_size == 1:
+                    while not group.ready_joiners():
+                        time.sleep(0.005)
+                if step_sleep:
+                    time.sleep(step_sleep)
+    changes = [asdict(c) for c in group.history] if group is not None else []
+    (out / f"changes-{os.getpid()}.json").write_text(json.dumps(changes))
+    if ad.rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+                   out / "final.pt")
+
+
+def reference(epochs: int = EPOCHS) -> dict[str, Any]:
+    """The same training, uninterrupted, in one process with plain torch."""
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _, xs, ys = dataset().tensors
+    for epoch in range(epochs):
+        order = epoch_permutation(N, epoch, SEED, shuffle=True)
+        for start in range(0, N, BATCH):
+            idx = order[start:start + BATCH]
+            opt.zero_grad()
+            nn.functional.mse_loss(model(xs[idx]), ys[idx]).backward()
+            opt.step()
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--leave-at", type=int, default=0)
+    parser.add_argument("--leave-rank", type=int, default=-1)
+    parser.add_argument("--wait-joiner-at", type=int, default=0)
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    a = parser.parse_args()
+    train(a.out, a.leave_at, a.leave_rank, a.wait_joiner_at, a.width, a.epochs, a.step_sleep)

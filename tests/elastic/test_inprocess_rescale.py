@@ -1,0 +1,112 @@
+"""In-process rescale 2 -> 1 -> 2 within one epoch: no process restarts, no sample lost or
+repeated, and the final model equals an uninterrupted single-process run.
+
+Workers A and B form the job (generation 0). In epoch 1, rank 1 leaves after step 8 (one
+worker trains steps 9-10); a new worker C is started once it is gone and joins after step
+10, receiving the model, optimizer, loader position and epoch from rank 0 by broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rescale_job import EPOCHS, N, reference
+
+from stratagem.adapt.rescale import host_store
+from stratagem.launch.local import free_port
+
+JOB = Path(__file__).with_name("rescale_job.py")
+pytestmark = pytest.mark.slow
+
+
+def start(out: Path, port: int, nproc: int, *args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                        "STRATAGEM_CHECKPOINT_DIR", "ADAPTDL_CHECKPOINT_PATH")}
+    env.update(STRATAGEM_RESCALE_STORE=f"127.0.0.1:{port}", STRATAGEM_RESCALE_NPROC=str(nproc),
+               STRATAGEM_RESCALE_TIMEOUT_S="60", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = (out / f"worker-{time.monotonic_ns()}.log").open("w")
+    return subprocess.Popen([sys.executable, str(JOB), "--out", str(out), *args], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def logs(out: Path) -> str:
+    return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("worker-*.log")))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("rescale")
+    port = free_port()
+    store = host_store("127.0.0.1", port)
+    args = ["--leave-at", "8", "--leave-rank", "1", "--wait-joiner-at", "10"]
+    first = [start(out, port, 2, *args) for _ in range(2)]
+    deadline = time.monotonic() + 80
+    try:
+        while all(p.poll() is None for p in first):  # one of them leaves after step 8
+            assert time.monotonic() < deadline, logs(out)
+            time.sleep(0.02)
+        leaver = next(p for p in first if p.poll() is not None)
+        assert leaver.returncode == 0, logs(out)
+        joiner = start(out, port, 2, *args)
+        codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in [*first, joiner]]
+        assert codes == [0, 0, 0], logs(out)
+    finally:
+        for p in first:
+            if p.poll() is None:
+                p.kill()
+        del store
+    return out
+
+
+def records(out: Path) -> dict[int, list[dict]]:
+    steps: dict[int, list[dict]] = {}
+    for f in out.glob("ids-*.jsonl"):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            steps.setdefault(rec["step"], []).append(rec)
+    return steps
+
+
+def test_worlds_follow_the_membership(run: Path) -> None:
+    steps = records(run)
+    worlds = [steps[s][0]["world"] for s in sorted(steps)]
+    assert worlds == [2] * 8 + [1] * 2 + [2] * 8, worlds
+    pids = {s: sorted(r.get("pid", 0) for r in recs) for s, recs in steps.items()}
+    assert all(len(recs) == steps[s][0]["world"] for s, recs in steps.items()), pids
+
+
+def test_every_sample_exactly_once_per_epoch(run: Path) -> None:
+    seen: dict[int, list[int]] = {e: [] for e in range(EPOCHS)}
+    for recs in records(run).values():
+        for r in sorted(recs, key=lambda r: r["rank"]):
+            seen[r["epoch"]] += r["ids"]
+    for epoch, ids in seen.items():
+        assert sorted(ids) == list(range(N)), f"epoch {epoch}: lost or repeated samples"
+
+
+def test_model_and_optimizer_equal_single_process(run: Path) -> None:
+    got = torch.load(run / "final.pt", weights_only=True)
+    want = reference()
+    for k, v in want["model"].items():
+        torch.testing.assert_close(got["model"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    for pid, state in want["optimizer"]["state"].items():
+        for k, v in state.items():
+            torch.testing.assert_close(got["optimizer"]["state"][pid][k], v, rtol=1e-5,
+                                       atol=1e-6, msg=f"{pid}.{k}")
+
+
+def test_rescales_are_fast_and_recorded(run: Path) -> None:
+    histories = [json.loads(p.read_text()) for p in run.glob("changes-*.json")]
+    survivor = max(histories, key=len)  # the worker that stayed: 2 -> 1, then 1 -> 2
+    assert [(c["old_world"], c["new_world"]) for c in survivor] == [(2, 1), (1, 2)]
+    assert all(c["seconds"] < 5.0 for c in survivor), survivor
+    newcomer = [h for h in histories if h and h[0]["joined"] and len(h) == 1]
+    assert newcomer and newcomer[0][0]["new_world"] == 2
