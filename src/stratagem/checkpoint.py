@@ -137,6 +137,9 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, 
     Every rank must call it. ``metadata`` must be JSON-serializable.
     """
     rank, _ = _rank_world()
+    prepare = getattr(model, "before_checkpoint", None)
+    if prepare is not None:  # collective: e.g. gather parameter-server shards on rank 0
+        prepare()
 
     def write(tmp: Path) -> None:
         sync_state = getattr(model, "synchronizer_state_dict", None)
@@ -225,6 +228,9 @@ def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer
                               stacklevel=2)
     if optimizer is not None and (p / "optimizer.pt").is_file():
         optimizer.load_state_dict(load_file(p, "optimizer.pt", map_location))
+    finish = getattr(model, "after_restore", None)
+    if finish is not None:  # collective: e.g. hand parameter-server shards to their owners
+        finish()
     return meta.get("metadata", {})
 
 

@@ -191,3 +191,21 @@ def spawn_and_kill(fn: Callable, workers: int, servers: int, out: Path, victim: 
     results = [torch.load(out / f"rank{r}.pt", weights_only=False)
                if (out / f"rank{r}.pt").exists() else None for r in range(world)]
     return results, killed
+
+
+_TEACHER: list[EmbNet] = []
+
+
+def task_batch(step: int, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable task: the labels of a fixed random teacher network (8 batches cycle)."""
+    if not _TEACHER:
+        _TEACHER.append(make_model(999))
+    ids, _ = batch(step % 8, n)
+    with torch.no_grad():
+        y = _TEACHER[0](ids).argmax(dim=1)
+    return ids, y
+
+
+def task_loss(model: nn.Module) -> float:
+    with torch.no_grad():
+        return sum(loss_fn(model(x), y).item() for x, y in map(task_batch, range(8))) / 8

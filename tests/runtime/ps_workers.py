@@ -84,11 +84,20 @@ def sync_family(cluster: Any, spec: Any, cases: list | None = None) -> dict:
     return out
 
 
-def suite(rank: int, workers: int, servers: int, cases: list | None = None) -> dict:
+def suite(rank: int, workers: int, servers: int, cases: list | None = None,
+          ckpt_dir: str = "") -> dict:
     """Everything one spawn runs (workers + servers)."""
     spec = spec_for(workers, servers)
     cluster = join_cluster(spec.replicas, server_devices(spec), timeout=TIMEOUT)
     out = sync_family(cluster, spec, cases)
+    if workers == 2 and cases is None:
+        for name, kw in CONSISTENCY.items():
+            out[f"consistency/{name}"] = guarded(
+                lambda kw=kw: consistency_case(cluster, spec, **kw))
+    if workers == 2 and cases is None:
+        for o in ("sgd", "adagrad"):
+            out[f"checkpoint/{o}"] = guarded(lambda o=o: checkpoint_case(
+                cluster, spec, o, f"{ckpt_dir}/{o}"))
     if (workers, servers) == (2, 2) and cases is None:
         for comp in ("fp16", "none"):
             out[f"mixed/{comp}"] = guarded(lambda c=comp: train(
@@ -97,6 +106,9 @@ def suite(rank: int, workers: int, servers: int, cases: list | None = None) -> d
 
 
 MIXED = Path(__file__).with_name("ps_mixed_strategy.yaml")
+CONSISTENCY = {"ssp2": {"sync": True, "staleness": 2},
+               "ssp1-proxy": {"sync": True, "staleness": 1, "local_proxy_variable": True},
+               "async": {"sync": False, "staleness": 0}}
 
 
 def mixed_strategy(compressor: str) -> Strategy:
@@ -148,3 +160,94 @@ def until_failure(rank: int, workers: int, servers: int, signal_dir: str, delay:
         return {"error": str(exc), "type": type(exc).__name__, "time": time.time(),
                 "step": step}
     return {"error": None, "step": step}
+
+
+def consistency_case(cluster: Any, spec: Any, sync: bool, staleness: int, slow: int = 1,
+                     delay: float = 0.02, steps: int = 40,
+                     local_proxy_variable: bool = False) -> Any:
+    """SGD on the teacher task with worker ``slow`` sleeping ``delay`` s per step."""
+    import time
+
+    from ps_common import task_batch, task_loss
+
+    rank, W = cluster.rank, cluster.workers
+    model = make_model(seed=rank)
+    opts = [torch.optim.SGD(model.parameters(), lr=0.2)]
+    profile = analyze(model)
+    builder = PartitionedPS(local_proxy_variable=local_proxy_variable, sync=sync,
+                            staleness=staleness)
+    strategy = validate(builder.build(profile, spec), profile, spec)
+    plan = compile_plan(strategy, profile, rank=rank, world_size=W,
+                        device=torch.device("cpu"), servers=server_devices(spec))
+    if plan.role == "server":
+        return {"server": True, "stats": run_server(model, plan, opts, cluster)}
+    dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
+    before = task_loss(dm.module)
+    per = BATCH // W
+    sl = slice(rank * per, (rank + 1) * per)
+    for step in range(steps):
+        if rank == slow:
+            time.sleep(delay)
+        x, y = task_batch(step)
+        for o in opts:
+            o.zero_grad()
+        loss_fn(dm(x[sl]), y[sl]).backward()
+        for o in opts:
+            o.step()
+    history = list(dm._ps.history)
+    dm.refresh_parameters()
+    after = task_loss(dm.module)
+    stats = dm.comm_stats
+    dm.close()
+    return {"history": history, "before": before, "after": after, "stats": stats,
+            "state": {k: v.clone() for k, v in dm.state_dict().items()}}
+
+
+def checkpoint_case(cluster: Any, spec: Any, opt: str, path: str) -> Any:
+    """Train 10 steps (PartitionedPS), save, train 10 more; then a fresh model under
+    another strategy (everything on one owner) loads the checkpoint and trains the same
+    10 steps. Both must end where single-process training ends."""
+    from stratagem import checkpoint
+
+    rank, W = cluster.rank, cluster.workers
+    per = BATCH // W
+    sl = slice(rank * per, (rank + 1) * per) if rank < W else None
+
+    def run(builder: Any, seed: int) -> tuple[Any, Any, Any]:
+        model = make_model(seed=seed)
+        opts = make_optimizers(opt, model)
+        profile = analyze(model)
+        strategy = validate(builder.build(profile, spec), profile, spec)
+        plan = compile_plan(strategy, profile, rank=rank, world_size=W,
+                            device=torch.device("cpu"), servers=server_devices(spec))
+        if plan.role == "server":
+            run_server(model, plan, opts, cluster)
+            return None, None, None
+        return DistributedModel(model, plan, optimizer=opts, cluster=cluster), opts, plan
+
+    def steps(dm: Any, opts: Any, rng: range) -> None:
+        for step in rng:
+            x, y = batch(step)
+            for o in opts:
+                o.zero_grad()
+            loss_fn(dm(x[sl]), y[sl]).backward()
+            for o in opts:
+                o.step()
+
+    dm, opts, _ = run(PartitionedPS(), seed=rank)
+    if dm is not None:
+        steps(dm, opts, range(10))
+        checkpoint.save(path, dm, opts[0])
+        steps(dm, opts, range(10, 20))
+        dm.refresh_parameters()
+        first = {k: v.clone() for k, v in dm.state_dict().items()}
+        dm.close()
+    dm, opts, plan = run(PS(), seed=100 + rank)  # one owner: a different layout
+    if dm is None:
+        return {"server": True}
+    checkpoint.load(path, dm, opts[0])
+    steps(dm, opts, range(10, 20))
+    dm.refresh_parameters()
+    second = {k: v.clone() for k, v in dm.state_dict().items()}
+    dm.close()
+    return {"continued": first, "restored": second, "plan": plan.summary()}

@@ -8,6 +8,8 @@ Adam (dense) is lazy Adam.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ps_workers
 import pytest
 import torch
@@ -18,7 +20,8 @@ CONFIGS = {"w2": (2, 0), "w2s2": (2, 2), "w4": (4, 0), "w4s2": (4, 2)}
 
 
 def _run(workers: int, servers: int, tmp: pytest.TempPathFactory, name: str) -> list[dict]:
-    return spawn_ps(ps_workers.suite, workers, servers, tmp.mktemp(name))
+    out = tmp.mktemp(name)
+    return spawn_ps(ps_workers.suite, workers, servers, out, ckpt_dir=str(out / "ckpt"))
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +104,103 @@ def test_mixed_strategy_file_matches_single_process(w2s2: list[dict]) -> None:
             assert err < 1e-2, (k, float(err))
     assert fp16[0]["state"]["fc1.weight"].ne(want["fc1.weight"]).any()  # really compressed
     assert fp16[0]["stats"].payload_bytes * 4 == exact[0]["stats"].payload_bytes  # fp16/fp64
+
+
+@pytest.mark.parametrize("config", ["w2", "w2s2"])
+@pytest.mark.parametrize("mode", ["ssp2", "ssp1-proxy"])
+def test_bounded_staleness(config: str, mode: str, request: pytest.FixtureRequest) -> None:
+    """Worker 1 sleeps every step; worker 0 may run ahead, but never more than s steps:
+    every pull it waits for carries a version >= step - s, and (wall clocks, one machine)
+    it starts computing step t only after worker 1 finished step t - s - 1."""
+    s = ps_workers.CONSISTENCY[mode]["staleness"]
+    fast, slow = workers_of(request.getfixturevalue(config), f"consistency/{mode}")
+    for r in (fast, slow):
+        for h in r["history"]:
+            assert h["step"] - h["version"] <= s, h
+        assert r["after"] < 0.75 * r["before"], (r["before"], r["after"])  # converges
+    lags = [h["step"] - h["version"] for h in fast["history"]]
+    assert max(lags) == s  # the bound was reached, so it was what held the fast worker
+    done = {h["step"]: h["done"] for h in slow["history"]}
+    for h in fast["history"]:
+        if h["step"] - s - 1 >= 0:
+            assert h["go"] >= done[h["step"] - s - 1], h
+
+
+@pytest.mark.parametrize("config", ["w2", "w2s2"])
+def test_asynchronous_runs_ahead_and_converges(config: str,
+                                                request: pytest.FixtureRequest) -> None:
+    fast, slow = workers_of(request.getfixturevalue(config), "consistency/async")
+    assert max(h["step"] - h["version"] for h in fast["history"]) > 2  # no bound
+    for r in (fast, slow):
+        assert r["after"] < 0.8 * r["before"], (r["before"], r["after"])
+
+
+def test_autodist_script_with_dedicated_servers(tmp_path_factory: pytest.TempPathFactory
+                                                ) -> None:
+    """The user's view: one script, launched on 2 workers + 2 server processes (servers
+    first in launcher-rank order); servers serve inside ``distribute()`` and exit 0."""
+    import yaml
+    from ps_common import run_script, spec_for
+
+    out = tmp_path_factory.mktemp("script")
+    spec = out / "spec.yml"
+    spec.write_text(yaml.safe_dump(spec_for(2, 2).to_dict()))
+    codes = run_script(Path(__file__).with_name("ps_script.py"),
+                       ["server", "worker", "server", "worker"], out, {"PS_SPEC": str(spec)})
+    assert codes == ["0"] * 4, codes
+    want = ref("adagrad")
+    for r in range(2):
+        res = torch.load(out / f"worker{r}.pt", weights_only=False)
+        assert (res["rank"], res["world"]) == (r, 2)  # workers see a world of 2 workers
+        assert "2 dedicated servers" in res["plan"]
+        assert_close(res["state"], want)
+
+
+def test_killed_server_fails_the_job_fast(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """SIGKILL one of two servers mid-training: every survivor raises a DistributedError
+    naming it within seconds (no collective timeout)."""
+    from ps_common import spawn_and_kill
+
+    out = tmp_path_factory.mktemp("kill")
+    results, killed = spawn_and_kill(ps_workers.until_failure, 2, 2, out, victim=2,
+                                     signal_dir=str(out), delay=0.01)
+    assert results[2] is None  # the victim
+    for r in (results[0], results[1], results[3]):
+        assert r is not None and r["error"], r
+        assert "lost server 10.0.1.1:PS:0 (rank 2)" in r["error"], r["error"]
+        assert "crashed or was killed" in r["error"]
+        elapsed = r["time"] - killed
+        print(f"failure reported after {elapsed:.1f} s")
+        assert elapsed < 60  # measured ~2.5 s (a 3 s heartbeat staleness window)
+    assert results[0]["type"] == "DistributedError"
+
+
+@pytest.mark.parametrize("config", ["w2", "w2s2"])
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+def test_checkpoint_is_single_process_and_restores_into_another_layout(
+        config: str, opt: str, request: pytest.FixtureRequest) -> None:
+    """PartitionedPS saves after 10 of 20 steps (sharded values and owner-side optimizer
+    state gathered: SGD's sparse momentum buffer, Adagrad's sums and steps). The run that
+    continues, a restore into PS (one owner) and plain torch loading the files in one
+    process all end where 20 single-process steps end."""
+    from ps_common import batch, loss_fn, make_model, make_optimizers
+
+    from stratagem import checkpoint
+
+    results = request.getfixturevalue(config)
+    want = ref(opt)
+    for r in workers_of(results, f"checkpoint/{opt}"):
+        assert_close(r["continued"], want)
+        assert_close(r["restored"], want)
+    path = Path(request.getfixturevalue("tmp_path_factory").getbasetemp())
+    ckpt = next(path.glob(f"{config}*/ckpt/{opt}"))
+    model = make_model(7)
+    opts = make_optimizers(opt, model)
+    checkpoint.load(ckpt, model, opts[0])  # plain torch, one process
+    assert_close({k: v for k, v in model.state_dict().items()}, ref(opt, steps=10))
+    for step in range(10, 20):
+        x, y = batch(step)
+        opts[0].zero_grad()
+        loss_fn(model(x), y).backward()
+        opts[0].step()
+    assert_close(model.state_dict(), want)

@@ -146,7 +146,11 @@ def track_model(model: Any, optimizer: Any = None) -> bool:
     second model); returns whether the model was restored."""
     name = unique_name("model")
     suffix = name[len("model"):]
-    restored = load_state(ObjectState(name, model.state_dict, model.load_state_dict))
+    model_state = ObjectState(name, model.state_dict, model.load_state_dict)
+    prepare = getattr(model, "before_checkpoint", None)
+    if prepare is not None:  # collective before saving (e.g. gather parameter-server shards)
+        model_state.sync = prepare  # type: ignore[method-assign]
+    restored = load_state(model_state)
     sync_get = getattr(model, "synchronizer_state_dict", None)
     if sync_get is not None:
         load_state(ObjectState(f"sync{suffix}", sync_get, model.load_synchronizer_state_dict,
@@ -154,6 +158,9 @@ def track_model(model: Any, optimizer: Any = None) -> bool:
     if optimizer is not None:
         load_state(ObjectState(f"optimizer{suffix}", optimizer.state_dict,
                                optimizer.load_state_dict))
+    finish = getattr(model, "after_restore", None)
+    if finish is not None and restore_point() is not None:
+        finish()  # collective (e.g. hand parameter-server shards to their owners)
     return restored
 
 

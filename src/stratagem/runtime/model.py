@@ -151,6 +151,21 @@ class DistributedModel(nn.Module):
         if self._ps is not None:
             self._ps.refresh()
 
+    def before_checkpoint(self) -> None:
+        """Collective, before saving: every worker's copy of the PS parameters becomes
+        current and the chief's optimizer gets the owners' optimizer state, so rank 0's
+        ``state_dict()`` and ``optimizer.state_dict()`` are what one process would save.
+        Called by ``stratagem.checkpoint.save`` and the elastic job state."""
+        if self._ps is not None:
+            self._ps.before_checkpoint()
+
+    def after_restore(self) -> None:
+        """Collective, after every worker loaded one checkpoint into the model and the
+        optimizer: owners (dedicated servers too) take their slices, whatever the strategy
+        that wrote it. Called by ``stratagem.checkpoint.load`` and the elastic job state."""
+        if self._ps is not None:
+            self._ps.after_restore()
+
     def close(self) -> None:
         """Finish pending parameter-server traffic and release dedicated servers (the chief
         sends them STOP; also done at interpreter exit). No-op without PS synchronizers."""

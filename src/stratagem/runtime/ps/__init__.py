@@ -73,10 +73,18 @@ def _cluster_for(plan: Any, cluster: Cluster | None, process_group: Any) -> Clus
 def make_engine(plan: Any, module: nn.Module, optimizer: Any, cluster: Cluster | None,
                 process_group: Any, stats: CommStats) -> Any:
     """The PS engine of a worker (called by DistributedModel)."""
-    from stratagem.runtime.ps.engine import PSEngine
+    return _engine_class(plan)(plan, module, _optimizers(optimizer),
+                               _cluster_for(plan, cluster, process_group), stats)
 
-    return PSEngine(plan, module, _optimizers(optimizer), _cluster_for(plan, cluster,
-                                                                        process_group), stats)
+
+def _engine_class(plan: Any) -> type:
+    if plan.ps.sync and not plan.ps.staleness:
+        from stratagem.runtime.ps.engine import PSEngine
+
+        return PSEngine
+    from stratagem.runtime.ps.consistency import AsyncEngine
+
+    return AsyncEngine
 
 
 def run_server(module: nn.Module, plan: Any, optimizer: Any, cluster: Cluster) -> CommStats:
@@ -86,13 +94,11 @@ def run_server(module: nn.Module, plan: Any, optimizer: Any, cluster: Cluster) -
     hyperparameters must match; the values come from worker 0). Returns the server's
     traffic counters.
     """
-    from stratagem.runtime.ps.engine import PSEngine
-
     if plan.ps is None or plan.role != "server":
         raise StrategyError(f"rank {plan.rank} is not a parameter server in this plan",
                             where="run_server", fix="compile the plan with a server rank")
     stats = CommStats()
-    engine = PSEngine(plan, module, _optimizers(optimizer), _cluster_for(plan, cluster, None),
-                      stats)
+    engine = _engine_class(plan)(plan, module, _optimizers(optimizer),
+                                 _cluster_for(plan, cluster, None), stats)
     engine.serve()
     return stats

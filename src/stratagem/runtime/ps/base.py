@@ -19,8 +19,10 @@ from torch import nn
 from stratagem.errors import StrategyError, UnsupportedModelError
 from stratagem.runtime.plan import Plan
 from stratagem.runtime.ps.cluster import Cluster, Group
+from stratagem.runtime.ps.dense import piece_view
 from stratagem.runtime.ps.optim import locate
 from stratagem.runtime.ps.plan import PSPiece
+from stratagem.runtime.ps.state import consolidate, convert_step, export_state, slice_state
 from stratagem.runtime.stats import CommStats
 
 
@@ -146,6 +148,61 @@ class EngineBase:
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(
                 lambda *_a, ref=ref: ref() and ref().on_step()))
+
+    # -- checkpoints (see state.py) ------------------------------------------------------
+    def _owned_payload(self, shards: dict[int, torch.Tensor], optimizer: Any,
+                       values: bool = False) -> dict[int, dict[str, Any]]:
+        """This owner's pieces: optimizer state (and values), detached on the CPU."""
+        out = {}
+        for pid, shard in shards.items():
+            entry: dict[str, Any] = {
+                "state": export_state(optimizer.state_of(shard)) if optimizer else {}}
+            if values:
+                entry["value"] = shard.detach().cpu().clone()
+            out[pid] = entry
+        return out
+
+    def _consolidate_into_user(self, payloads: dict[int, dict[str, Any]]) -> None:
+        """Chief: write every PS parameter's full optimizer state into the user's optimizer,
+        so ``optimizer.state_dict()`` is what one process would have."""
+        for name, pieces in self.by_param.items():
+            param = self.params[name]
+            opt = self.optimizers[self._loc[name][0]]
+            full = consolidate(pieces, [payloads[p.id]["state"] for p in pieces], param,
+                               type(opt))
+            if full:
+                opt.state[param] = full
+            else:
+                opt.state.pop(param, None)
+
+    def _slices(self, pieces: list[PSPiece], values: bool) -> dict[int, dict[str, Any]]:
+        """Each piece's share of the loaded full values and optimizer state."""
+        out = {}
+        for p in pieces:
+            param = self.params[p.param]
+            full = self.optimizers[self._loc[p.param][0]].state.get(param, {})
+            entry: dict[str, Any] = {"state": slice_state(full, p, tuple(param.shape))}
+            if values:
+                entry["value"] = piece_view(param, p).cpu().clone()
+            out[p.id] = entry
+        return out
+
+    @torch.no_grad()
+    def _apply_owned(self, shards: dict[int, torch.Tensor], optimizer: Any,
+                     entries: dict[int, dict[str, Any]]) -> None:
+        for pid, entry in entries.items():
+            shard = shards[pid]
+            if "value" in entry:
+                shard.copy_(entry["value"])
+            if optimizer is not None:
+                cls = type(optimizer.owner_of(shard))
+                optimizer.set_state(shard, convert_step(dict(entry["state"]), cls))
+
+    def _drop_user_state(self) -> None:
+        """Workers: the owners hold the PS parameters' optimizer state, not the user's
+        optimizer (it skips them: their ``.grad`` stays None)."""
+        for name in self.by_param:
+            self.optimizers[self._loc[name][0]].state.pop(self.params[name], None)
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -341,6 +341,52 @@ class PSEngine(EngineBase):
             if p.owner != self.rank and self.rank < self.W:
                 piece_view(self.params[p.param], p).copy_(buf)
 
+    # -- checkpoints ---------------------------------------------------------------------
+    def before_checkpoint(self) -> None:
+        """Collective: complete values on every worker, full optimizer state in the chief's
+        optimizer (see state.py)."""
+        self.refresh()
+        if self.is_chief and self.ps.servers:
+            self.stopper.send(GATHER, self.step_count)
+        self._gather()
+
+    def _gather(self) -> None:
+        payload = self._owned_payload(self.shards, self.shard_optimizer)
+        if self.rank == 0:
+            for o in self.ps.owners:
+                if o != 0:
+                    payload.update(self.g_owner[o].recv_object(
+                        o, f"gathering optimizer state from {self.cluster.describe(o)}"))
+            self._consolidate_into_user(payload)
+        elif self.rank in self.ps.owners:
+            self.g_owner[self.rank].send_object(payload, 0, "sending optimizer state")
+
+    def after_restore(self) -> None:
+        """Collective, after every worker loaded the same checkpoint into the model and
+        optimizer: owners take their slices (servers get theirs from the chief)."""
+        self.finish_pulls()
+        self._pushed = False
+        if self.is_chief and self.ps.servers:
+            self.stopper.send(SCATTER, self.step_count)
+        self._scatter()
+
+    def _scatter(self) -> None:
+        if self.rank == 0:
+            for o in self.ps.owners:
+                if o >= self.W:
+                    self.g_owner[o].send_object(
+                        self._slices(list(self.ps.owned_by(o)), values=True), o,
+                        f"restoring {self.cluster.describe(o)}")
+        if self.is_server:
+            if self.rank in self.ps.owners:
+                entries = self.g_owner[self.rank].recv_object(0, "receiving restored state")
+                self._apply_owned(self.shards, self.shard_optimizer, entries)
+            return
+        if self.shards:  # (values: the shards are views of the loaded parameters)
+            self._apply_owned(self.shards, self.shard_optimizer,
+                              self._slices(list(self.ps.owned_by(self.rank)), values=False))
+        self._drop_user_state()
+
     # -- server loop ---------------------------------------------------------------------
     def serve(self) -> None:
         """Dedicated server: follow the chief's phases until it sends STOP."""
@@ -370,6 +416,11 @@ class PSEngine(EngineBase):
             elif cmd == REFRESH:
                 self.finish_pulls()
                 self._refresh()
+            elif cmd == GATHER:
+                self._gather()
+            elif cmd == SCATTER:
+                self.finish_pulls()
+                self._scatter()
             else:
                 raise RuntimeError(f"unknown parameter-server command {cmd}")
 

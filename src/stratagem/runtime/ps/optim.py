@@ -151,8 +151,23 @@ class ShardOptimizer:
         for opt, _, _ in self.optimizers:
             opt.step()
 
-    def state_dicts(self) -> list[dict[str, Any]]:
-        return [opt.state_dict() for opt, _, _ in self.optimizers]
+    def owner_of(self, shard: torch.Tensor) -> torch.optim.Optimizer:
+        """The torch optimizer that updates ``shard``."""
+        for opt, _, _ in self.optimizers:
+            if any(p is shard for g in opt.param_groups for p in g["params"]):
+                return opt
+        raise KeyError("shard not in this owner's optimizers")
+
+    def state_of(self, shard: torch.Tensor) -> dict[str, Any]:
+        return dict(self.owner_of(shard).state.get(shard, {}))
+
+    def set_state(self, shard: torch.Tensor, state: dict[str, Any]) -> None:
+        opt = self.owner_of(shard)
+        if state:
+            opt.state[shard] = {k: (v.to(shard.device) if isinstance(v, torch.Tensor)
+                                    and k != "step" else v) for k, v in state.items()}
+        else:
+            opt.state.pop(shard, None)
 
 
 # -- hyperparameters on the wire (chief -> dedicated servers) ---------------------------
