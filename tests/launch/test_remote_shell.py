@@ -64,13 +64,18 @@ def test_plan_local_chief_and_ssh_worker(plan_for: Callable[..., object],
                                          tmp_path: Path) -> None:
     plan = plan_for()
     assert plan.endpoint == "10.0.0.1:41000"
-    chief, remote = plan.agents
-    assert [a.index for a in plan.agents] == [0, 1] and [i for i, _ in plan.skipped] == [2]
+    chief, remote, server = plan.agents
+    assert [a.index for a in plan.agents] == [0, 1, 2] and plan.skipped == ()
+    # node 2 (workers: 0) runs one dedicated parameter-server process
+    exports, agent = server.argv[-1].split(" && exec ")
+    assert "STRATAGEM_ROLE=server" in exports and "STRATAGEM_NODE_ADDRESS=10.0.0.3" in exports
+    assert _opt(shlex.split(agent), "--nproc-per-node") == "1"
+    assert "STRATAGEM_ROLE" not in chief.env
     # the chief: a local agent hosting the rendezvous
     assert chief.via == "local" and chief.is_host
     argv = list(chief.argv)
     assert argv[:3] == [sys.executable, "-m", "stratagem.launch.agent"]
-    assert _opt(argv, "--nnodes") == "2" and _opt(argv, "--nproc-per-node") == "2"
+    assert _opt(argv, "--nnodes") == "3" and _opt(argv, "--nproc-per-node") == "2"
     assert _opt(argv, "--rdzv-conf") == "is_host=1" and _opt(argv, "--local-addr") == "10.0.0.1"
     assert _opt(argv, "--rdzv-endpoint") == "10.0.0.1:41000" and _opt(argv, "--rdzv-id") == "job7"
     assert chief.env["STRATAGEM_NODE_ADDRESS"] == "10.0.0.1"
@@ -98,10 +103,10 @@ def test_plan_local_chief_and_ssh_worker(plan_for: Callable[..., object],
 
 def test_plan_describe_names_every_node(plan_for: Callable[..., object]) -> None:
     text = plan_for().describe()
-    assert "job job7: 3 workers on 2 nodes" in text and "10.0.0.1:41000" in text
+    assert "job job7: 3 workers on 3 nodes" in text and "10.0.0.1:41000" in text
     assert "node 0  10.0.0.1  chief" in text and "rendezvous host" in text
     assert "node 1  10.0.0.2" in text and "ssh" in text
-    assert "node 2  10.0.0.3" in text and "no workers" in text
+    assert "node 2  10.0.0.3" in text and "PS server" in text
 
 
 def test_remote_shell_template_and_strategy(plan_for: Callable[..., object],
@@ -127,10 +132,10 @@ def test_chief_without_workers_hands_rendezvous_to_first_worker_node(
     plan = plan_job(JobOptions(script=str(tmp_path / "t.py"), resource_spec=str(spec),
                                remote_shell="ssh {address}"))
     assert plan.endpoint == "10.0.0.2:29400"
-    assert [a.is_host for a in plan.agents] == [True, False]
-    assert [a.node.address for a in plan.agents] == ["10.0.0.2", "10.0.0.3"]
+    assert [a.is_host for a in plan.agents] == [False, True, False]
+    assert [a.node.address for a in plan.agents] == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     # a template starting with ssh gets the remote line as one argument
-    assert plan.agents[0].argv[:2] == ("ssh", "10.0.0.2") and len(plan.agents[0].argv) == 3
+    assert plan.agents[1].argv[:2] == ("ssh", "10.0.0.2") and len(plan.agents[1].argv) == 3
 
 
 @pytest.mark.parametrize(("venv", "line"), [

@@ -1,7 +1,8 @@
 """A user's training script with AutoDist and parameter servers (run by test_ps.py).
 
 Servers run it too: ``ad.distribute`` serves there and exits the process, so nothing below
-it runs on a server. Env: PS_SPEC (spec file), PS_OUT (result directory), PS_BUILDER.
+it runs on a server. Env PS_OUT (result directory; or argv[1]), PS_BUILDER, and PS_SPEC (a
+spec file; else the launcher's STRATAGEM_RESOURCE_SPEC).
 """
 
 import os
@@ -15,7 +16,8 @@ from ps_common import BATCH, STEPS, batch, loss_fn, make_model  # noqa: E402
 
 import stratagem as sg  # noqa: E402
 
-ad = sg.AutoDist(resource_spec_file=os.environ["PS_SPEC"],
+OUT = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ["PS_OUT"])
+ad = sg.AutoDist(resource_spec_file=os.environ.get("PS_SPEC"),
                  strategy_builder=os.environ.get("PS_BUILDER", "PartitionedPS"), verbose=False)
 model = make_model(seed=ad.rank)
 optimizer = torch.optim.Adagrad(model.parameters(), lr=0.2)
@@ -31,4 +33,4 @@ for step in range(STEPS):
     optimizer.step()
 model.refresh_parameters()
 torch.save({"state": model.state_dict(), "rank": ad.rank, "world": ad.world_size,
-            "plan": model.plan.summary()}, Path(os.environ["PS_OUT"]) / f"worker{ad.rank}.pt")
+            "plan": model.plan.summary()}, OUT / f"worker{ad.rank}.pt")

@@ -6,6 +6,8 @@ Every worker sees, besides torch elastic's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADD
 ``STRATAGEM_STRATEGY``       builder name or strategy file path from ``--strategy`` (or unset)
 ``STRATAGEM_NODE_ADDRESS``   this node's address from the spec (127.0.0.1 without a spec)
 ``STRATAGEM_JOB_ID``         the job id; also torch elastic's rendezvous id
+``STRATAGEM_ROLE``           ``server`` on nodes with ``workers: 0`` (dedicated parameter
+                             servers, one process each); unset on worker nodes
 
 On each node the agent calls :func:`apply_node_env` before starting torchrun: it sets
 ``GLOO_SOCKET_IFNAME`` to the interface owning ``STRATAGEM_NODE_ADDRESS`` unless already set.
@@ -24,6 +26,7 @@ ENV_SPEC = "STRATAGEM_RESOURCE_SPEC"
 ENV_STRATEGY = "STRATAGEM_STRATEGY"
 ENV_NODE_ADDRESS = "STRATAGEM_NODE_ADDRESS"
 ENV_JOB_ID = "STRATAGEM_JOB_ID"
+ENV_ROLE = "STRATAGEM_ROLE"
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 
 

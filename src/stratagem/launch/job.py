@@ -64,7 +64,8 @@ class LaunchPlan:
             f"{nodes} node{'s' * (nodes != 1)} ({self.spec_source}); "
             f"rendezvous c10d at {self.endpoint}"
         ]
-        rows = [(a.index, a.node, f"{a.node.workers} worker{'s' * (a.node.workers != 1)}",
+        rows = [(a.index, a.node, f"{a.node.workers} worker{'s' * (a.node.workers != 1)}"
+                 if a.node.workers else "PS server",
                  a.via + (", rendezvous host" if a.is_host and nodes > 1 else ""))
                 for a in self.agents]
         rows += [(i, n, "no workers", "not started") for i, n in self.skipped]

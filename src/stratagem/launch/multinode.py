@@ -1,4 +1,8 @@
-"""Multi-node launch: one torchrun agent per node with workers, joined by c10d rendezvous.
+"""Multi-node launch: one torchrun agent per node, joined by c10d rendezvous.
+
+A node with ``workers: 0`` is a dedicated parameter server: its agent starts one process
+with ``STRATAGEM_ROLE=server`` (see docs/concepts/parameter-server.md), which serves the
+workers, or exits at once if the strategy sends nothing to servers.
 
 Nodes whose address belongs to this machine start their agent directly; the others through
 the remote shell (``--remote-shell`` / ``STRATAGEM_REMOTE_SHELL``, else ssh from the spec).
@@ -12,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from stratagem.launch.env import job_env
+from stratagem.launch.env import ENV_ROLE, job_env
 from stratagem.launch.job import (
     DEFAULT_RDZV_PORT,
     AgentLaunch,
@@ -34,20 +38,24 @@ from stratagem.resource import ResourceSpec
 
 def plan_multinode(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path: str | None,
                    strategy: str | None, remote_shell: str | None = None) -> LaunchPlan:
-    """One agent per node with ``workers > 0``; nodes without workers are listed as skipped."""
+    """One agent per node: ``workers`` processes, or one server process for ``workers: 0``."""
     indexed = list(enumerate(spec.nodes))
     working = [(i, n) for i, n in indexed if n.workers > 0]
+    started = indexed
     host = spec.chief if spec.chief.workers > 0 else working[0][1]
     host_is_here = is_local_address(host.address)
     port = opts.rdzv_port or (free_port(host.address) if host_is_here else DEFAULT_RDZV_PORT)
     endpoint = f"{host.address}:{port}"
     cwd = os.getcwd()
     agents = []
-    for i, node in working:
+    for i, node in started:
         ssh = spec.ssh_for(node)
-        torchrun = torchrun_args(nnodes=len(working), nproc=node.workers, endpoint=endpoint,
-                                 job_id=job_id, local_addr=node.address, is_host=node is host)
+        torchrun = torchrun_args(nnodes=len(started), nproc=node.workers or 1,
+                                 endpoint=endpoint, job_id=job_id, local_addr=node.address,
+                                 is_host=node is host)
         env = {**job_env(job_id, node, spec_path, strategy), **ssh.shared_envs}
+        if node.workers == 0:
+            env[ENV_ROLE] = "server"
         here = host_is_here if node is host else is_local_address(node.address)
         if here:
             argv = agent_argv(sys.executable, torchrun, opts.script, opts.script_args)
@@ -63,6 +71,5 @@ def plan_multinode(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path:
             require_ssh()
             argv, via = ssh_argv(node, ssh, line), "ssh"
         agents.append(AgentLaunch(i, node, tuple(argv), dict(os.environ), via, node is host))
-    skipped = tuple((i, n) for i, n in indexed if n.workers == 0)
-    return LaunchPlan(job_id=job_id, endpoint=endpoint, agents=tuple(agents), skipped=skipped,
+    return LaunchPlan(job_id=job_id, endpoint=endpoint, agents=tuple(agents),
                       spec_source=spec.source)
