@@ -4,7 +4,8 @@ Started with ``STRATAGEM_RESCALE_STORE`` (and ``STRATAGEM_RESCALE_NPROC`` for th
 workers), it joins the job's elastic group. Every step appends the sample ids it trained on
 to ``OUT/ids-<pid>.jsonl``. ``--leave-at S --leave-rank R``: rank R leaves after step S.
 ``--wait-joiner-at S``: at step S a lone rank 0 waits until a new worker is ready to join, so
-that the join lands at a known step. At the end every worker writes
+that the join lands at a known step. ``--join-after-gen G``: a worker started early waits
+until the job reached generation G before it starts (joins late). At the end every worker writes
 ``OUT/changes-<pid>.json`` (its rescales) and rank 0 ``OUT/final.pt``.
 
 The job: 3 epochs over 48 samples, global batch 8 (6 steps per epoch), Adam.
@@ -40,6 +41,18 @@ def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.arange(N), torch.randn(N, 6, generator=g),
                          torch.randn(N, 2, generator=g))
+
+
+def wait_for_generation(number: int) -> None:
+    """Block until the job's rescale store records generation ``number``."""
+    from datetime import timedelta
+
+    host, port = rescale.parse_address(os.environ[rescale.ENV_STORE])
+    store = torch.distributed.TCPStore(host, port, is_master=False,
+                                       timeout=timedelta(seconds=60))
+    key = f"{rescale.NS}/gen"
+    while not (store.check([key]) and int(store.get(key)) >= number):
+        time.sleep(0.01)
 
 
 def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: int = 0,
@@ -99,5 +112,8 @@ if __name__ == "__main__":
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--join-after-gen", type=int, default=0)
     a = parser.parse_args()
+    if a.join_after_gen:
+        wait_for_generation(a.join_after_gen)
     train(a.out, a.leave_at, a.leave_rank, a.wait_joiner_at, a.width, a.epochs, a.step_sleep)

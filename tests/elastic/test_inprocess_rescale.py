@@ -2,8 +2,9 @@
 repeated, and the final model equals an uninterrupted single-process run.
 
 Workers A and B form the job (generation 0). In epoch 1, rank 1 leaves after step 8 (one
-worker trains steps 9-10); a new worker C is started once it is gone and joins after step
-10, receiving the model, optimizer, loader position and epoch from rank 0 by broadcast.
+worker trains steps 9-10); worker C, started with them but held back until that happened,
+joins after step 10, receiving the model, optimizer, loader position and epoch from rank 0
+by broadcast.
 """
 
 from __future__ import annotations
@@ -47,19 +48,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     port = free_port()
     store = host_store("127.0.0.1", port)
     args = ["--leave-at", "8", "--leave-rank", "1", "--wait-joiner-at", "10"]
-    first = [start(out, port, 2, *args) for _ in range(2)]
+    procs = [start(out, port, 2, *args) for _ in range(2)]
+    procs.append(start(out, port, 2, *args, "--join-after-gen", "1"))  # C: after B left
     deadline = time.monotonic() + 80
     try:
-        while all(p.poll() is None for p in first):  # one of them leaves after step 8
-            assert time.monotonic() < deadline, logs(out)
-            time.sleep(0.02)
-        leaver = next(p for p in first if p.poll() is not None)
-        assert leaver.returncode == 0, logs(out)
-        joiner = start(out, port, 2, *args)
-        codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in [*first, joiner]]
+        codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
         assert codes == [0, 0, 0], logs(out)
     finally:
-        for p in first:
+        for p in procs:
             if p.poll() is None:
                 p.kill()
         del store

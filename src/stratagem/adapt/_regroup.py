@@ -25,13 +25,15 @@ def sync_states() -> None:
         state.sync()
 
 
-def regroup(group: Any, *, newcomer: bool) -> None:
-    """Collective over the new generation: rebuild, transfer state, re-plan the loaders."""
+def regroup(group: Any, *, newcomer: bool, joiners: bool) -> None:
+    """Collective over the new generation: rebuild, transfer state (when ``joiners``: the
+    others hold it already), re-plan the loaders."""
     rank, world = group.rank, group.world_size
     ad = group.ad
     if ad is not None:
-        _rebuild_autodist(ad, rank, world)
-    _transfer_states(newcomer, world)
+        _rebuild_autodist(ad, rank, world, joiners)
+    if joiners:
+        _transfer_states(newcomer, world)
     for loader in _loaders():
         loader.sampler.rank, loader.sampler.world_size = rank, world
     if ad is not None:
@@ -39,7 +41,7 @@ def regroup(group: Any, *, newcomer: bool) -> None:
 
 
 # -- the engine ---------------------------------------------------------------------------------
-def _rebuild_autodist(ad: Any, rank: int, world: int) -> None:
+def _rebuild_autodist(ad: Any, rank: int, world: int, broadcast: bool) -> None:
     from stratagem.resource import ResourceSpec
     from stratagem.runtime import compile_plan
     from stratagem.strategy import validate
@@ -53,13 +55,13 @@ def _rebuild_autodist(ad: Any, rank: int, world: int) -> None:
                         ad.resource_spec)
     ad.strategy = strategy
     plan = compile_plan(strategy, ad.profile, rank=rank, world_size=world, device=ad.device)
-    rebuild_model(ad.model, plan)
+    rebuild_model(ad.model, plan, broadcast=broadcast)
 
 
-def rebuild_model(model: Any, plan: Any) -> None:
+def rebuild_model(model: Any, plan: Any, *, broadcast: bool = True) -> None:
     """Give a DistributedModel the synchronizers of ``plan`` (a new world), in place:
-    the module, optimizer and hooks' owners stay; parameters and buffers are broadcast from
-    the new rank 0. Collective when ``plan.world_size > 1``."""
+    the module, optimizer and hooks' owners stay; with ``broadcast``, parameters and buffers
+    are broadcast from the new rank 0. Collective when ``plan.world_size > 1``."""
     from stratagem.runtime.allreduce import AllReduceReducer, LocalReducer, check_params
     from stratagem.runtime.comm import BufferSync, broadcast_coalesced, make_comms
 
@@ -78,8 +80,10 @@ def rebuild_model(model: Any, plan: Any) -> None:
         model._reducer = LocalReducer(params, model.comm_stats)
     else:
         default, comms = make_comms(plan, None, model.comm_stats)
-        states = list(dict.fromkeys([*model.module.parameters(), *model.module.buffers()]))
-        broadcast_coalesced([t for t in states if t.numel()], default)
+        if broadcast:
+            states = list(dict.fromkeys([*model.module.parameters(),
+                                         *model.module.buffers()]))
+            broadcast_coalesced([t for t in states if t.numel()], default)
         model._reducer = AllReduceReducer(plan, params, comms, model.comm_stats)
         model._buffer_sync = BufferSync(model.module, default)
         model._reducer.before_wait = model._sync_buffers_if_dirty

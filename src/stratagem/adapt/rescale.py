@@ -20,8 +20,9 @@ The job's workers share one ``TCPStore`` (``STRATAGEM_RESCALE_STORE=host:port``)
   batches from the current sample offset. Global batch ``t`` is the same set of samples at
   any world size, so no sample is lost or repeated and training equals one process's.
 
-When every member leaves at once (the whole job is stopped) nothing happens here: the
-checkpoint path of :func:`stratagem.adapt.exit_point` saves and exits as usual.
+When every member leaves at once (the whole job is stopped), the checkpoint path of
+:func:`stratagem.adapt.exit_point` saves the job state and exits as usual (without a
+checkpoint directory the workers just exit).
 All-reduce strategies only (parameter-server strategies are refused); single-node resource
 specs (the world is rebuilt as this machine's workers).
 """
@@ -154,6 +155,7 @@ class ElasticGroup:
     def start(self) -> None:
         """Join generation 0 if the job is forming, else wait to join at the first exit
         point. Exports this worker's ``RANK`` and ``WORLD_SIZE``."""
+        atexit.register(_destroy)  # before interpreter teardown (gloo threads)
         if not self.store.check([self._key("gen")]):
             ticket = self._take_ticket()
             if ticket < self.nproc:
@@ -182,9 +184,6 @@ class ElasticGroup:
                                 timeout=self.timeout)
         self.rank, self.world_size, self.generation = rank, world, gen
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
-        if self.history == [] and not getattr(self, "_atexit", False):
-            atexit.register(_destroy)
-            self._atexit = True
 
     def join_late(self) -> Change:
         """A late worker's first exit point: wait for admission, then take the job state."""
@@ -205,7 +204,7 @@ class ElasticGroup:
         self.pending = False
         from stratagem.adapt import _regroup
 
-        _regroup.regroup(self, newcomer=True)
+        _regroup.regroup(self, newcomer=True, joiners=True)
         change = Change(gen.number, len(gen.members) - 1, len(gen.members), (), (self.id,),
                         time.perf_counter() - t0)
         self.history.append(change)
@@ -239,7 +238,7 @@ class ElasticGroup:
             return None
         survivors = [m for m, f in zip(gen.members, flags, strict=True) if not f]
         if not survivors:
-            return None  # the whole job stops: the checkpoint path takes over
+            return _stop_all()
         joined = [self.store.get(self._key("ticket", t)).decode()
                   for t in range(gen.admitted, gen.admitted + n)]
         new = Generation(gen.number + 1, tuple(survivors + joined), gen.admitted + n)
@@ -256,7 +255,7 @@ class ElasticGroup:
                   f"{len(new.members)} workers)", file=sys.stderr, flush=True)
             sys.exit(0)
         self._enter(new)
-        _regroup.regroup(self, newcomer=False)
+        _regroup.regroup(self, newcomer=False, joiners=n > 0)
         change = Change(new.number, old_world, self.world_size, left, tuple(joined),
                         time.perf_counter() - t0)
         self.history.append(change)
@@ -272,6 +271,18 @@ def _destroy() -> None:
     elastic._group = None  # its cached control group belongs to the old process group
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _stop_all() -> None:
+    """Every member leaves: the job stops. With a checkpoint directory the exit point saves
+    the job state and exits next; without one, exit now."""
+    from stratagem.adapt import elastic
+    from stratagem.adapt.state import checkpoint_root
+
+    elastic.request_exit()
+    if checkpoint_root() is None:
+        _destroy()
+        sys.exit(elastic.EXIT_CODE)
 
 
 # -- module API -------------------------------------------------------------------------------
