@@ -147,6 +147,7 @@ def _script_entry(index: int, world: int, port: int, roles: list[str], script: s
                       WORLD_SIZE=str(world), LOCAL_RANK="0", STRATAGEM_ROLE=roles[index],
                       PS_OUT=out)
     torch.set_num_threads(1)
+    sys.argv = [script]
     code: object = 0
     try:
         runpy.run_path(script, run_name="__main__")

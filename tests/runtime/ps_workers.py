@@ -95,6 +95,9 @@ def suite(rank: int, workers: int, servers: int, cases: list | None = None,
             out[f"consistency/{name}"] = guarded(
                 lambda kw=kw: consistency_case(cluster, spec, **kw))
     if workers == 2 and cases is None:
+        for mode in (True, False):
+            out[f"accumulate/no_sync={mode}"] = guarded(
+                lambda m=mode: accumulation_case(cluster, spec, m))
         for o in ("sgd", "adagrad"):
             out[f"checkpoint/{o}"] = guarded(lambda o=o: checkpoint_case(
                 cluster, spec, o, f"{ckpt_dir}/{o}"))
@@ -251,3 +254,36 @@ def checkpoint_case(cluster: Any, spec: Any, opt: str, path: str) -> Any:
     second = {k: v.clone() for k, v in dm.state_dict().items()}
     dm.close()
     return {"continued": first, "restored": second, "plan": plan.summary()}
+
+
+def accumulation_case(cluster: Any, spec: Any, use_no_sync: bool) -> Any:
+    """Two half-batch backward passes per optimizer step (the first under ``no_sync`` or
+    pushed too): the owners' accumulated gradient equals the full batch's."""
+    rank, W = cluster.rank, cluster.workers
+    model = make_model(seed=rank)
+    opts = make_optimizers("adagrad", model)
+    profile = analyze(model)
+    strategy = validate(Parallax().build(profile, spec) if use_no_sync else
+                        PartitionedPS().build(profile, spec), profile, spec)
+    plan = compile_plan(strategy, profile, rank=rank, world_size=W,
+                        device=torch.device("cpu"), servers=server_devices(spec))
+    if plan.role == "server":
+        return {"server": True, "stats": run_server(model, plan, opts, cluster)}
+    dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
+    per = BATCH // W
+    for step in range(10):
+        x, y = batch(step)
+        x, y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        half = per // 2
+        opts[0].zero_grad()
+        if use_no_sync:
+            with dm.no_sync():
+                (loss_fn(dm(x[:half]), y[:half]) / 2).backward()
+        else:
+            (loss_fn(dm(x[:half]), y[:half]) / 2).backward()
+        (loss_fn(dm(x[half:]), y[half:]) / 2).backward()
+        opts[0].step()
+    dm.refresh_parameters()
+    state = {k: v.clone() for k, v in dm.state_dict().items()}
+    dm.close()
+    return {"state": state}

@@ -204,3 +204,13 @@ def test_checkpoint_is_single_process_and_restores_into_another_layout(
         loss_fn(model(x), y).backward()
         opts[0].step()
     assert_close(model.state_dict(), want)
+
+
+@pytest.mark.parametrize("config", ["w2", "w2s2"])
+@pytest.mark.parametrize("no_sync", [True, False])
+def test_gradient_accumulation(config: str, no_sync: bool,
+                               request: pytest.FixtureRequest) -> None:
+    """Two half-batch backward passes per step, the first under ``no_sync`` (kept locally)
+    or pushed as well (the owners accumulate): both equal full-batch training."""
+    for r in workers_of(request.getfixturevalue(config), f"accumulate/no_sync={no_sync}"):
+        assert_close(r["state"], ref("adagrad", steps=10))

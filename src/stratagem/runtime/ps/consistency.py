@@ -137,7 +137,8 @@ class Owner:
             idx = r.take(torch.int64, (n,))
             rows = r.take(getattr(torch, p.dtype), (n, *p.shape[1:]))
             shard.grad = torch.sparse_coo_tensor((idx - p.row_start).unsqueeze(0), rows,
-                                                 tuple(shard.shape)).coalesce()
+                                                 tuple(shard.shape),
+                                                 check_invariants=False).coalesce()
         if self.optimizer is not None:
             unpack_hparams(self.hp, self.hlayout, hp)
             self.optimizer.step()

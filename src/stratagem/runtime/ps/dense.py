@@ -85,14 +85,14 @@ class DenseBucket:
             self.stats.push_bytes += self.nbytes
 
     def finish_push(self) -> None:
-        if self.work is not None:
-            self.group.wait(self.work, f"pushing gradients to {self.describe_owner()}")
-            self.work = None
+        """Wait for the reduce; the owner adds the sum to its accumulator."""
+        if self.work is None:
+            return
+        self.group.wait(self.work, f"pushing gradients to {self.describe_owner()}")
+        self.work = None
         if self.is_owner:
             self.acc.add_(self.buf)
             self.pushed = True
-        self.captured = [False] * len(self.pieces)
-        self.pending = len(self.pieces)
 
     # -- update (owner) -------------------------------------------------------------
     def attach_grads(self, shards: dict[int, torch.Tensor]) -> None:

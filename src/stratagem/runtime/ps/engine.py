@@ -153,6 +153,7 @@ class PSEngine(EngineBase):
         self._next = 0
         self._queued = False
         self._pushed = False  # a push happened since the last update
+        self._push_open = False  # its reduces/all-to-alls may still be in flight
         self._pulling = False
         if not self.is_server:
             self._install_hooks()
@@ -165,6 +166,7 @@ class PSEngine(EngineBase):
         """Wait for pending pulls; start the pull phase of a training forward."""
         if self._queued:  # a backward pass failed before its end callback ran
             self._reset_backward()
+        self._finish_push()
         self.finish_pulls()
         if torch.is_grad_enabled() and self.on_demand:
             if self.ps.servers and self.is_chief:
@@ -206,6 +208,7 @@ class PSEngine(EngineBase):
             return
         with self._lock:
             if not self._queued:
+                self._finish_push()  # (a second backward before optimizer.step())
                 self._queued = True
                 _queue_callback(self._finish_backward)
                 if self.is_chief and self.ps.servers:
@@ -259,11 +262,21 @@ class PSEngine(EngineBase):
                 self._reset_backward()
 
     def _push_and_wait(self) -> None:
+        """Send the sparse rows; the waits (for them and the buckets' reduces) happen at
+        the update, or before the buffers are needed again, so backward returns at once."""
         if self.sparse is not None:
-            self.sparse.push()
+            self.sparse.push_start()
+        self._pushed = True
+        self._push_open = True
+
+    def _finish_push(self) -> None:
+        if not self._push_open:
+            return
+        self._push_open = False
+        if self.sparse is not None:
+            self.sparse.push_finish()
         for b in self.buckets:
             b.finish_push()
-        self._pushed = True
 
     def _reset_backward(self) -> None:
         self._queued = False
@@ -284,6 +297,7 @@ class PSEngine(EngineBase):
         self._update()
 
     def _update(self) -> None:
+        self._finish_push()
         self._pushed = False
         self.step_count += 1
         updated_sparse: dict[int, torch.Tensor] = {}
@@ -321,6 +335,7 @@ class PSEngine(EngineBase):
     # -- whole-value refresh -------------------------------------------------------------
     def refresh(self) -> None:
         """Collective: every worker's copy of every PS parameter becomes the owners'."""
+        self._finish_push()
         self.finish_pulls()
         if self.is_chief and self.ps.servers:
             self.stopper.send(REFRESH, self.step_count)
@@ -364,7 +379,13 @@ class PSEngine(EngineBase):
     def after_restore(self) -> None:
         """Collective, after every worker loaded the same checkpoint into the model and
         optimizer: owners take their slices (servers get theirs from the chief)."""
+        self._finish_push()
         self.finish_pulls()
+        for b in self.buckets:  # gradients pushed before the restore are dropped
+            if b.acc is not None:
+                b.acc.zero_()
+        if self.sparse is not None:
+            self.sparse.clear()
         self._pushed = False
         if self.is_chief and self.ps.servers:
             self.stopper.send(SCATTER, self.step_count)
@@ -403,10 +424,12 @@ class PSEngine(EngineBase):
                     pass
             elif cmd == PUSH:
                 self.finish_pulls()
+                self._finish_push()
                 for b in self.buckets:
                     b.fill_missing()
                     b.launch()
                 self._push_and_wait()
+                self._finish_push()
                 self._reset_backward()
             elif cmd == UPDATE:
                 unpack_hparams(self.optimizers, self.hlayout,
@@ -426,6 +449,7 @@ class PSEngine(EngineBase):
 
     def close(self) -> None:
         """Finish pending pulls and release the servers (the chief sends STOP)."""
+        self._finish_push()
         self.finish_pulls()
         if self.is_chief:
             self.stopper.stop()

@@ -72,6 +72,7 @@ class SparseExchange:
         self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.has_grad: dict[int, bool] = {}
         self.refresh_pending: tuple | None = None
+        self.push_pending: tuple | None = None
 
     @property
     def P(self) -> int:
@@ -92,6 +93,11 @@ class SparseExchange:
 
     def push(self) -> None:
         """Collective: send the stashed rows to their owners; owners accumulate them."""
+        self.push_start()
+        self.push_finish()
+
+    def push_start(self) -> None:
+        """Exchange counts and start the rows' all-to-all (:meth:`push_finish` waits)."""
         P, size = self.P, self.size
         counts = torch.zeros(size, P, dtype=torch.int64)
         if self.rank < self.workers:
@@ -109,11 +115,22 @@ class SparseExchange:
         rpos = recv.clamp_min(0)
         out_bytes = [int((rpos[q] * (I64 + torch.tensor(self.row_bytes))).sum())
                      for q in range(size)]
-        data = self._a2a_bytes(sends, in_bytes, out_bytes, "pushing embedding gradients")
+        flat, work, data = self._a2a_bytes_async(sends, in_bytes, out_bytes)
         for q in range(size):
             if q != self.rank:
                 self.stats.push_bytes += in_bytes[q] + P * I64
                 self.stats.rows_pushed += int(pos[q].sum())
+        self.stash.clear()
+        self.push_pending = (flat, work, data, recv)
+
+    def push_finish(self) -> None:
+        """Wait for the rows; owners keep their shards' contributions."""
+        if self.push_pending is None:
+            return
+        _flat, work, data, recv = self.push_pending
+        self.push_pending = None
+        self.group.wait(work, "pushing embedding gradients")
+        size = self.size
         off = 0
         for q in range(size):
             for i, p in enumerate(self.pieces):
@@ -130,7 +147,6 @@ class SparseExchange:
                 vals = _as(data[off:off + nb], self.dtypes[i], (n, *self.row_shapes[i]))
                 off += nb
                 self.pending.setdefault(i, []).append((idx - p.row_start, vals))
-        self.stash.clear()
 
     # -- owner: update --------------------------------------------------------------
     def attach_grads(self) -> list[int]:
@@ -150,8 +166,9 @@ class SparseExchange:
             else:
                 idx = torch.empty(0, dtype=torch.int64)
                 vals = torch.empty((0, *self.row_shapes[i]), dtype=self.dtypes[i])
-            shard.grad = torch.sparse_coo_tensor(idx.unsqueeze(0), vals, tuple(shard.shape),
-                                                 is_coalesced=False).coalesce().to(shard.device)
+            grad = torch.sparse_coo_tensor(idx.unsqueeze(0), vals, tuple(shard.shape),
+                                           is_coalesced=False, check_invariants=False)
+            shard.grad = grad.coalesce().to(shard.device)
             out.append(p.id)
         return out
 
