@@ -56,17 +56,19 @@ def wait_for_generation(number: int) -> None:
 
 
 def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: int = 0,
-          width: int = 16, epochs: int = EPOCHS, step_sleep: float = 0.0) -> None:
+          width: int = 16, epochs: int = EPOCHS, step_sleep: float = 0.0,
+          autoscale: bool = False) -> None:
     ad = sg.AutoDist(verbose=False)
     plain = make_model(width)
     model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.01))
     loader = ad.data_loader(dataset(), batch_size=BATCH, shuffle=True, seed=SEED)
+    if autoscale:
+        loader.autoscale_batch_size(32, gradient_accumulation=True)
     group = rescale.active_group()
-    step = 0
     with (out / f"ids-{os.getpid()}.jsonl").open("a") as log:
         for epoch in ad.remaining_epochs_until(epochs):
             for ids, x, y in loader:
-                step = loader.position.offset // BATCH + epoch * (N // BATCH)
+                step = loader.position.offset // BATCH + epoch * (N // BATCH)  # (batch 8)
                 log.write(json.dumps({"step": step, "epoch": epoch, "rank": ad.rank,
                                       "world": ad.world_size, "ids": ids.tolist(),
                                       "time": time.time()}) + "\n")
@@ -113,7 +115,9 @@ if __name__ == "__main__":
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--join-after-gen", type=int, default=0)
+    parser.add_argument("--autoscale", action="store_true")
     a = parser.parse_args()
     if a.join_after_gen:
         wait_for_generation(a.join_after_gen)
-    train(a.out, a.leave_at, a.leave_rank, a.wait_joiner_at, a.width, a.epochs, a.step_sleep)
+    train(a.out, a.leave_at, a.leave_rank, a.wait_joiner_at, a.width, a.epochs, a.step_sleep,
+          a.autoscale)

@@ -106,3 +106,45 @@ def test_rescales_are_fast_and_recorded(run: Path) -> None:
     assert all(c["seconds"] < 5.0 for c in survivor), survivor
     newcomer = [h for h in histories if h and h[0]["joined"] and len(h) == 1]
     assert newcomer and newcomer[0][0]["new_world"] == 2
+
+
+def test_state_travels_as_json_and_tensors() -> None:
+    from stratagem.adapt._wire import join_tensors, split_tensors, tensor_specs
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), betas=(0.8, 0.9))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    tensors: list[torch.Tensor] = []
+    skeleton = json.loads(json.dumps(split_tensors(opt.state_dict(), tensors)))
+    specs: list = []
+    tensor_specs(skeleton, specs)
+    assert [tuple(s) for s, _ in specs] == [tuple(t.shape) for t in tensors]
+    back = join_tensors(skeleton, [t.clone() for t in tensors])
+    assert back["param_groups"][0]["betas"] == (0.8, 0.9)
+    fresh = torch.optim.Adam(torch.nn.Linear(3, 2).parameters())
+    fresh.load_state_dict(back)
+    torch.testing.assert_close(fresh.state_dict()["state"][0]["exp_avg"],
+                               opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_states_created_after_joining_take_rank0s_copy() -> None:
+    from stratagem.adapt import _regroup
+    from stratagem.adapt.state import State, load_state
+
+    class Counter(State):
+        format = "json"
+
+        def __init__(self) -> None:
+            self.n = 0
+            super().__init__("late-counter")
+
+        def state_dict(self) -> dict:
+            return {"n": self.n}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.n = state["n"]
+
+    _regroup._pending["late-counter"] = {"value": {"n": 41}}
+    c = Counter()
+    assert load_state(c) and c.n == 41 and "late-counter" not in _regroup._pending

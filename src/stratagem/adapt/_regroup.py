@@ -17,6 +17,18 @@ from stratagem.adapt import _wire
 from stratagem.adapt.state import State, registered_states
 from stratagem.errors import StratagemError
 
+_pending: dict[str, dict[str, Any]] = {}  # received by a newcomer, not registered yet
+
+
+def take_pending(state: State) -> bool:
+    """Load ``state`` from what rank 0 sent when this worker joined, if it was not yet
+    created then (e.g. an Accumulator made each epoch); called by ``load_state``."""
+    payload = _pending.pop(state.name, None)
+    if payload is None:
+        return False
+    _import(state, payload)
+    return True
+
 
 def sync_states() -> None:
     """Every state's collective ``sync()`` (e.g. pending Accumulator updates), in the old
@@ -147,6 +159,8 @@ def _transfer_states(newcomer: bool, world: int) -> None:
         for name, value in received.items():
             if name in states:
                 _import(states[name], value)
+            else:
+                _pending[name] = value
 
 
 def _loaders() -> list[Any]:

@@ -30,6 +30,7 @@ specs (the world is rebuilt as this machine's workers).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import socket
@@ -155,7 +156,7 @@ class ElasticGroup:
     def start(self) -> None:
         """Join generation 0 if the job is forming, else wait to join at the first exit
         point. Exports this worker's ``RANK`` and ``WORLD_SIZE``."""
-        atexit.register(_destroy)  # before interpreter teardown (gloo threads)
+        atexit.register(self._close)
         if not self.store.check([self._key("gen")]):
             ticket = self._take_ticket()
             if ticket < self.nproc:
@@ -169,6 +170,15 @@ class ElasticGroup:
             self.ticket = ticket  # the job filled up meanwhile: a late joiner
         self.pending = True
         os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+        if not dist.is_initialized():  # alone until admitted (collectives in the script work)
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def _close(self) -> None:
+        """At exit: rank 0 marks the job finished (waiting joiners then give up)."""
+        if self.rank == 0 and not self.pending and self.generation is not None:
+            with contextlib.suppress(RuntimeError, OSError):  # no store: nobody to tell
+                self.store.set(self._key("done"), str(self.generation.number))
+        _destroy()
 
     def _publish(self, gen: Generation, tickets: list[int]) -> None:
         self.store.set(self._key("gen", gen.number), gen.to_json())
@@ -193,6 +203,10 @@ class ElasticGroup:
         key = self._key("admit", self.ticket)
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not self.store.check([key]):
+            if self.store.check([self._key("done")]):
+                print(f"stratagem: worker {self.id}: the job finished before it could join",
+                      file=sys.stderr, flush=True)
+                sys.exit(0)
             if time.monotonic() > deadline:
                 raise DistributedError(f"not admitted within {self.timeout}",
                                        where=f"rescale ticket {self.ticket}",
@@ -200,6 +214,7 @@ class ElasticGroup:
                                            f"step boundaries; raise {ENV_TIMEOUT}")
             time.sleep(0.005)
         gen = self._read_generation(int(self.store.get(key)))
+        _destroy()  # the world-1 group it trained alone with
         self._enter(gen)
         self.pending = False
         from stratagem.adapt import _regroup
@@ -251,6 +266,7 @@ class ElasticGroup:
         old_world = self.world_size
         _destroy()
         if leaving:
+            self.generation = None  # gone: not the one to mark the job finished at exit
             print(f"stratagem: worker {self.id} left the job (generation {new.number}: "
                   f"{len(new.members)} workers)", file=sys.stderr, flush=True)
             sys.exit(0)

@@ -243,6 +243,10 @@ def load_state(state: State) -> bool:
     restored (False: no checkpoint, or the checkpoint has no such state). Every rank must
     call it (the first call chooses the checkpoint collectively)."""
     register(state)
+    from stratagem.adapt import _regroup
+
+    if _regroup.take_pending(state):  # a worker that joined in-process: rank 0's copy
+        return True
     path = restore_point()
     if path is None:
         return False

@@ -39,19 +39,12 @@ def init_process_group(backend: str | None = None) -> None:
     if _autodist is not None:
         return
     rank, world = env.replica_rank(), env.num_replicas()
-    if not dist.is_initialized():
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if os.environ.get("ADAPTDL_MASTER_ADDR") or os.environ.get("ADAPTDL_MASTER_PORT"):
-            method = f"tcp://{env.master_addr()}:{env.master_port()}"
-            dist.init_process_group(backend, init_method=method, rank=rank, world_size=world,
-                                    timeout=_timeout())
-        elif world == 1 and not os.environ.get("MASTER_ADDR"):
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout())
-        atexit.register(_destroy)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+    if not dist.is_initialized() and not os.environ.get("STRATAGEM_RESCALE_STORE"):
+        # (in an in-process elastic job, AutoDist joins the job's group: adapt/rescale.py)
+        _join(backend or ("nccl" if torch.cuda.is_available() else "gloo"), rank, world)
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
     if "LOCAL_RANK" not in os.environ:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         os.environ["LOCAL_RANK"] = str(rank % gpus if gpus else 0)
@@ -59,6 +52,18 @@ def init_process_group(backend: str | None = None) -> None:
 
     _autodist = AutoDist(verbose=os.environ.get("STRATAGEM_VERBOSE", "1") != "0")
     _state.restore_point()  # collective on first use: choose it here, on every replica at once
+
+
+def _join(backend: str, rank: int, world: int) -> None:
+    if os.environ.get("ADAPTDL_MASTER_ADDR") or os.environ.get("ADAPTDL_MASTER_PORT"):
+        method = f"tcp://{env.master_addr()}:{env.master_port()}"
+        dist.init_process_group(backend, init_method=method, rank=rank, world_size=world,
+                                timeout=_timeout())
+    elif world == 1 and not os.environ.get("MASTER_ADDR"):
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout())
+    atexit.register(_destroy)
 
 
 def _destroy() -> None:
