@@ -49,7 +49,7 @@ def exact_noise(model: nn.Module, data: torch.utils.data.TensorDataset) -> tuple
 def train(steps: int | None, *, batch_size: int = 32, accum_steps: int = 0, lr: float = 0.05,
           optimizer: str = "sgd", data: Any = None, autoscale: dict | None = None,
           collect_stats: bool = False, epochs: int = 1, shuffle: bool = True,
-          seed: int = 0) -> dict[str, Any]:
+          seed: int = 0, options: dict | None = None) -> dict[str, Any]:
     """A user script through AutoDist; returns the final parameters and adaptive state."""
     import stratagem as sg
 
@@ -64,6 +64,8 @@ def train(steps: int | None, *, batch_size: int = 32, accum_steps: int = 0, lr: 
     if autoscale:
         loader.autoscale_batch_size(**autoscale)
     ad.adaptive.collect_stats = collect_stats
+    for name, value in (options or {}).items():
+        setattr(ad.adaptive, name, value)
     done, sizes = 0, []
     for _ in ad.remaining_epochs_until(epochs):
         for x, y in loader:

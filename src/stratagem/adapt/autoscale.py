@@ -51,6 +51,7 @@ class Autoscaler:
     local_bsz_bounds: tuple[int | None, int | None] = (None, None)
     gradient_accumulation: bool = False
     threshold: float = DEFAULT_SWITCH_THRESHOLD
+    min_updates: int = 20  # noise-scale updates before the first switch (early ones are noisy)
 
     def fallback(self, current: BatchConfig, replicas: int) -> BatchConfig:
         """Without a model: keep ``current`` but respect the micro-batch limit (accumulate
@@ -67,7 +68,7 @@ class Autoscaler:
                num_nodes: int, num_replicas: int,
                current: BatchConfig) -> tuple[BatchConfig, BatchChoice | None]:
         """The next configuration and its predicted goodput (None: not enough data yet)."""
-        if params is None or gns is None or not gns.ready:
+        if params is None or gns is None or gns.updates < self.min_updates:
             return self.fallback(current, num_replicas), None
         fn = GoodputFunction(params, gns, self.base_batch_size)
         now = BatchChoice(num_nodes, num_replicas, current.global_bsz, current.local_bsz,

@@ -17,10 +17,15 @@ Per optimizer step :class:`GradStats` feeds one update into a
 Statistics are kept per optimizer param group. For Adam-type optimizers they are of the
 preconditioned gradient ``g / (sqrt(v_hat) + eps)``; the divisors change slowly, so they are
 refreshed every ``precond_every`` steps rather than rebuilt at every step.
+
+The replica sums are batched: the statistics of ``flush_every`` steps (and whatever is
+queued when the loop decides or reports) go into one all-reduce, so adaptivity adds no
+synchronisation point to most steps; the noise estimate lags by at most that many steps.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +54,7 @@ class GradStats:
     """
 
     def __init__(self, model: Any, optimizer: torch.optim.Optimizer, gns: GradientNoiseScale,
-                 *, world_size: int = 1, precond_every: int = 10,
+                 *, world_size: int = 1, precond_every: int = 10, flush_every: int = 16,
                  process_group: Any = None) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -73,6 +78,11 @@ class GradStats:
         if self.world_size > 1 and hasattr(model, "add_grad_observer"):
             self._handle = model.add_grad_observer(self._observe)
         self.active = False
+        self.flush_every = max(int(flush_every), 1)
+        self._queue: list[tuple[Any, ...]] = []  # steps whose statistics await the sum
+        self._since_flush = 0
+        self._seconds = 0.0  # host time spent on statistics, for the sampling rate
+        self._active_steps = 0
         self._reset()
 
     def close(self) -> None:
@@ -84,7 +94,6 @@ class GradStats:
         self._local: list[tuple[int, torch.Tensor]] = []
         self._reduced: list[tuple[int, torch.Tensor]] = []
         self._first: torch.Tensor | None = None
-        self._pending: tuple[Any, ...] | None = None
 
     # -- preconditioner ------------------------------------------------------------------
     @property
@@ -134,10 +143,16 @@ class GradStats:
             self._runs[group.id] = runs
         return runs
 
+    @property
+    def seconds_per_step(self) -> float:
+        """Mean host time of the statistics of one sampled step (0 before any)."""
+        return self._seconds / self._active_steps if self._active_steps else 0.0
+
     @torch.no_grad()
     def _observe(self, event: str, group: Any, buffer: torch.Tensor, scale: float) -> None:
         if not self.active:
             return
+        t0 = time.perf_counter()
         pinv = self._flat_pinv(group, buffer) if self.preconditioned else None
         out = self._local if event == "local" else self._reduced
         inv_scale2 = 1.0 / (scale * scale) if scale else 0.0
@@ -146,6 +161,7 @@ class GradStats:
             if pinv is not None:
                 seg = seg.float() * pinv[start:end]
             out.append((gi, _sqr(seg) * inv_scale2))
+        self._seconds += time.perf_counter() - t0
 
     # -- parameter-level norms ------------------------------------------------------------
     def _grads(self) -> list[list[torch.Tensor | None]]:
@@ -190,11 +206,12 @@ class GradStats:
     def first_micro(self) -> None:
         """After the backward of the first of several micro-batches (local gradient)."""
         if self.active:
+            t0 = time.perf_counter()
             self._first = self._param_sqr_norms()
+            self._seconds += time.perf_counter() - t0
 
     def before_step(self, replica_sizes: Sequence[int], micros: int) -> None:
-        """Right before the optimizer step: read the averaged gradient and start the
-        cross-replica sum of the local statistics.
+        """Right before the optimizer step: queue this step's statistics.
 
         ``replica_sizes``: samples of this step on each replica; ``micros``: micro-batches
         per replica (accumulation steps + 1).
@@ -202,59 +219,77 @@ class GradStats:
         if not self.active:
             self._consecutive.reset()
             return
+        t0 = time.perf_counter()
+        self._active_steps += 1
+        try:
+            self._queue_step(replica_sizes, micros)
+        finally:
+            self._seconds += time.perf_counter() - t0
+
+    def _queue_step(self, replica_sizes: Sequence[int], micros: int) -> None:
         sizes = [int(s) for s in replica_sizes]
         total = sum(sizes)
         replicas = len(sizes)
         if micros > 1:
             if self._first is None:
                 return
-            regular = total % (replicas * micros) == 0
-            mean = self._reduced_or_param()
-            local, n, size = self._first, replicas * micros, total // (replicas * micros)
             self._consecutive.reset()
-            if regular:
-                self._pending = ("pair", self._allreduce(local), mean, n, size, replicas)
+            n = replicas * micros
+            if total % n == 0:  # equal micro-batches (else: skip this step)
+                self._queue.append(("pair", self._first, self._reduced_or_param(), n,
+                                    total // n, replicas))
         elif replicas > 1 and self._local:
-            mean = self._sum(self._reduced) if self._reduced else self._param_sqr_norms()
             self._consecutive.reset()
-            self._pending = ("pair", self._allreduce(self._sum(self._local)), mean,
-                             replicas, sizes, replicas)
+            self._queue.append(("pair", self._sum(self._local), self._reduced_or_param(),
+                                replicas, sizes, replicas))
         else:  # one gradient per step: pair it with the previous step's (biased)
             divs = self._divisors if self.preconditioned else None
             pair = self._consecutive.push(self._grads(), divs)
             if pair is not None:
-                self._pending = ("consecutive", pair, [self._prev_size, total])
+                self._queue.append(("consecutive", pair, [self._prev_size, total]))
             self._prev_size = total
 
     def _reduced_or_param(self) -> torch.Tensor:
         return self._sum(self._reduced) if self._reduced else self._param_sqr_norms()
 
-    def _allreduce(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if self.world_size <= 1:
-            return t, None
-        t = t.float().contiguous()  # NCCL may lack float64 on some builds; sums are few
-        return t, dist.all_reduce(t, group=self.process_group, async_op=True)
-
     @torch.no_grad()
-    def after_step(self, collecting: bool = True) -> bool:
-        """Finish the step's statistics and update the noise scale; returns whether it
-        changed. While ``collecting``, also refreshes the Adam preconditioner every
-        ``precond_every`` steps."""
-        updated = False
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == "pair":
-            _, (local, work), mean, n, size, replicas = pending
-            if work is not None:
-                work.wait()
-            s_mean = local.double().cpu().numpy() / replicas
-            t = mean.cpu().numpy()
-            updated = self.gns.update(np.tile(s_mean, (n, 1)), t, size)
-        elif pending is not None:
-            _, (local, mean), sizes = pending
-            updated = self.gns.update(local, mean, sizes, biased=True)
+    def after_step(self, collecting: bool = True) -> None:
+        """End of the optimizer step: every ``flush_every`` steps, :meth:`flush`. While
+        ``collecting``, also refreshes the Adam preconditioner every ``precond_every``
+        steps."""
+        self._since_flush += 1
+        if self._since_flush >= self.flush_every:
+            self.flush()
         if self.preconditioned and collecting:
             self._precond_age += 1
             if self._divisors is None or self._precond_age >= self.precond_every:
+                t0 = time.perf_counter()
                 self._refresh_preconditioner()
+                self._seconds += time.perf_counter() - t0
         self.active = False
-        return updated
+
+    @torch.no_grad()
+    def flush(self) -> int:
+        """Collective (all ranks, same points): sum the queued replica statistics over the
+        replicas in one small all-reduce and update the noise scale; returns the number of
+        updates applied."""
+        queue, self._queue = self._queue, []
+        self._since_flush = 0
+        pairs = [e for e in queue if e[0] == "pair"]
+        if pairs and self.world_size > 1:
+            # float32: NCCL builds may lack float64; one tensor for all queued steps
+            local = torch.stack([e[1].float() for e in pairs])
+            dist.all_reduce(local, group=self.process_group)
+            summed = iter(local.double().cpu().numpy())
+        else:
+            summed = iter(e[1].double().cpu().numpy() for e in pairs)
+        applied = 0
+        for entry in queue:
+            if entry[0] == "pair":
+                _, _, mean, n, size, replicas = entry
+                s_mean = next(summed) / replicas
+                applied += self.gns.update(np.tile(s_mean, (n, 1)), mean.cpu().numpy(), size)
+            else:
+                _, (local_norms, mean_norm), sizes = entry
+                applied += self.gns.update(local_norms, mean_norm, sizes, biased=True)
+        return applied

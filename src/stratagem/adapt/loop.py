@@ -41,13 +41,24 @@ from stratagem.adapt.hints import SCHEMA_VERSION, HintsPublisher
 from stratagem.adapt.metrics import StepProfiler
 from stratagem.adapt.progress import ProgressTracker
 from stratagem.adapt.progress_report import EpochReport, to_tensorboard
-from stratagem.adapt.scaling_rules import AdamScale, ScalingRule, default_rule_for, scaled_lr
+from stratagem.adapt.scaling_rules import (
+    AdamScale,
+    AdaScale,
+    LinearScale,
+    ScalingRule,
+    SqrtScale,
+    default_rule_for,
+    scaled_lr,
+)
 from stratagem.adapt.state import ObjectState, load_state, unique_name
 from stratagem.data import DistributedDataLoader, GlobalBatch, split_evenly
 
 MIN_INTERVAL = 10  # steps between batch-size decisions, at least
 MAX_INTERVAL = 1000
 DECISION_BUDGET = 0.02  # decisions may take this fraction of the training time
+STATS_BUDGET = 0.01  # gradient statistics may take this fraction of the step time
+MAX_STATS_EVERY = 32
+_CACHEABLE = (AdaScale, AdamScale, LinearScale, SqrtScale)
 
 
 class AdaptiveTrainer:
@@ -83,6 +94,8 @@ class AdaptiveTrainer:
         self.stats: GradStats | None = None
         self.autoscaler: Autoscaler | None = None
         self.collect_stats = False  # force gradient statistics without autoscaling
+        self.stats_every = 1  # steps per statistics sample (set by the decisions)
+        self.max_stats_every = MAX_STATS_EVERY
         self.steps = 0
         self.next_decision = 0
         self.last_decision_step = -1
@@ -102,6 +115,8 @@ class AdaptiveTrainer:
         self._epoch_steps = 0
         self._epoch_samples = 0
         self._pending_state: dict[str, Any] | None = None
+        self._factor_key: tuple[float, int] | None = None
+        self._factor_value: tuple[np.ndarray, float] = (np.ones(1), 1.0)
         self._wrap_optimizer()
         self._state = ObjectState(unique_name("adapt"), self.state_dict, self.load_state_dict,
                                   format="json")
@@ -139,14 +154,12 @@ class AdaptiveTrainer:
         collecting = info is not None and self._collecting
         if collecting:
             self.stats.before_step(self._replica_sizes(size), info.micros)
-        factors = self.rule.lr_factors(scale, self.gns, self.tracker.progress,
-                                       len(self.optimizer.param_groups))
+        factors, self.gain = self._factors(scale)
         if np.all(factors == 1.0):
             loss = step(*args, **kwargs)
         else:
             with scaled_lr(self.optimizer, factors):
                 loss = step(*args, **kwargs)
-        self.gain = self.rule.gain(scale, self.gns)
         self.lr_factor = float(np.mean(factors))
         self.tracker.update(self.gain, size)
         if info is not None:
@@ -159,6 +172,18 @@ class AdaptiveTrainer:
         if self.autoscaler is not None and self.steps >= self.next_decision:
             self._decide()
         return loss
+
+    def _factors(self, scale: float) -> tuple[np.ndarray, float]:
+        """LR factors and gain at ``scale``; cached while the statistics are unchanged
+        (for the built-in rules that do not depend on progress)."""
+        key = (scale, self.gns.updates if self.gns is not None else -1)
+        if key == self._factor_key and type(self.rule) in _CACHEABLE:
+            return self._factor_value
+        factors = self.rule.lr_factors(scale, self.gns, self.tracker.progress,
+                                       len(self.optimizer.param_groups))
+        self._factor_key = key
+        self._factor_value = (factors, self.rule.gain(scale, self.gns))
+        return self._factor_value
 
     def _replica_sizes(self, size: int) -> list[int]:
         return [n for _, n in split_evenly(size, self.world_size)]
@@ -230,8 +255,13 @@ class AdaptiveTrainer:
             self._t0 = self._last_end if self._last_end is not None else time.perf_counter()
             if self._last_end is None:
                 self._wait0 = self._comm_wait()
-            self._collecting = self.autoscaler is not None or self.collect_stats or (
+            wanted = self.autoscaler is not None or self.collect_stats or (
                 loader.batch_size != self.base_batch_size)
+            # Statistics on every stats_every-th step (pairs of steps for the consecutive
+            # estimator of a lone replica); the same steps on every rank.
+            phase = self.steps % self.stats_every
+            pairwise = self.world_size == 1 and info.micros == 1
+            self._collecting = wanted and (phase == 0 or (pairwise and phase == 1))
             self.stats.begin_step(self._collecting)
         with contextlib.ExitStack() as stack:
             if not info.final:
@@ -265,6 +295,8 @@ class AdaptiveTrainer:
     def end(self, loader: DistributedDataLoader) -> None:
         if loader is not self.loader:
             return
+        if self.stats is not None:
+            self.stats.flush()
         report = self.report()
         self._epoch_t0 = None
         if report is None:
@@ -279,6 +311,15 @@ class AdaptiveTrainer:
         loader = self.loader
         return BatchConfig.of(loader.batch_size, self.world_size, loader.accum_steps)
 
+    def _stats_every(self) -> int:
+        """Steps per gradient-statistics sample, so that they cost at most STATS_BUDGET of
+        the step time (1 where they are cheap, e.g. asynchronous on a GPU)."""
+        step = self.profiler.median_step_time()
+        cost = self.stats.seconds_per_step if self.stats is not None else 0.0
+        if not step or cost <= 0:
+            return self.stats_every
+        return int(min(max(math.ceil(cost / (STATS_BUDGET * step)), 1), self.max_stats_every))
+
     def _interval(self) -> int:
         if self.decision_interval is not None:
             return max(int(self.decision_interval), 1)
@@ -292,16 +333,19 @@ class AdaptiveTrainer:
     def _decide(self) -> None:
         """Collective: rank 0 chooses the configuration, every rank applies it."""
         t0 = time.perf_counter()
+        if self.stats is not None:
+            self.stats.flush()
         current = self.current_config()
-        payload = torch.zeros(3, dtype=torch.int64)
+        payload = torch.zeros(4, dtype=torch.int64)
         if self.rank == 0:
             params = self.profiler.fit()
             config, self.choice = self.autoscaler.decide(
                 params, self.gns, self.num_nodes, self.world_size, current)
-            payload[:] = torch.tensor([config.global_bsz, config.accum_steps, self._interval()])
+            payload[:] = torch.tensor([config.global_bsz, config.accum_steps, self._interval(),
+                                       self._stats_every()])
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.broadcast(payload, src=0, group=elastic._control_group())
-        global_bsz, accum, interval = (int(v) for v in payload.tolist())
+        global_bsz, accum, interval, self.stats_every = (int(v) for v in payload.tolist())
         loader = self.loader
         if (global_bsz, accum) != (loader.batch_size, loader.accum_steps):
             if self.rank == 0:
