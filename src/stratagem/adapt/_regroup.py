@@ -30,11 +30,14 @@ def take_pending(state: State) -> bool:
     return True
 
 
-def sync_states() -> None:
-    """Every state's collective ``sync()`` (e.g. pending Accumulator updates), in the old
-    group, before anyone leaves."""
+def sync_states(ad: Any = None) -> None:
+    """In the old group, before anyone leaves: every state's collective ``sync()`` (e.g.
+    pending Accumulator updates) and the adaptive loop's queued gradient statistics."""
     for state in registered_states().values():
         state.sync()
+    stats = getattr(getattr(ad, "adaptive", None), "stats", None)
+    if stats is not None and hasattr(stats, "flush"):
+        stats.flush()
 
 
 def regroup(group: Any, *, newcomer: bool, joiners: bool) -> None:

@@ -261,7 +261,7 @@ class ElasticGroup:
             self._publish(new, list(range(gen.admitted, new.admitted)))
         from stratagem.adapt import _regroup
 
-        _regroup.sync_states()  # pending accumulator updates, leavers' included
+        _regroup.sync_states(self.ad)  # pending accumulator updates, leavers' included
         left = tuple(m for m, f in zip(gen.members, flags, strict=True) if f)
         old_world = self.world_size
         _destroy()
