@@ -100,6 +100,7 @@ class AdaptiveTrainer:
         self.next_decision = 0
         self.last_decision_step = -1
         self.decision_seconds = 0.0
+        self._decision_cost = 0.02  # smoothed seconds per decision (fits included)
         self.choice: BatchChoice | None = None
         self.lr_factor = 1.0
         self.gain = 1.0
@@ -241,8 +242,10 @@ class AdaptiveTrainer:
         if self._epoch_t0 is None:
             self._epoch_t0 = time.perf_counter()
             self._epoch_steps = self._epoch_samples = 0
+        # Decide when a loader iteration starts (epochs, restarts) if this process has not
+        # decided yet or a decision is due; otherwise the interval keeps its budget.
         if self.autoscaler is not None and (not self._decided
-                                            or self.steps != self.last_decision_step):
+                                            or self.steps >= self.next_decision):
             self._decide()
 
     @contextlib.contextmanager
@@ -324,8 +327,8 @@ class AdaptiveTrainer:
         if self.decision_interval is not None:
             return max(int(self.decision_interval), 1)
         step = self.profiler.median_step_time()
-        cost = max(self.decision_seconds, self.profiler.fit_seconds, 1e-3)
-        if not step:
+        cost = max(self._decision_cost, 1e-4)
+        if not step or self.choice is None:  # nothing fitted yet: look again soon
             return MIN_INTERVAL
         return int(min(max(math.ceil(cost / (DECISION_BUDGET * step)), MIN_INTERVAL),
                        MAX_INTERVAL))
@@ -359,9 +362,10 @@ class AdaptiveTrainer:
         self.next_decision = self.steps + interval
         self.last_decision_step = self.steps
         self._decided = True
-        self.decision_seconds = time.perf_counter() - t0
         if self.rank == 0 and self.choice is not None:
             self.publish()
+        self.decision_seconds = time.perf_counter() - t0
+        self._decision_cost = 0.7 * self._decision_cost + 0.3 * self.decision_seconds
 
     @staticmethod
     def _predicted(choice: BatchChoice | None) -> str:
@@ -371,8 +375,9 @@ class AdaptiveTrainer:
                 f"{choice.efficiency:.2f}")
 
     # -- reporting ------------------------------------------------------------------------
-    def goodput_function(self) -> GoodputFunction | None:
-        params = self.profiler.fit()
+    def goodput_function(self, refit: bool = False) -> GoodputFunction | None:
+        """Goodput under the last fitted throughput model (``refit``: fit now)."""
+        params = self.profiler.fit() if refit else self.profiler.latest()
         if params is None or self.gns is None or not self.gns.ready:
             return None
         return GoodputFunction(params, self.gns, self.base_batch_size)
@@ -410,8 +415,9 @@ class AdaptiveTrainer:
         return self._hints
 
     def hints_document(self) -> dict[str, Any]:
-        """The scheduling hints (schema: docs/reference/hints.md)."""
-        params = self.profiler.fit()
+        """The scheduling hints (schema: docs/reference/hints.md); the throughput model is
+        the one of the last decision (fitting is kept off the per-epoch path)."""
+        params = self.profiler.latest()
         gns = self.gns
         scaler = self.autoscaler
         config = self.current_config() if self.loader is not None else None

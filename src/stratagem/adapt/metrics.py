@@ -27,12 +27,14 @@ class StepProfiler:
     """Recent step timings per configuration and the throughput model fitted to them.
 
     ``window``: timings kept per configuration; ``warmup``: steps ignored after switching to a
-    configuration (allocator growth, lazy initialisation, re-planned prefetching).
+    configuration (allocator growth, lazy initialisation, re-planned prefetching);
+    ``refit_after``: new timings of known configurations that make :meth:`fit` refit.
     """
 
-    def __init__(self, window: int = 32, warmup: int = 1) -> None:
+    def __init__(self, window: int = 32, warmup: int = 1, refit_after: int = 64) -> None:
         self.window = int(window)
         self.warmup = int(warmup)
+        self.refit_after = int(refit_after)
         self._steps: dict[ConfigKey, deque[float]] = {}
         self._compute: dict[ConfigKey, deque[float]] = {}
         self._counts: dict[ConfigKey, int] = {}
@@ -40,6 +42,7 @@ class StepProfiler:
         self._skip = 0
         self._version = 0
         self._fitted: tuple[int, ThroughputParams | None] = (-1, None)
+        self._fitted_configs = 0
         self.fit_seconds = 0.0  # duration of the last actual fit
 
     def record(self, num_nodes: int, num_replicas: int, local_bsz: int, accum_steps: int,
@@ -82,10 +85,16 @@ class StepProfiler:
         steps = self._steps.get(key or self._current or (0, 0, 0, 0))
         return float(np.median(steps)) if steps else None
 
-    def fit(self) -> ThroughputParams | None:
-        """The throughput model for the timings so far (None before the first one)."""
+    def fit(self, force: bool = False) -> ThroughputParams | None:
+        """The throughput model for the timings so far (None before the first one).
+
+        Refits only when a configuration was added or ``refit_after`` timings arrived since
+        the last fit (or ``force``); otherwise returns the cached model.
+        """
         version, params = self._fitted
-        if version == self._version:
+        fresh = len(self._steps) == self._fitted_configs and (
+            self._version - version < self.refit_after)
+        if version == self._version or (params is not None and fresh and not force):
             return params
         records = self.records()
         if records:
@@ -93,7 +102,12 @@ class StepProfiler:
             params = fit_throughput(records)
             self.fit_seconds = time.perf_counter() - t0
         self._fitted = (self._version, params)
+        self._fitted_configs = len(self._steps)
         return params
+
+    def latest(self) -> ThroughputParams | None:
+        """The last fitted model, without refitting (None before the first fit)."""
+        return self._fitted[1]
 
     @property
     def num_configs(self) -> int:
