@@ -413,10 +413,15 @@ class Worker:
                                          "steps_with_any": sum(1 for x in retrans if x)},
                     "loss_rank0": [round(x, 7) for x in v.losses],
                 })
-                if phase.table and bounds:
+                if phase.table and bounds and v.name != "local":
                     lb = [2 * bounds[s]["unique_rows_global"] * rb + dense_lb for s in v.steps]
                     ratios = [t / x for t, x in zip(totals, lb, strict=True)]
                     rec["actual_over_lower_bound"] = round(statistics.median(ratios), 4)
+                    if all(v.name in bounds[s]["remote_rows"] for s in v.steps):
+                        pb = [2 * bounds[s]["remote_rows"][v.name] * rb + dense_lb
+                              for s in v.steps]
+                        rec["actual_over_placement_bound"] = round(statistics.median(
+                            t / x for t, x in zip(totals, pb, strict=True)), 4)
                 if ref is not None and v is not ref and v.name != "local":
                     common = dict(zip(ref.steps, ref.losses, strict=True))
                     diffs = [abs(x - common[s]) for s, x in zip(v.steps, v.losses, strict=True)
