@@ -152,20 +152,25 @@ def _forever(loader: Any):  # noqa: ANN202
         yield from loader
 
 
-def overhead(quick: bool) -> dict:
-    configs = [
-        {"name": "mlp-1024x3-sgd", "width": 1024, "layers": 3, "batch": 128,
-         "optimizer": "sgd"},
-        {"name": "mlp-1024x3-adamw", "width": 1024, "layers": 3, "batch": 128,
-         "optimizer": "adamw"},
-        {"name": "mlp-256x2-sgd-small-steps", "width": 256, "layers": 2, "batch": 64,
-         "optimizer": "sgd"},
-    ]
+OVERHEAD_CONFIGS = [
+    {"name": "mlp-1024x3-sgd", "width": 1024, "layers": 3, "batch": 128, "optimizer": "sgd"},
+    {"name": "mlp-1024x3-adamw", "width": 1024, "layers": 3, "batch": 128,
+     "optimizer": "adamw"},
+    {"name": "mlp-256x2-sgd-small-steps", "width": 256, "layers": 2, "batch": 64,
+     "optimizer": "sgd"},
+]
+
+
+def overhead(quick: bool, configs: list[dict] | None = None, blocks: int | None = None,
+             steps: int | None = None) -> dict:
+    """Ratio of median step times, adaptive / plain, per configuration."""
+    configs = OVERHEAD_CONFIGS if configs is None else configs
+    blocks = blocks or (3 if quick else 10)
+    steps = steps or (20 if quick else 40)
     out = {}
     for cfg in configs:
         kwargs = {k: v for k, v in cfg.items() if k != "name"}
-        res = run_workers("overhead_worker", blocks=3 if quick else 10,
-                          steps=20 if quick else 40, **kwargs)[0]
+        res = run_workers("overhead_worker", blocks=blocks, steps=steps, **kwargs)[0]
         plain = statistics.median(res["times"]["plain"])
         adaptive = statistics.median(res["times"]["adaptive"])
         out[cfg["name"]] = {
