@@ -77,6 +77,8 @@ def test_sync_family_matches_single_process(config: str, case: str,
                                             request: pytest.FixtureRequest) -> None:
     results = request.getfixturevalue(config)
     workers, servers = CONFIGS[config]
+    if (tuple(case.split("/")) not in ps_workers.cases_for(workers, servers)):
+        pytest.skip(f"not run with {workers} workers (see ps_workers.cases_for)")
     per_worker = workers_of(results, case)
     assert len(per_worker) == workers
     assert sum(bool(r[case].get("server")) for r in results) == servers
