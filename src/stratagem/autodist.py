@@ -7,6 +7,7 @@ for this rank and wraps the model. With one process it does no communication at 
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import warnings
@@ -26,6 +27,7 @@ from stratagem.data import DistributedDataLoader
 from stratagem.errors import StratagemError, StrategyError, install_excepthook
 from stratagem.resource import ResourceSpec
 from stratagem.strategy import AllReduce, Strategy, StrategyBuilder, builder_from_name, validate
+from stratagem.strategy.validate import server_devices
 
 ENV_SPEC = "STRATAGEM_RESOURCE_SPEC"
 ENV_STRATEGY = "STRATAGEM_STRATEGY"
@@ -34,6 +36,16 @@ ENV_STRATEGY = "STRATAGEM_STRATEGY"
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
+
+
+def _shutdown_process_group() -> None:
+    """Destroy the process group we created before the interpreter tears down.
+
+    Left to interpreter exit, gloo's threads can be destroyed while joinable, which aborts
+    the process ("terminate called without an active exception") after a successful run.
+    """
+    if dist.is_initialized():  # no barrier: a rank exiting on an error must not block here
+        dist.destroy_process_group()
 
 
 def resolve_builder(value: StrategyBuilder | Strategy | str | None) -> StrategyBuilder:
@@ -81,6 +93,7 @@ class AutoDist:
         self._builder = resolve_builder(override or strategy_builder)
         self.device = self._pick_device()
         self._init_process_group()
+        self.rank_devices = self._discover_rank_devices()
         self.strategy: Strategy | None = None
         self.profile: ModelProfile | None = None
         self.model: nn.Module | None = None
@@ -91,6 +104,9 @@ class AutoDist:
         if spec is None:
             path = path or os.environ.get(ENV_SPEC) or None
             spec = ResourceSpec.from_file(path) if path else ResourceSpec.local(self.world_size)
+        if server_devices(spec) and self.world_size == spec.num_workers + len(
+                server_devices(spec)):
+            return spec  # the spec's dedicated parameter servers run in this job too
         if spec.num_workers != self.world_size:
             if self.world_size == 1:
                 warnings.warn(
@@ -111,7 +127,55 @@ class AutoDist:
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
+    def _discover_rank_devices(self) -> list[str]:
+        """The spec device string of every rank (index = rank).
+
+        torch elastic orders ranks by node address, not by the spec, so each rank reports its
+        node (STRATAGEM_NODE_ADDRESS, set by the launcher) and local rank to the others.
+        """
+        spec = self.resource_spec
+        if self.cluster is not None:  # logical ranks: the workers in replica order
+            return list(spec.replicas)
+        if self.world_size == 1:
+            return spec.replicas[:1]
+        addresses = [n.address for n in spec.nodes]
+        mine = os.environ.get("STRATAGEM_NODE_ADDRESS")
+        node = addresses.index(mine) if mine in addresses else (0 if spec.is_local else -1)
+        local = torch.tensor([node, self.local_rank], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        pairs = [tuple(int(v) for v in t.tolist()) for t in gathered]
+        if any(n < 0 for n, _ in pairs):
+            raise StratagemError(
+                "cannot tell which node of the resource spec each rank runs on",
+                where=spec.source,
+                fix="launch with `stratagem run --resource-spec`, or export "
+                    "STRATAGEM_NODE_ADDRESS=<this node's spec address> on every node")
+        try:
+            return [spec.nodes[n].worker_devices()[lr] for n, lr in pairs]
+        except IndexError:
+            raise StratagemError(
+                f"ranks report (node, local rank) pairs {pairs} that the spec has no worker for",
+                where=spec.source, fix="make each node's 'workers' match --nproc-per-node"
+            ) from None
+
     def _init_process_group(self) -> None:
+        self.cluster: Any = None  # parameter-server layout, when the job has servers
+        self.role = "worker"
+        servers = server_devices(self.resource_spec)
+        if servers and self.world_size == self.resource_spec.num_workers + len(servers):
+            # Workers and dedicated servers: each process learns its role and logical rank;
+            # the default group then holds the workers only (see runtime/ps/cluster.py).
+            from stratagem.runtime.ps import join_cluster
+
+            self.cluster = join_cluster(self.resource_spec.replicas, servers)
+            self.rank, self.role = self.cluster.rank, self.cluster.role
+            self.world_size = self.resource_spec.num_workers
+            if self.role == "server":
+                self.device = torch.device("cpu")
+            else:
+                atexit.register(_shutdown_process_group)
+            return
         if self.world_size == 1 or dist.is_initialized():
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -119,7 +183,10 @@ class AutoDist:
             raise StratagemError(
                 f"WORLD_SIZE={self.world_size} but no MASTER_ADDR in the environment",
                 fix="start the script with `stratagem run` or torchrun, not by hand")
-        dist.init_process_group(backend=backend)
+        from stratagem.runtime.ps.cluster import data_timeout
+
+        dist.init_process_group(backend=backend, timeout=data_timeout())
+        atexit.register(_shutdown_process_group)
 
     def log(self, message: str) -> None:
         if self.verbose and self.rank == 0:
@@ -153,8 +220,11 @@ class AutoDist:
         self.log(self.profile.summary() if self.profile else "")
         self.log(self.strategy.summary())
         plan = compile_plan(self.strategy, self.profile, rank=self.rank,
-                            world_size=self.world_size, device=self.device)
-        self.model = DistributedModel(model, plan)
+                            world_size=self.world_size, device=self.device,
+                            servers=self._servers_for(self.strategy))
+        if self.role == "server":
+            self._serve(model, optimizer, plan)  # exits the process
+        self.model = DistributedModel(model, plan, optimizer=optimizer, cluster=self.cluster)
         self.optimizer = optimizer
         # Job state for checkpoint-restart (restored here when a checkpoint exists).
         if _state.track_model(self.model, optimizer):
@@ -167,6 +237,34 @@ class AutoDist:
                 world_size=self.world_size, log=self.log,
                 num_nodes=sum(1 for n in self.resource_spec.nodes if n.workers > 0) or 1)
         return self.model, optimizer
+
+    def _servers_for(self, strategy: Strategy) -> list[str]:
+        """The job's dedicated servers (error if the strategy needs ones not started)."""
+        started = server_devices(self.resource_spec) if self.cluster is not None else []
+        needed = sorted({leaf.synchronizer.reduction_destination
+                         for nc in strategy.node_config for leaf in nc.leaves()
+                         if getattr(leaf.synchronizer, "reduction_destination", "")
+                         and leaf.synchronizer.reduction_destination
+                         not in strategy.graph_config.replicas} - set(started))
+        if needed:
+            raise StratagemError(
+                f"the strategy sends parameters to dedicated servers {needed}, but no server "
+                "process was started", where=f"strategy {strategy.id}",
+                fix="launch with `stratagem run --resource-spec FILE` (it starts one server "
+                    "per node with 'workers: 0'), or use a strategy without them")
+        return started
+
+    def _serve(self, model: nn.Module, optimizer: Any, plan: Any) -> None:
+        """A dedicated parameter server: serve until the workers finish, then exit(0), so
+        the rest of the training script never runs here."""
+        if plan.ps is not None:
+            from stratagem.runtime.ps import run_server
+
+            stats = run_server(model, plan, optimizer, self.cluster)
+            if self.verbose:
+                print(f"stratagem: server {self.cluster.device(self.rank)} done: "
+                      f"{stats.summary()}", flush=True)
+        sys.exit(0)
 
     def _check_optimizer(self, model: nn.Module, optimizer: Any) -> None:
         if optimizer is None:
