@@ -79,6 +79,9 @@ class AdaptiveTrainer:
         self.model = model
         self.optimizer = optimizer
         self.rule = scaling_rule if scaling_rule is not None else default_rule_for(optimizer)
+        # The rule scales the LR once autoscaling is on, or always when given explicitly; a
+        # batch size the script sets by hand otherwise keeps the script's LR.
+        self.explicit_rule = scaling_rule is not None
         self.preconditioned = isinstance(default_rule_for(optimizer), AdamScale)
         self.rank, self.world_size, self.num_nodes = rank, world_size, num_nodes
         self.log = log or (lambda message: None)
@@ -119,9 +122,18 @@ class AdaptiveTrainer:
         self._factor_key: tuple[float, int] | None = None
         self._factor_value: tuple[np.ndarray, float] = (np.ones(1), 1.0)
         self._wrap_optimizer()
-        self._state = ObjectState(unique_name("adapt"), self.state_dict, self.load_state_dict,
-                                  format="json")
-        load_state(self._state)
+        self._state: ObjectState | None = None
+        if self.explicit_rule:
+            self._register_state()
+
+    def _register_state(self) -> None:
+        """Make the adaptive state part of the job state (restored now if checkpointed).
+        Only adaptive jobs (autoscaling or an explicit rule) register it, so plain jobs'
+        checkpoints do not change."""
+        if self._state is None:
+            self._state = ObjectState(unique_name("adapt"), self.state_dict,
+                                      self.load_state_dict, format="json")
+            load_state(self._state)
 
     # -- optimizer wrapping ---------------------------------------------------------------
     def _wrap_optimizer(self) -> None:
@@ -155,6 +167,8 @@ class AdaptiveTrainer:
         collecting = info is not None and self._collecting
         if collecting:
             self.stats.before_step(self._replica_sizes(size), info.micros)
+        if self.autoscaler is None and not self.explicit_rule:
+            scale = 1.0  # the script's own LR at any batch size
         factors, self.gain = self._factors(scale)
         if np.all(factors == 1.0):
             loss = step(*args, **kwargs)
@@ -229,6 +243,7 @@ class AdaptiveTrainer:
     def enable_autoscale(self, loader: DistributedDataLoader) -> None:
         """Called by ``loader.autoscale_batch_size``: decide for ``loader`` from now on."""
         self.attach(loader)
+        self._register_state()
         self.autoscaler = Autoscaler(loader.base_batch_size, int(loader.max_batch_size),
                                      tuple(loader.local_bsz_bounds),
                                      bool(loader.gradient_accumulation))
@@ -259,7 +274,7 @@ class AdaptiveTrainer:
             if self._last_end is None:
                 self._wait0 = self._comm_wait()
             wanted = self.autoscaler is not None or self.collect_stats or (
-                loader.batch_size != self.base_batch_size)
+                self.explicit_rule and loader.batch_size != self.base_batch_size)
             # Statistics on every stats_every-th step (pairs of steps for the consecutive
             # estimator of a lone replica); the same steps on every rank.
             phase = self.steps % self.stats_every
