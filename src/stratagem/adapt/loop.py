@@ -169,14 +169,15 @@ class AdaptiveTrainer:
             self.stats.before_step(self._replica_sizes(size), info.micros)
         if self.autoscaler is None and not self.explicit_rule:
             scale = 1.0  # the script's own LR at any batch size
-        factors, self.gain = self._factors(scale)
+        factors, gain = self._factors(scale)
         if np.all(factors == 1.0):
             loss = step(*args, **kwargs)
         else:
             with scaled_lr(self.optimizer, factors):
                 loss = step(*args, **kwargs)
-        self.lr_factor = float(np.mean(factors))
-        self.tracker.update(self.gain, size)
+        if info is None or size == self.loader.batch_size:  # not an epoch's short last batch
+            self.lr_factor, self.gain = float(np.mean(factors)), gain
+        self.tracker.update(gain, size)
         if info is not None:
             if self.stats is not None:
                 self.stats.after_step(collecting)
