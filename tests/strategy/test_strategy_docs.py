@@ -127,7 +127,7 @@ def test_schema_runtime_notes_are_true(small: ModelProfile, local: ResourceSpec)
         return compile_plan(s, small, rank=0, world_size=2, device=torch.device("cpu"))
 
     (text,) = blocks("strategy-schema.md", "yaml")
-    with pytest.raises(StrategyError, match="PS synchronizers are not supported"):
+    with pytest.raises(StrategyError, match="parts of one parameter mix AllReduce and PS"):
         compile_(Strategy.from_dict(yaml.safe_load(text)))
     s = AllReduce().build(small, local)
     first = s.node_config[0]
