@@ -8,6 +8,7 @@ their results with plain-torch single-process references.
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -119,6 +120,15 @@ def _entry(rank: int, world: int, port: int, servers: int, fn: Callable, kwargs:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    _leave()
+
+
+def _leave() -> None:
+    """Exit without C++ static destructors: torch 2.13's gloo teardown aborts about one
+    successful exit in fifteen (see stratagem.launch.worker); results are already saved."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ps(fn: Callable, workers: int, servers: int, out: Path, **kwargs: Any) -> list[Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -157,6 +158,15 @@ def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, out: st
         result = {"__error__": traceback.format_exc()}
     torch.save(result, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
+    _leave()
+
+
+def _leave() -> None:
+    """Exit without C++ static destructors: torch 2.13's gloo teardown aborts about one
+    successful exit in fifteen (see stratagem.launch.worker); results are already saved."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable, world: int, out: Path, **kwargs: Any) -> list[Any]:
