@@ -181,7 +181,14 @@ class Cluster:
                    ) -> list[int]:
         """Ranks among ``candidates`` whose heartbeat stopped (waits up to ``wait`` s)."""
         deadline = time.monotonic() + wait
+        known = f"{self.namespace}/dead"
         while True:
+            try:  # another survivor may have found it already (and may exit soon)
+                if self.store.check([known]):
+                    found = json.loads(self.store.get(known).decode())
+                    return [r for r in found if r in candidates and r != self.rank]
+            except Exception:  # noqa: BLE001 - store unreachable: cannot tell
+                return []
             dead = []
             now = time.time()
             for r in candidates:
@@ -200,12 +207,30 @@ class Cluster:
                 return dead
             time.sleep(0.25)
 
+    def _share_diagnosis(self, dead: Sequence[int], members: Sequence[int],
+                         linger: float = 2.0) -> None:
+        """Publish the dead ranks and wait (briefly) until the other survivors have read
+        them: the store may live in this process, and leaving at once would leave them
+        with "a peer closed its connection" and no name."""
+        try:
+            self.store.set(f"{self.namespace}/dead", json.dumps(sorted(dead)))
+            self.store.set(f"{self.namespace}/explained/{self.rank}", "1")
+            others = [f"{self.namespace}/explained/{r}" for r in members
+                      if r != self.rank and r not in dead]
+            deadline = time.monotonic() + linger
+            while others and time.monotonic() < deadline:
+                others = [k for k in others if not self.store.check([k])]
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store is gone: nobody left to tell
+            return
+
     def explain(self, exc: BaseException, what: str, members: Sequence[int]) -> DistributedError:
         """A DistributedError for a failed operation ``what`` over ``members``."""
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         closed = "closed" in text.lower() or "reset" in text.lower()
         dead = self.dead_peers(members) if closed or "timed out" in text.lower() else []
         if dead:
+            self._share_diagnosis(dead, members)
             who = ", ".join(self.describe(r) for r in dead)
             problem = (f"lost {who} while {what}: the process stopped (crashed or was "
                        "killed)")
