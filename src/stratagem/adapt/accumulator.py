@@ -58,11 +58,11 @@ def _allreduce_dict(updates: dict[str, Any]) -> dict[str, Any]:
         return dict(updates)
     from stratagem.adapt.elastic import _control_group
 
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, json.dumps(updates), group=_control_group())
-    out: dict[str, Any] = {}
-    for text in gathered:
-        _add_into(out, json.loads(text))
+    from stratagem.adapt._wire import all_gather_bytes
+
+    out: dict[str, Any] = {}  # JSON bytes, never pickles; rank order: the same sum everywhere
+    for data in all_gather_bytes(json.dumps(updates).encode(), group=_control_group()):
+        _add_into(out, json.loads(data.decode()))
     return out
 
 
