@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -147,6 +148,15 @@ class GlobalBatchSampler:
         return iter([b.indices for b in self.batches])
 
 
+_elastic_loaders: weakref.WeakSet[DistributedDataLoader] = weakref.WeakSet()
+
+
+def elastic_loaders() -> list[DistributedDataLoader]:
+    """The live loaders made with ``elastic=True`` (AutoDist's and AdaptDL's): the ones an
+    in-process rescale moves to the new world."""
+    return list(_elastic_loaders)
+
+
 class DistributedDataLoader:
     """A torch DataLoader over this rank's share of each global batch.
 
@@ -155,7 +165,8 @@ class DistributedDataLoader:
     the next iteration resumes there. Inside ``remaining_epochs_until`` the loader follows
     that loop's epoch. ``on_batch`` (set by AutoDist) receives each batch's gradient
     weight. With ``elastic=True`` (AutoDist's loaders) a pending SIGTERM is acted on after
-    each step: the job state is saved and the process exits (see ``stratagem.adapt``).
+    each step: the job state is saved and the process exits (see ``stratagem.adapt``), and
+    an in-process rescale moves the loader to the new world (:meth:`on_rescale`).
     """
 
     iterating: int = 0  # loader iterations in progress, all loaders (see adapt.Accumulator)
@@ -180,6 +191,15 @@ class DistributedDataLoader:
         self.gradient_accumulation = False
         self._on_batch = on_batch
         self._loader = DataLoader(dataset, batch_sampler=self.sampler, **loader_kwargs)
+        if elastic:
+            _elastic_loaders.add(self)
+
+    def on_rescale(self, rank: int, world_size: int) -> None:
+        """Follow an in-process rescale (:mod:`stratagem.adapt.rescale`): this replica's new
+        rank and the new number of replicas. A running iteration re-plans the epoch's
+        remaining global batches from the current sample offset after the step in progress,
+        so no sample is lost or repeated."""
+        self.sampler.rank, self.sampler.world_size = int(rank), int(world_size)
 
     # -- position ------------------------------------------------------------------------
     @property

@@ -15,7 +15,7 @@ import torch
 
 from stratagem.adapt import _wire
 from stratagem.adapt.state import State, registered_states
-from stratagem.errors import StratagemError
+from stratagem.data import elastic_loaders
 
 _pending: dict[str, dict[str, Any]] = {}  # received by a newcomer, not registered yet
 
@@ -49,77 +49,28 @@ def regroup(group: Any, *, newcomer: bool, joiners: bool) -> None:
         _rebuild_autodist(ad, rank, world, joiners)
     if joiners:
         _transfer_states(newcomer, world)
-    for loader in _loaders():
-        loader.sampler.rank, loader.sampler.world_size = rank, world
-    if ad is not None:
-        _update_adaptive_loop(getattr(ad, "adaptive", None), rank, world)
+    for loader in elastic_loaders():
+        loader.on_rescale(rank, world)
+    trainer = getattr(ad, "adaptive", None)
+    if trainer is not None:
+        trainer.on_rescale(rank, world)  # after the model's regroup: new synchronizers
 
 
-# -- the engine ---------------------------------------------------------------------------------
 def _rebuild_autodist(ad: Any, rank: int, world: int, broadcast: bool) -> None:
+    """AutoDist's world, strategy and plan for ``world`` workers on this machine; the
+    distributed model re-binds to them (broadcasting rank 0's tensors if ``broadcast``)."""
     from stratagem.resource import ResourceSpec
     from stratagem.runtime import compile_plan
-    from stratagem.strategy import validate
 
     ad.rank, ad.world_size = rank, world
     ad.resource_spec = ResourceSpec.local(world)
     ad.rank_devices = list(ad.resource_spec.replicas)
-    if ad.model is None or ad.profile is None:
+    if ad.model is None:
         return
-    strategy = validate(ad._builder.build(ad.profile, ad.resource_spec), ad.profile,
-                        ad.resource_spec)
-    ad.strategy = strategy
-    plan = compile_plan(strategy, ad.profile, rank=rank, world_size=world, device=ad.device)
-    rebuild_model(ad.model, plan, broadcast=broadcast)
-
-
-def rebuild_model(model: Any, plan: Any, *, broadcast: bool = True) -> None:
-    """Give a DistributedModel the synchronizers of ``plan`` (a new world), in place:
-    the module, optimizer and hooks' owners stay; with ``broadcast``, parameters and buffers
-    are broadcast from the new rank 0. Collective when ``plan.world_size > 1``."""
-    from stratagem.runtime.allreduce import AllReduceReducer, LocalReducer, check_params
-    from stratagem.runtime.comm import BufferSync, broadcast_coalesced, make_comms
-
-    if getattr(model, "_ps", None) is not None or plan.ps is not None:
-        raise StratagemError("in-process rescale supports all-reduce strategies only",
-                             where="rescale", fix="use checkpoint-restart (SIGTERM and "
-                             "relaunch) for jobs with parameter-server synchronizers")
-    old = model._reducer
-    observers = getattr(old, "observers", None)
-    old.remove_hooks()
-    params = check_params(plan, model.module)
-    model.plan = plan
-    model._buffer_sync = None
-    model._buffers_dirty = False
-    if plan.world_size == 1:
-        model._reducer = LocalReducer(params, model.comm_stats)
-    else:
-        default, comms = make_comms(plan, None, model.comm_stats)
-        if broadcast:
-            states = list(dict.fromkeys([*model.module.parameters(),
-                                         *model.module.buffers()]))
-            broadcast_coalesced([t for t in states if t.numel()], default)
-        model._reducer = AllReduceReducer(plan, params, comms, model.comm_stats)
-        model._buffer_sync = BufferSync(model.module, default)
-        model._reducer.before_wait = model._sync_buffers_if_dirty
-    if observers is not None and hasattr(model._reducer, "observers"):
-        model._reducer.observers = observers  # (their handles keep working)
-
-
-def _update_adaptive_loop(trainer: Any, rank: int, world: int) -> None:
-    """The adaptive loop (``ad.adaptive``) follows the world; it decides again at the next
-    loader start on every member (a collective all members then reach together)."""
-    if trainer is None:
-        return
-    trainer.rank, trainer.world_size = rank, world
-    if hasattr(trainer, "_decided"):
-        trainer._decided = False
-    if getattr(trainer, "stats", None) is not None:
-        from stratagem.adapt.gradstats import GradStats
-
-        trainer.stats.close()
-        trainer.stats = GradStats(trainer.model, trainer.optimizer, trainer.gns,
-                                  world_size=world, precond_every=trainer.precond_every)
+    ad.strategy = ad.build_strategy(ad.model.module)
+    plan = compile_plan(ad.strategy, ad.profile, rank=rank, world_size=world,
+                        device=ad.device)
+    ad.model.regroup(plan, broadcast=broadcast)
 
 
 # -- job state --------------------------------------------------------------------------------
@@ -164,17 +115,3 @@ def _transfer_states(newcomer: bool, world: int) -> None:
                 _import(states[name], value)
             else:
                 _pending[name] = value
-
-
-def _loaders() -> list[Any]:
-    """The data loaders among the registered states (AutoDist's, AdaptDL's)."""
-    from stratagem.data import DistributedDataLoader
-
-    found = []
-    for state in registered_states().values():
-        owner = getattr(getattr(state, "_get", None), "__self__", None)
-        inner = getattr(owner, "_loader", None)
-        for obj in (owner, inner):
-            if isinstance(obj, DistributedDataLoader) and obj not in found:
-                found.append(obj)
-    return found

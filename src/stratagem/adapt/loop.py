@@ -233,13 +233,29 @@ class AdaptiveTrainer:
         self.gns = GradientNoiseScale(base, self.smoothing, len(self.optimizer.param_groups),
                                       preconditioned=self.preconditioned)
         self.tracker = ProgressTracker(base)
+        self._renew_stats()
+        if self._pending_state is not None:
+            self._apply_state(self._pending_state)
+            self._pending_state = None
+
+    def _renew_stats(self) -> None:
+        """Fresh gradient statistics for the current model, noise estimate and world."""
         if self.stats is not None:
             self.stats.close()
         self.stats = GradStats(self.model, self.optimizer, self.gns, world_size=self.world_size,
                                precond_every=self.precond_every)
-        if self._pending_state is not None:
-            self._apply_state(self._pending_state)
-            self._pending_state = None
+
+    def on_rescale(self, rank: int, world_size: int) -> None:
+        """Follow an in-process rescale (:mod:`stratagem.adapt.rescale`), after the model
+        was re-bound to the new group: take the new rank and world size, restart the
+        gradient statistics (they depend on the replica count and observe the new
+        synchronizers), and decide the batch configuration again at the next loader start
+        (a collective that every member then reaches together). The noise estimate,
+        progress and throughput profile are kept."""
+        self.rank, self.world_size = int(rank), int(world_size)
+        self._decided = False
+        if self.stats is not None:
+            self._renew_stats()
 
     def enable_autoscale(self, loader: DistributedDataLoader) -> None:
         """Called by ``loader.autoscale_batch_size``: decide for ``loader`` from now on."""

@@ -53,27 +53,62 @@ class DistributedModel(nn.Module):
                                  where="DistributedModel",
                                  fix="run it with stratagem.runtime.ps.run_server")
         params = check_params(plan, module)
+        self._ps = None
+        if plan.ps is not None and (plan.world_size > 1 or plan.ps.servers):
+            from stratagem.runtime.ps import make_engine
+
+            self._ps = make_engine(plan, module, optimizer, cluster, process_group,
+                                   self.comm_stats)
+        # A PS engine broadcast everything already (servers included).
+        self._install_synchronizers(params, process_group, broadcast=self._ps is None)
+        # The initial broadcast is not training traffic.
+        self.comm_stats.reset()
+
+    def _install_synchronizers(self, params: dict[str, nn.Parameter],
+                               process_group: dist.ProcessGroup | None, *,
+                               broadcast: bool) -> None:
+        """The all-reduce synchronizers of ``self.plan`` (a local one in a one-process job
+        without servers); with ``broadcast``, rank 0's parameters and buffers first."""
+        plan = self.plan
         self._buffer_sync: BufferSync | None = None
         self._buffers_dirty = False
-        self._ps = None
         if plan.world_size == 1 and not (plan.ps is not None and plan.ps.servers):
             self._reducer: AllReduceReducer | LocalReducer = LocalReducer(params,
                                                                           self.comm_stats)
-        else:
-            if plan.ps is not None:
-                from stratagem.runtime.ps import make_engine
+            return
+        default, comms = make_comms(plan, process_group, self.comm_stats)
+        if broadcast:
+            states = list(dict.fromkeys([*self.module.parameters(), *self.module.buffers()]))
+            broadcast_coalesced([t for t in states if t.numel()], default)
+        self._reducer = AllReduceReducer(plan, params, comms, self.comm_stats)
+        self._buffer_sync = BufferSync(self.module, default)
+        self._reducer.before_wait = self._sync_buffers_if_dirty
 
-                self._ps = make_engine(plan, module, optimizer, cluster, process_group,
-                                       self.comm_stats)
-            default, comms = make_comms(plan, process_group, self.comm_stats)
-            if self._ps is None:  # (the PS engine broadcast everything, servers included)
-                states = list(dict.fromkeys([*module.parameters(), *module.buffers()]))
-                broadcast_coalesced([t for t in states if t.numel()], default)
-            self._reducer = AllReduceReducer(plan, params, comms, self.comm_stats)
-            self._buffer_sync = BufferSync(module, default)
-            self._reducer.before_wait = self._sync_buffers_if_dirty
-        # The initial broadcast is not training traffic.
-        self.comm_stats.reset()
+    def regroup(self, plan: Plan, process_group: dist.ProcessGroup | None = None, *,
+                broadcast: bool = True) -> None:
+        """Re-bind to a new process group and world size (in-process rescale, see
+        :mod:`stratagem.adapt.rescale`): ``plan`` (compiled for the new rank and world)
+        replaces the current one and its synchronizers the old ones; the module, the
+        optimizer and gradient observers (their handles too) stay. With ``broadcast``,
+        parameters and buffers are broadcast from the new rank 0. Per-rank synchronizer
+        state (PowerSGD error feedback) starts fresh.
+
+        Collective over ``process_group`` (default: the default group) when
+        ``plan.world_size > 1``. All-reduce strategies only: raises StratagemError with
+        parameter-server synchronizers (old or new plan)."""
+        if self._ps is not None or plan.ps is not None:
+            raise StratagemError("in-process rescale supports all-reduce strategies only",
+                                 where="DistributedModel.regroup",
+                                 fix="use checkpoint-restart (SIGTERM and relaunch) for jobs "
+                                     "with parameter-server synchronizers")
+        params = check_params(plan, self.module)
+        old = self._reducer
+        old.remove_hooks()
+        self.plan = plan
+        self._install_synchronizers(params, process_group, broadcast=broadcast)
+        observers = getattr(old, "observers", None)
+        if observers is not None and hasattr(self._reducer, "observers"):
+            self._reducer.observers = observers  # (their handles keep working)
 
     # -- training ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
