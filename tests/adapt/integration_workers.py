@@ -6,16 +6,12 @@ user script, and return plain data that the tests compare with single-process re
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _spawn
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 DIM = 6
@@ -108,48 +104,13 @@ def reference_big_batch(micro_batches: int, batch_size: int, *, lr: float = 0.05
 
 
 # -- spawning -------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    for var in ("STRATAGEM_RESOURCE_SPEC", "STRATAGEM_STRATEGY"):
-        os.environ.pop(var, None)
-    torch.set_num_threads(1)
-    try:
-        result = fn(rank, world, **kwargs)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        result = {"__error__": traceback.format_exc()}
-    torch.save(result, Path(out) / f"rank{rank}.pt")
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _leave()
-
-
-def _leave() -> None:
-    """Exit without C++ static destructors: torch 2.13's gloo teardown aborts about one
-    successful exit in fifteen (see stratagem.launch.worker); results are already saved."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def spawn(fn: Callable, world: int, out: Path, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world, **kwargs)`` in ``world`` processes; their return values."""
-    out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world, free_port(), fn, kwargs, str(out)), nprocs=world,
-                       start_method="spawn", join=True)
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        if isinstance(res, dict) and "__error__" in res:
-            raise AssertionError(f"rank {r} failed:\n{res['__error__']}")
-    return results
+    """Run ``fn(rank, world, **kwargs)`` in ``world`` processes; their return values. ``fn``
+    joins the group itself (AutoDist), away from a surrounding launcher's spec and strategy;
+    anything it raises, SystemExit included, is reported."""
+    return _spawn.run(fn, world, out, kwargs, _spawn.Setup(
+        args=(world,), local_rank=True, unset=("STRATAGEM_RESOURCE_SPEC", "STRATAGEM_STRATEGY"),
+        catch=BaseException))
 
 
 def train_worker(rank: int, world: int, **kwargs: Any) -> dict[str, Any]:

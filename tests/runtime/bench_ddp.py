@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).parent))
-from rt_common import free_port  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _spawn
+from _spawn import free_port  # noqa: E402
 
 from stratagem.analysis import analyze  # noqa: E402
 from stratagem.runtime import DistributedModel, compile_plan  # noqa: E402

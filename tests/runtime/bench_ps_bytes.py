@@ -26,9 +26,9 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _spawn
+from _spawn import free_port  # noqa: E402
 from models import DLRM, DLRMConfig, DLRMData, bce_loss  # noqa: E402
-from rt_common import free_port  # noqa: E402
 
 from stratagem.analysis import analyze  # noqa: E402
 from stratagem.resource import ResourceSpec  # noqa: E402

@@ -15,9 +15,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import _spawn
 import torch
 import torch.multiprocessing as mp
-from rt_common import free_port
 from torch import nn
 
 from stratagem.resource import ResourceSpec
@@ -105,43 +105,16 @@ def spec_for(workers: int, servers: int) -> ResourceSpec:
 
 
 # -- spawning ---------------------------------------------------------------------------
-def _entry(rank: int, world: int, port: int, servers: int, fn: Callable, kwargs: dict,
-           out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      STRATAGEM_ROLE="server" if rank >= world - servers else "worker")
-    torch.set_num_threads(1)
-    try:
-        result = fn(rank, world - servers, servers, **kwargs)
-    except Exception:
-        result = {"__error__": traceback.format_exc()}
-    torch.save(result, Path(out) / f"rank{rank}.pt")
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _leave()
-
-
-def _leave() -> None:
-    """Exit without C++ static destructors: torch 2.13's gloo teardown aborts about one
-    successful exit in fifteen (see stratagem.launch.worker); results are already saved."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def _setup(workers: int, servers: int) -> _spawn.Setup:
+    """``fn(rank, workers, servers)``; ranks from ``workers`` on are servers. No default group:
+    ``fn`` joins the cluster the way AutoDist does (join_cluster)."""
+    return _spawn.Setup(args=(workers, servers), local_rank=True,
+                        roles=("worker",) * workers + ("server",) * servers)
 
 
 def spawn_ps(fn: Callable, workers: int, servers: int, out: Path, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, workers, servers, **kw)`` in workers + servers processes."""
-    out.mkdir(parents=True, exist_ok=True)
-    world = workers + servers
-    mp.start_processes(_entry, args=(world, free_port(), servers, fn, kwargs, str(out)),
-                       nprocs=world, start_method="spawn", join=True)
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        if isinstance(res, dict) and "__error__" in res:
-            raise AssertionError(f"rank {r} failed:\n{res['__error__']}")
-    return results
+    return _spawn.run(fn, workers + servers, out, kwargs, _setup(workers, servers))
 
 
 TIMEOUT = timedelta(seconds=60)
@@ -150,7 +123,6 @@ TIMEOUT = timedelta(seconds=60)
 def _script_entry(index: int, world: int, port: int, roles: list[str], script: str,
                   env: dict, out: str) -> None:
     import runpy
-    import sys
 
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index),
@@ -166,15 +138,15 @@ def _script_entry(index: int, world: int, port: int, roles: list[str], script: s
     except BaseException:
         code = traceback.format_exc()
     (Path(out) / f"exit{index}.txt").write_text(repr(code))
-    sys.exit(0)
+    _spawn.leave(hard=False)  # as the script's process would end: its atexit handlers run
 
 
 def run_script(script: Path, roles: list[str], out: Path, env: dict[str, str]) -> list[str]:
     """Run ``script`` as a torchrun-like job (one process per role, launcher rank = index);
     returns each process's exit code (repr) or traceback."""
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_script_entry, args=(len(roles), free_port(), roles, str(script), env,
-                                            str(out)),
+    mp.start_processes(_script_entry, args=(len(roles), _spawn.free_port(), roles, str(script),
+                                            env, str(out)),
                        nprocs=len(roles), start_method="spawn", join=True)
     return [(out / f"exit{i}.txt").read_text() for i in range(len(roles))]
 
@@ -186,10 +158,8 @@ def spawn_and_kill(fn: Callable, workers: int, servers: int, out: Path, victim: 
     import signal
     import time
 
-    out.mkdir(parents=True, exist_ok=True)
     world = workers + servers
-    ctx = mp.start_processes(_entry, args=(world, free_port(), servers, fn, kwargs, str(out)),
-                             nprocs=world, start_method="spawn", join=False)
+    ctx = _spawn.start(fn, world, out, kwargs, _setup(workers, servers), join=False)
     deadline = time.monotonic() + 120
     while not all((out / f"{ready}{r}").exists() for r in range(workers)):
         if time.monotonic() > deadline:
@@ -199,9 +169,7 @@ def spawn_and_kill(fn: Callable, workers: int, servers: int, out: Path, victim: 
     killed = time.time()
     for p in ctx.processes:
         p.join(timeout=120)
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False)
-               if (out / f"rank{r}.pt").exists() else None for r in range(world)]
-    return results, killed
+    return _spawn.load(out, world, missing_ok=True), killed
 
 
 _TEACHER: list[EmbNet] = []

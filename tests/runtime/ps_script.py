@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # ps_common, and tests/ for its _spawn
 from ps_common import BATCH, STEPS, batch, loss_fn, make_model  # noqa: E402
 
 import stratagem as sg  # noqa: E402

@@ -7,18 +7,13 @@ torch, independently of the engine.
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import _spawn
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 STEPS = 20
@@ -140,45 +135,10 @@ def reference(model: str, opt: str, steps: int = STEPS, n: int = BATCH, seed: in
 
 
 # -- spawning -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        result = fn(rank, world, **kwargs)
-    except Exception:
-        result = {"__error__": traceback.format_exc()}
-    torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
-    _leave()
-
-
-def _leave() -> None:
-    """Exit without C++ static destructors: torch 2.13's gloo teardown aborts about one
-    successful exit in fifteen (see stratagem.launch.worker); results are already saved."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def spawn(fn: Callable, world: int, out: Path, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world, **kwargs)`` in ``world`` processes; their return values."""
-    out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world, free_port(), fn, kwargs, str(out)), nprocs=world,
-                       start_method="spawn", join=True)
-    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for r, res in enumerate(results):
-        if isinstance(res, dict) and "__error__" in res:
-            raise AssertionError(f"rank {r} failed:\n{res['__error__']}")
-    return results
+    """Run ``fn(rank, world, **kwargs)`` in ``world`` processes, each already in the default
+    gloo group; their return values."""
+    return _spawn.run(fn, world, out, kwargs, _spawn.Setup(args=(world,), init_group=True))
 
 
 def guarded(fn: Callable[[], Any]) -> Any:
