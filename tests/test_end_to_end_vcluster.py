@@ -7,39 +7,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from _vcluster import cluster_fixture, launcher_env
+from vcluster import VirtualCluster
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from vcluster import VirtualCluster  # noqa: E402
-
-PREFIX = f"sge{os.getpid() % 100000}"
-SUBNET = "10.82.0.0/24"
 DEMO = ROOT / "examples" / "train_mlp.py"
 
 pytestmark = [pytest.mark.vcluster, pytest.mark.timeout(240)]
 
-
-@pytest.fixture
-def cluster() -> Iterator[VirtualCluster]:
-    ok, reason = VirtualCluster.available()
-    if not ok:
-        pytest.skip(f"virtual cluster unavailable: {reason}")
-    with VirtualCluster(2, bandwidth="1gbit", delay=None, prefix=PREFIX, subnet=SUBNET) as vc:
-        yield vc
+cluster = cluster_fixture(2, tag="sge", subnet="10.83.0.0/24", bandwidth="1gbit")
 
 
 def test_demo_on_two_nodes_matches_single_process(cluster: VirtualCluster,
                                                    tmp_path: Path) -> None:
     spec = cluster.write_resource_spec(tmp_path / "spec.yml")
-    tool = ROOT / "tools" / "vcluster.py"
-    shell = f"{sys.executable} {tool} exec --prefix {PREFIX} {{address}} --"
-    env = {**os.environ, "STRATAGEM_REMOTE_SHELL": shell}
-    env.pop("GLOO_SOCKET_IFNAME", None)
+    env = launcher_env(cluster)
     dist_ckpt, single_ckpt = tmp_path / "dist", tmp_path / "single"
     job = cluster.run(0, [sys.executable, "-m", "stratagem", "run", "--resource-spec", str(spec),
                           str(DEMO), "--epochs", "2", "--save", str(dist_ckpt)],

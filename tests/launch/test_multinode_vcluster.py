@@ -3,43 +3,27 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _vcluster import cluster_fixture, launcher_env
 from launch_helpers import ALLREDUCE, job_processes
-
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-sys.path.insert(0, str(TOOLS))
-from vcluster import VirtualCluster  # noqa: E402
-
-PREFIX = f"sgl{os.getpid() % 100000}"  # unique per run: parallel sessions do not collide
-SUBNET = "10.81.0.0/24"
+from vcluster import VirtualCluster
 
 pytestmark = [pytest.mark.vcluster, pytest.mark.timeout(120)]
 
-
-@pytest.fixture
-def cluster() -> Iterator[VirtualCluster]:
-    ok, reason = VirtualCluster.available()
-    if not ok:
-        pytest.skip(f"virtual cluster unavailable: {reason}")
-    with VirtualCluster(2, bandwidth=None, delay=None, prefix=PREFIX, subnet=SUBNET) as vc:
-        yield vc
+cluster = cluster_fixture(2, tag="sgl", subnet="10.81.0.0/24")
 
 
 def test_two_nodes_through_remote_shell(cluster: VirtualCluster, tmp_path: Path) -> None:
     spec = cluster.write_resource_spec(tmp_path / "spec.yml")
     train = tmp_path / "ar.py"
     train.write_text(ALLREDUCE)
-    shell = f"{sys.executable} {TOOLS / 'vcluster.py'} exec --prefix {PREFIX} {{address}} --"
     job = f"vc-{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "STRATAGEM_REMOTE_SHELL": shell}
-    env.pop("GLOO_SOCKET_IFNAME", None)
+    env = launcher_env(cluster)
     # the launcher runs on the chief (node 0), as it would on a real cluster
     proc = cluster.run(0, [sys.executable, "-m", "stratagem", "run", "--resource-spec",
                            str(spec), "--job-id", job, str(train)],

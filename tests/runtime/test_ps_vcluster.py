@@ -3,34 +3,20 @@ cluster (two worker nodes, one ``workers: 0`` server node; tools/vcluster.py, ne
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from _vcluster import cluster_fixture, launcher_env
 from ps_common import reference
-
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-sys.path.insert(0, str(TOOLS))
-from vcluster import VirtualCluster  # noqa: E402
-
-PREFIX = f"sgp{os.getpid() % 100000}"
-SUBNET = "10.82.0.0/24"
+from vcluster import VirtualCluster
 
 pytestmark = [pytest.mark.vcluster, pytest.mark.timeout(180)]
 
-
-@pytest.fixture
-def cluster() -> Iterator[VirtualCluster]:
-    ok, reason = VirtualCluster.available()
-    if not ok:
-        pytest.skip(f"virtual cluster unavailable: {reason}")
-    with VirtualCluster(3, bandwidth=None, delay=None, prefix=PREFIX, subnet=SUBNET) as vc:
-        yield vc
+cluster = cluster_fixture(3, tag="sgp", subnet="10.82.0.0/24")
 
 
 def test_server_node_serves_and_job_matches_single_process(cluster: VirtualCluster,
@@ -41,9 +27,7 @@ def test_server_node_serves_and_job_matches_single_process(cluster: VirtualClust
                     f"  - {{address: {a1}, workers: 1}}\n  - {{address: {a2}, workers: 0}}\n")
     out = tmp_path / "out"
     out.mkdir()
-    shell = f"{sys.executable} {TOOLS / 'vcluster.py'} exec --prefix {PREFIX} {{address}} --"
-    env = {**os.environ, "STRATAGEM_REMOTE_SHELL": shell, "PS_BUILDER": "PartitionedPS"}
-    env.pop("GLOO_SOCKET_IFNAME", None)
+    env = launcher_env(cluster, PS_BUILDER="PartitionedPS")
     env.pop("PS_SPEC", None)
     script = Path(__file__).with_name("ps_script.py")
     proc = cluster.run(0, [sys.executable, "-m", "stratagem", "run", "--resource-spec",

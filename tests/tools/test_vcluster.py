@@ -68,7 +68,7 @@ def tc_show(argv: list[str]) -> str:
 @pytest.fixture(autouse=True)
 def _no_leftovers():
     yield
-    if os.geteuid() == 0:
+    if vcluster.VirtualCluster.available()[0]:  # else nothing was built (and root may lack `ip`)
         vcluster.cleanup(PREFIX)
 
 
