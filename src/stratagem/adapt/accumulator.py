@@ -56,9 +56,8 @@ def _add_into(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
 def _allreduce_dict(updates: dict[str, Any]) -> dict[str, Any]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return dict(updates)
-    from stratagem.adapt.elastic import _control_group
-
     from stratagem.adapt._wire import all_gather_bytes
+    from stratagem.adapt.elastic import _control_group
 
     out: dict[str, Any] = {}  # JSON bytes, never pickles; rank order: the same sum everywhere
     for data in all_gather_bytes(json.dumps(updates).encode(), group=_control_group()):
