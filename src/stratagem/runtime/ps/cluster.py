@@ -118,6 +118,7 @@ class Cluster:
         self.servers = tuple(servers)
         self.namespace = namespace
         self._hb_stop = threading.Event()
+        self._known_dead: list[int] = []  # filled by the heartbeat thread
         self._hb_thread: threading.Thread | None = None
 
     # -- who is who -----------------------------------------------------------------
@@ -159,12 +160,18 @@ class Cluster:
         if self._hb_thread is not None:
             return
         key = f"{self.namespace}/hb/{self.rank}"
-        store, stop = self.store, self._hb_stop
+        dead_key, seen_key = f"{self.namespace}/dead", f"{self.namespace}/explained/{self.rank}"
+        store, stop, known = self.store, self._hb_stop, self._known_dead
 
         def beat() -> None:
             while not stop.is_set():
                 try:
                     store.set(key, repr(time.time()))
+                    # a peer named a dead rank: remember it, for when this process notices
+                    # (maybe only once the store's host has exited)
+                    if not known and store.check([dead_key]):
+                        known.extend(json.loads(store.get(dead_key).decode()))
+                        store.set(seen_key, "1")
                 except Exception:  # noqa: BLE001 - the store host is gone; nothing to do
                     return
                 stop.wait(HEARTBEAT_S)
@@ -187,8 +194,8 @@ class Cluster:
                 if self.store.check([known]):
                     found = json.loads(self.store.get(known).decode())
                     return [r for r in found if r in candidates and r != self.rank]
-            except Exception:  # noqa: BLE001 - store unreachable: cannot tell
-                return []
+            except Exception:  # noqa: BLE001 - store unreachable: what the heartbeat saw
+                return [r for r in self._known_dead if r in candidates and r != self.rank]
             dead = []
             now = time.time()
             for r in candidates:
@@ -199,23 +206,24 @@ class Cluster:
                     if not self.store.check([key]):
                         continue
                     last = float(self.store.get(key).decode())
-                except Exception:  # noqa: BLE001 - store unreachable: cannot tell
-                    return []
+                except Exception:  # noqa: BLE001 - store unreachable: what the heartbeat saw
+                    return [r for r in self._known_dead if r in candidates and r != self.rank]
                 if now - last > STALE_S:
                     dead.append(r)
             if dead or time.monotonic() > deadline:
                 return dead
             time.sleep(0.25)
 
-    def _share_diagnosis(self, dead: Sequence[int], members: Sequence[int],
-                         linger: float = 2.0) -> None:
-        """Publish the dead ranks and wait (briefly) until the other survivors have read
-        them: the store may live in this process, and leaving at once would leave them
-        with "a peer closed its connection" and no name."""
+    def _share_diagnosis(self, dead: Sequence[int], linger: float = HEARTBEAT_S + 1.5
+                         ) -> None:
+        """Publish the dead ranks and wait (briefly) until every survivor has read them
+        (its heartbeat thread does, even while it waits on something else): the store may
+        live in this process, and leaving at once would leave them with "a peer closed
+        its connection" and no name."""
         try:
             self.store.set(f"{self.namespace}/dead", json.dumps(sorted(dead)))
             self.store.set(f"{self.namespace}/explained/{self.rank}", "1")
-            others = [f"{self.namespace}/explained/{r}" for r in members
+            others = [f"{self.namespace}/explained/{r}" for r in range(self.size)
                       if r != self.rank and r not in dead]
             deadline = time.monotonic() + linger
             while others and time.monotonic() < deadline:
@@ -230,7 +238,7 @@ class Cluster:
         closed = "closed" in text.lower() or "reset" in text.lower()
         dead = self.dead_peers(members) if closed or "timed out" in text.lower() else []
         if dead:
-            self._share_diagnosis(dead, members)
+            self._share_diagnosis(dead)
             who = ", ".join(self.describe(r) for r in dead)
             problem = (f"lost {who} while {what}: the process stopped (crashed or was "
                        "killed)")
