@@ -4,7 +4,8 @@ A step on a worker (``DistributedModel`` calls these):
 
 ``before_forward``  wait for the values broadcast after the last update and write them
                     into the local copy; announce the forward to the servers;
-embedding hooks     one pull round per embedding call (rows this batch needs);
+embedding hooks     one pull round per embedding call (rows this batch needs and has
+                    not asked for since the last push);
 ``after_forward``   closing pull rounds until every worker is done;
 gradient hooks      dense pieces go into their bucket as they become ready, a bucket is
                     reduced to its owner as soon as it (and the ones before it) is full;
@@ -139,7 +140,7 @@ class PSEngine(EngineBase):
                 continue  # a server's bucket this server does not own
             pieces = [ps.pieces[i] for i in b.pieces]
             self.buckets.append(DenseBucket(b, pieces, self.params, self.g_owner[b.owner],
-                                            self.rank, device, stats))
+                                            self.rank, self.W, device, stats))
         self.slot: dict[int, tuple[DenseBucket, int]] = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.pieces):
@@ -171,6 +172,7 @@ class PSEngine(EngineBase):
         if torch.is_grad_enabled() and self.on_demand:
             if self.ps.servers and self.is_chief:
                 self.stopper.send(PULL, self.step_count)
+            self.sparse.begin_pulls()
             self._pulling = True
 
     def after_forward(self) -> None:
@@ -192,8 +194,9 @@ class PSEngine(EngineBase):
         for p in pieces:
             if p.local_replication:
                 continue
+            i = self.sparse.pos[p.id]
             sel = uniq[(uniq >= p.row_start) & (uniq < p.row_start + p.rows)]
-            requests[self.sparse.pos[p.id]] = sel
+            requests[i] = self.sparse.not_yet_asked(i, sel)
         self.sparse.pull_round(requests)
 
     def finish_pulls(self) -> None:
@@ -420,6 +423,7 @@ class PSEngine(EngineBase):
                 return
             if cmd == PULL:
                 self.finish_pulls()
+                self.sparse.begin_pulls()
                 while not self.sparse.pull_round(None):
                     pass
             elif cmd == PUSH:

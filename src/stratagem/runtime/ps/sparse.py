@@ -1,18 +1,24 @@
 """Sparse PS pieces: embedding rows travel as (row index, row) pairs, never whole tables.
 
-All exchanges are all-to-alls over the group of every PS rank (workers and servers), in
-two steps: a small fixed-size all-to-all of counts, then one variable-split all-to-all of
-bytes (int64 row indices followed by the rows, per piece, per peer).
-
-*Push* (end of backward): each worker sends, to the owner of each row range, the rows of
-its coalesced, pre-scaled gradient; the owner concatenates what it receives and coalesces
-(duplicates summed) -- that is the averaged sparse gradient of its shard.
+All exchanges are all-to-alls over the group of every PS rank (workers and servers).
 
 *Pull* (each embedding call in a training forward, ``local_replication: false``): a
-*round* is counts (+ a done flag and a request total) -> requested ids -> rows. A worker
-runs one round per call of an embedding module, asking the owners for the rows of the
-call's unique ids it does not own; after its forward it runs closing rounds until every
-worker is done, so workers may call embeddings in any order and number. Servers only serve.
+*round* is two all-to-alls. The first is fixed-size: per peer a header (taking part, ids
+asked in total, overflow, wanted capacity, ids per piece) followed by up to ``cap``
+requested ids, ``cap`` being agreed by everyone from the previous step's headers for the
+same round index (an id list longer than ``cap`` sends the rest in one more exchange). The
+second carries the rows. A worker runs one round per call of an embedding module, asking
+the owners for the call's unique ids it neither owns nor already asked for since its last
+push; after its forward it runs closing rounds until every worker is done, so workers may
+call embeddings in any order and number. Servers only serve.
+
+*Push* (end of backward): the ids a worker asked an owner for since its last push are the
+rows its gradient has there, and both sides know them. So the push is one all-to-all with
+known sizes: per peer a small header, then for each announced id its gradient row and a
+presence byte (rows without gradient, e.g. a padding index, are dropped by the owner). Rows
+owned by the pushing rank never leave it. Rows beyond the announcements (a second backward
+before the update, ``local_replication`` pieces) are flagged in the headers, which every
+rank receives, and sent as (row index, row) pairs in one more exchange.
 
 *Refresh after update* (``local_replication: true``): the owner sends the rows its update
 changed to every worker, so each worker's copy stays complete and no pull is needed.
@@ -29,6 +35,7 @@ from stratagem.runtime.ps.plan import PSPiece
 from stratagem.runtime.stats import CommStats
 
 I64 = 8
+PULL_HEADER = 4  # taking part, ids asked in total, overflow, wanted capacity
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -73,6 +80,13 @@ class SparseExchange:
         self.has_grad: dict[int, bool] = {}
         self.refresh_pending: tuple | None = None
         self.push_pending: tuple | None = None
+        # pull rounds: id slots per peer for each round index of a forward (agreed)
+        self.caps: list[int] = []
+        self.round = 0
+        # ids asked since the last push: worker side per piece, owner side per (worker, piece)
+        self.announced: dict[int, list[torch.Tensor]] = {}
+        self.expected: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.extras: dict[int, list[torch.Tensor]] = {}
 
     @property
     def P(self) -> int:
@@ -96,57 +110,148 @@ class SparseExchange:
         self.push_start()
         self.push_finish()
 
+    def _announced_ids(self, i: int) -> torch.Tensor:
+        parts = self.announced.get(i)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+    def _expected_count(self, q: int, i: int) -> int:
+        return sum(len(t) for t in self.expected.get((q, i), ()))
+
     def push_start(self) -> None:
-        """Exchange counts and start the rows' all-to-all (:meth:`push_finish` waits)."""
-        P, size = self.P, self.size
-        counts = torch.zeros(size, P, dtype=torch.int64)
-        if self.rank < self.workers:
+        """Start the rows' all-to-all (:meth:`push_finish` waits)."""
+        P, size, W = self.P, self.size, self.workers
+        H = 1 + P  # any rows beyond the announcements; per piece: their number (-1: no grad)
+        head = torch.zeros(size, H, dtype=torch.int64)
+        rows: list[list[torch.Tensor]] = [[] for _ in range(size)]
+        masks: list[list[torch.Tensor]] = [[] for _ in range(size)]
+        self.extras = {}
+        sent_rows = 0
+        if self.rank < W:
             for i, p in enumerate(self.pieces):
-                entry = self.stash.get(i)
-                counts[p.owner, i] = -1 if entry is None else len(entry[0])
-        recv = self._a2a_counts(counts)
-        sends: list[list[torch.Tensor]] = [[] for _ in range(size)]
-        for i, p in enumerate(self.pieces):
-            entry = self.stash.get(i)
-            if entry is not None and len(entry[0]):
-                sends[p.owner] += [_bytes(entry[0]), _bytes(entry[1].to(self.dtypes[i]))]
-        pos = counts.clamp_min(0)
-        in_bytes = [int((pos[q] * (I64 + torch.tensor(self.row_bytes))).sum()) for q in range(size)]
-        rpos = recv.clamp_min(0)
-        out_bytes = [int((rpos[q] * (I64 + torch.tensor(self.row_bytes))).sum())
-                     for q in range(size)]
+                o, entry, ann = p.owner, self.stash.get(i), self._announced_ids(i)
+                dtype, shape = self.dtypes[i], self.row_shapes[i]
+                if o == self.rank:  # own rows: straight into the shard's gradient
+                    if entry is not None:
+                        self.has_grad[i] = True
+                        self.pending.setdefault(i, []).append(
+                            (entry[0] - p.row_start, entry[1].to(dtype)))
+                    continue
+                if entry is None:
+                    head[o, 1 + i] = -1
+                    idx = torch.empty(0, dtype=torch.int64)
+                    vals = torch.empty((0, *shape), dtype=dtype)
+                else:
+                    idx, vals = entry[0], entry[1].to(dtype)
+                out = torch.zeros((len(ann), *shape), dtype=dtype)
+                found = torch.zeros(len(ann), dtype=torch.bool)
+                covered = torch.zeros(len(idx), dtype=torch.bool)
+                if len(ann) and len(idx):  # (idx is sorted: a coalesced gradient's)
+                    pos = torch.searchsorted(idx, ann).clamp_max(len(idx) - 1)
+                    found = idx[pos] == ann
+                    out[found] = vals[pos[found]]
+                    covered[pos[found]] = True
+                rows[o].append(_bytes(out))
+                masks[o].append(found.to(torch.uint8))
+                sent_rows += int(found.sum())
+                if entry is not None and not bool(covered.all()):
+                    extra = ~covered
+                    head[o, 1 + i] = int(extra.sum())
+                    self.extras.setdefault(o, []).extend(
+                        [_bytes(idx[extra]), _bytes(vals[extra])])
+                    sent_rows += int(extra.sum())
+            head[:, 0] = int(bool(self.extras))
+        sends = []
+        for q in range(size):
+            m = torch.cat(masks[q]) if masks[q] else torch.empty(0, dtype=torch.uint8)
+            pad = torch.zeros(-m.numel() % I64, dtype=torch.uint8)  # keep the next aligned
+            sends.append([_bytes(head[q]), *rows[q], m, pad])
+        in_bytes = [sum(t.numel() for t in per) for per in sends]
+        out_bytes = [H * I64 + self._expected_bytes(q) for q in range(size)]
         flat, work, data = self._a2a_bytes_async(sends, in_bytes, out_bytes)
         for q in range(size):
             if q != self.rank:
-                self.stats.push_bytes += in_bytes[q] + P * I64
-                self.stats.rows_pushed += int(pos[q].sum())
+                self.stats.push_bytes += in_bytes[q]
+        self.stats.rows_pushed += sent_rows
+        self.push_pending = (flat, work, data, dict(self.expected))
         self.stash.clear()
-        self.push_pending = (flat, work, data, recv)
+        self.announced.clear()
+        self.expected.clear()
+
+    def _expected_bytes(self, q: int) -> int:
+        """Bytes of the announced rows worker ``q`` pushes to this owner (rows + masks)."""
+        if q >= self.workers or q == self.rank:
+            return 0
+        n = [self._expected_count(q, i) if p.owner == self.rank else 0
+             for i, p in enumerate(self.pieces)]
+        masks = sum(n)
+        return (sum(k * b for k, b in zip(n, self.row_bytes, strict=True))
+                + masks + (-masks % I64))
 
     def push_finish(self) -> None:
         """Wait for the rows; owners keep their shards' contributions."""
         if self.push_pending is None:
             return
-        _flat, work, data, recv = self.push_pending
+        _flat, work, data, expected = self.push_pending
         self.push_pending = None
         self.group.wait(work, "pushing embedding gradients")
-        size = self.size
+        P, size, W = self.P, self.size, self.workers
+        H = 1 + P
+        owned = [i for i, p in enumerate(self.pieces) if p.owner == self.rank]
+        heads, off = [], 0
+        for q in range(size):
+            h = _as(data[off:off + H * I64], torch.int64, (H,))
+            off += H * I64
+            heads.append(h)
+            if q >= W or q == self.rank:
+                continue
+            ids = {i: (torch.cat(expected[(q, i)]) if (q, i) in expected
+                       else torch.empty(0, dtype=torch.int64)) for i in owned}
+            got = {}
+            for i in owned:
+                nb = len(ids[i]) * self.row_bytes[i]
+                got[i] = _as(data[off:off + nb], self.dtypes[i], (len(ids[i]), *self.row_shapes[i]))
+                off += nb
+            nmask = 0
+            for i in owned:
+                n = len(ids[i])
+                present = data[off + nmask:off + nmask + n].bool()
+                nmask += n
+                if int(h[1 + i]) >= 0:
+                    self.has_grad[i] = True
+                if n and bool(present.any()):
+                    self.pending.setdefault(i, []).append(
+                        (ids[i][present] - self.pieces[i].row_start, got[i][present]))
+            off += nmask + (-nmask % I64)
+        if any(int(h[0]) for h in heads):
+            self._push_extras(heads, owned)
+
+    def _push_extras(self, heads: list[torch.Tensor], owned: list[int]) -> None:
+        """Collective: rows beyond the announcements, as (row index, row) pairs."""
+        size, W = self.size, self.workers
+        sends = [self.extras.get(q, []) for q in range(size)]
+        in_bytes = [sum(t.numel() for t in per) for per in sends]
+        out_bytes = [sum(max(0, int(heads[q][1 + i])) * (I64 + self.row_bytes[i])
+                         for i in owned) if q < W and q != self.rank else 0
+                     for q in range(size)]
+        data = self._a2a_bytes(sends, in_bytes, out_bytes, "pushing embedding gradients")
+        for q in range(size):
+            if q != self.rank:
+                self.stats.push_bytes += in_bytes[q]
+        self.extras = {}
         off = 0
         for q in range(size):
-            for i, p in enumerate(self.pieces):
-                n = int(recv[q, i])
-                if p.owner != self.rank or q >= self.workers:
-                    continue
-                if n >= 0:
-                    self.has_grad[i] = True
-                if n <= 0:
+            if q >= W or q == self.rank:
+                continue
+            for i in owned:
+                n = max(0, int(heads[q][1 + i]))
+                if not n:
                     continue
                 idx = _as(data[off:off + n * I64], torch.int64, (n,))
                 off += n * I64
                 nb = n * self.row_bytes[i]
                 vals = _as(data[off:off + nb], self.dtypes[i], (n, *self.row_shapes[i]))
                 off += nb
-                self.pending.setdefault(i, []).append((idx - p.row_start, vals))
+                self.pending.setdefault(i, []).append((idx - self.pieces[i].row_start, vals))
 
     # -- owner: update --------------------------------------------------------------
     def attach_grads(self) -> list[int]:
@@ -180,69 +285,116 @@ class SparseExchange:
         self.has_grad.clear()
 
     # -- pull rounds ----------------------------------------------------------------
+    def begin_pulls(self) -> None:
+        """A forward's pull phase starts (every rank, at the same point)."""
+        self.round = 0
+
     def pull_round(self, requests: dict[int, torch.Tensor] | None) -> bool:
         """One collective round. ``requests``: piece position -> global row ids this
         worker needs (None: nothing, this rank is done). Returns True when no worker
         asked for anything (every worker is done)."""
         P, size, W = self.P, self.size, self.workers
-        counts = torch.zeros(size, 2 + P, dtype=torch.int64)
+        r = self.round
+        self.round += 1
+        cap = self.caps[r] if r < len(self.caps) else 0
+        H = PULL_HEADER + P
+        send = torch.zeros(size, H + cap, dtype=torch.int64)
         wanted: dict[int, torch.Tensor] = {}
+        to_owner: dict[int, list[torch.Tensor]] = {}
         if requests is not None:
-            counts[:, 0] = 1
-            for i, ids in requests.items():
-                p = self.pieces[i]
+            send[:, 0] = 1
+            for i in sorted(requests):  # piece order: the owner splits the ids the same way
+                ids, p = requests[i], self.pieces[i]
                 if p.owner == self.rank or not len(ids):
                     continue
                 wanted[i] = ids
-                counts[p.owner, 2 + i] = len(ids)
-            counts[:, 1] = sum(len(v) for v in wanted.values())
-        recv = self._a2a_counts(counts)
+                send[p.owner, PULL_HEADER + i] = len(ids)
+                to_owner.setdefault(p.owner, []).append(ids)
+            send[:, 1] = sum(len(v) for v in wanted.values())
+        asked = {o: torch.cat(v) for o, v in to_owner.items()}
+        longest = max((len(v) for v in asked.values()), default=0)
+        for o, ids in asked.items():
+            send[o, H:H + min(len(ids), cap)] = ids[:cap]
+        send[:, 2] = int(longest > cap)
+        send[:, 3] = longest + longest // 4 + 8 if longest else 0
+        recv = self._a2a_counts(send)
         for q in range(size):
             if q != self.rank:
-                self.stats.pull_bytes += (2 + P) * I64
+                self.stats.pull_bytes += (H + cap) * I64
+        # everyone saw everyone's wish: the same capacity for this round next time
+        agreed = max(int(recv[:, 3].max()), cap * 3 // 4)
+        if r < len(self.caps):
+            self.caps[r] = agreed
+        else:
+            self.caps.append(agreed)
         if int(recv[:W, 0].sum()) == 0:
             return True
         if int(recv[:W, 1].sum()) == 0:
             return False
-        # requested ids
-        sends = [[] for _ in range(size)]
-        for i, ids in wanted.items():
-            sends[self.pieces[i].owner].append(_bytes(ids))
-        in_bytes = [int(counts[q, 2:].sum()) * I64 for q in range(size)]
-        out_bytes = [int(recv[q, 2:].sum()) * I64 for q in range(size)]
-        ids_in = self._a2a_bytes(sends, in_bytes, out_bytes, "requesting embedding rows")
+        n_from = recv[:, PULL_HEADER:H].sum(dim=1)
+        rest = None
+        if bool(recv[:, 2].any()):  # somebody asked for more than ``cap``: the rest now
+            sends = [[_bytes(asked[q][cap:])] if q in asked and len(asked[q]) > cap else []
+                     for q in range(size)]
+            in_bytes = [max(0, len(asked[q]) - cap) * I64 if q in asked else 0
+                        for q in range(size)]
+            out_bytes = [max(0, int(n_from[q]) - cap) * I64 for q in range(size)]
+            rest = self._a2a_bytes(sends, in_bytes, out_bytes, "requesting embedding rows")
+            for q in range(size):
+                if q != self.rank:
+                    self.stats.pull_bytes += in_bytes[q]
         # serve
-        replies = [[] for _ in range(size)]
+        replies: list[list[torch.Tensor]] = [[] for _ in range(size)]
         reply_bytes = [0] * size
-        off = 0
+        off_rest = 0
         for q in range(size):
+            nq = int(n_from[q])
+            if nq <= 0:
+                continue
+            ids_q = recv[q, H:H + min(nq, cap)]
+            if nq > cap:
+                k = nq - cap
+                ids_q = torch.cat([ids_q, _as(rest[off_rest:off_rest + k * I64],
+                                              torch.int64, (k,))])
+                off_rest += k * I64
+            o = 0
             for i, p in enumerate(self.pieces):
-                n = int(recv[q, 2 + i])
+                n = int(recv[q, PULL_HEADER + i])
                 if n <= 0:
                     continue
-                ids = _as(ids_in[off:off + n * I64], torch.int64, (n,))
-                off += n * I64
+                ids = ids_q[o:o + n].clone()
+                o += n
+                self.expected.setdefault((q, i), []).append(ids)
                 shard = self.shards[p.id]
                 rows = shard.index_select(0, (ids - p.row_start).to(shard.device)).cpu()
                 replies[q].append(_bytes(rows))
                 reply_bytes[q] += n * self.row_bytes[i]
-        expect = [sum(int(counts[q, 2 + i]) * self.row_bytes[i] for i in range(P))
+        expect = [sum(int(send[q, PULL_HEADER + i]) * self.row_bytes[i] for i in range(P))
                   for q in range(size)]
         rows_in = self._a2a_bytes(replies, reply_bytes, expect, "pulling embedding rows")
         off = 0
         for q in range(size):
             for i in range(P):
-                n = int(counts[q, 2 + i])
+                n = int(send[q, PULL_HEADER + i])
                 if n <= 0:
                     continue
                 nb = n * self.row_bytes[i]
                 rows = _as(rows_in[off:off + nb], self.dtypes[i], (n, *self.row_shapes[i]))
                 off += nb
                 write_rows(self.params[i], wanted[i], rows)
+                self.announced.setdefault(i, []).append(wanted[i])
                 self.stats.rows_pulled += n
             if q != self.rank:
-                self.stats.pull_bytes += in_bytes[q] + expect[q]
+                self.stats.pull_bytes += expect[q]
         return False
+
+    def not_yet_asked(self, i: int, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` of piece position ``i`` this worker has not asked for since its last
+        push (their values are current: no update happens between a pull and a push)."""
+        parts = self.announced.get(i)
+        if not parts:
+            return ids
+        return ids[~torch.isin(ids, torch.cat(parts))]
 
     # -- refresh after update (local replication) -----------------------------------
     def send_updates(self, updated: dict[int, torch.Tensor]) -> None:
