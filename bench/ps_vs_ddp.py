@@ -69,6 +69,21 @@ def _tcp_retrans() -> int:
     return int(lines[1][lines[0].index("RetransSegs")])
 
 
+def _gather_json(obj: Any, world: int) -> list[Any]:
+    """Every rank's ``obj`` (JSON, not pickles: nothing unpickles network data)."""
+    import torch
+    import torch.distributed as dist
+
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()]))
+    longest = int(max(sizes).item())
+    bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, torch.cat([data, torch.zeros(longest - data.numel(),
+                                                       dtype=torch.uint8)]))
+    return [json.loads(bytes(b[:int(n)].tolist())) for b, n in zip(bufs, sizes, strict=True)]
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
@@ -77,9 +92,9 @@ def _first_line(exc: BaseException) -> str:
 def _drain(model: Any) -> None:
     """Finish a Stratagem model's pending PS traffic (the post-update value broadcast,
     which the next forward would wait for), so it counts in this step's window."""
-    engine = getattr(model, "_ps", None)
-    if engine is not None:
-        engine.finish_pulls()
+    wait = getattr(model, "wait_for_values", None)
+    if callable(wait):
+        wait()
 
 
 @dataclass
@@ -378,11 +393,9 @@ class Worker:
     # -- results --------------------------------------------------------------------------
     def gather(self, phase: Phase, variants: list[Variant], bounds: dict[int, dict[str, Any]],
                dense_bytes: int) -> dict[str, Any]:
-        import torch.distributed as dist
 
         mine = {v.name: (v.times, v.tx, v.retrans) for v in variants}
-        every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, mine)
+        every = _gather_json(mine, self.world)
         if self.rank != 0:
             return {}
         n, rb = self.world, phase.row_bytes

@@ -180,6 +180,12 @@ class DistributedModel(nn.Module):
             self._ps.grad_weight = value
 
     # -- parameter servers ---------------------------------------------------------------
+    def wait_for_values(self) -> None:
+        """Wait for the parameter values the last update sends to this worker (the next
+        forward would; call it to time a whole step, or before reading pulled values)."""
+        if self._ps is not None:
+            self._ps.finish_pulls()
+
     def refresh_parameters(self) -> None:
         """Collective (every worker): make each worker's copy of every PS parameter equal to
         its owners' values (sparse tables are otherwise only fresh in the rows pulled)."""
