@@ -34,7 +34,10 @@ def start(out: Path, port: int, nproc: int, *args: str) -> subprocess.Popen:
     env.update(STRATAGEM_RESCALE_STORE=f"127.0.0.1:{port}", STRATAGEM_RESCALE_NPROC=str(nproc),
                STRATAGEM_RESCALE_TIMEOUT_S="60", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log = (out / f"worker-{time.monotonic_ns()}.log").open("w")
-    return subprocess.Popen([sys.executable, str(JOB), "--out", str(out), *args], env=env,
+    # through the worker wrapper, as the how-to says: a plain exit of a gloo job aborts now
+    # and then in torch 2.13 (see stratagem.launch.worker)
+    return subprocess.Popen([sys.executable, "-m", "stratagem.launch.worker", str(JOB),
+                             "--out", str(out), *args], env=env,
                             stdout=log, stderr=subprocess.STDOUT)
 
 
