@@ -104,6 +104,8 @@ def suite(rank: int, workers: int, servers: int, cases: list | None = None,
         for o in ("sgd", "adagrad"):
             out[f"checkpoint/{o}"] = guarded(lambda o=o: checkpoint_case(
                 cluster, spec, o, f"{ckpt_dir}/{o}"))
+    if workers == 2 and cases is None:
+        out.update(sparse_family(cluster, spec))
     if (workers, servers) == (2, 2) and cases is None:
         for comp in ("fp16", "none"):
             out[f"mixed/{comp}"] = guarded(lambda c=comp: train(
@@ -290,3 +292,71 @@ def accumulation_case(cluster: Any, spec: Any, use_no_sync: bool) -> Any:
     state = {k: v.clone() for k, v in dm.state_dict().items()}
     dm.close()
     return {"state": state}
+
+
+def sparse_family(cluster: Any, spec: Any, names: list[str] | None = None) -> dict:
+    import ps_sparse
+
+    return {f"sparse/{n}": guarded(lambda n=n: sparse_case(cluster, spec, n))
+            for n in names or ps_sparse.CASES}
+
+
+def sparse_case(cluster: Any, spec: Any, name: str) -> Any:
+    """One ps_sparse case on this worker's slices of the global batches. Returns the
+    values (also before any refresh), the embedding's optimizer state as the chief gathers
+    it for a checkpoint, the rows pulled per step and, for each pull round, (step, round,
+    agreed capacity, most ids asked of one owner, whether an embedding call ran it: False
+    for the closing rounds after the forward)."""
+    import ps_sparse
+
+    case = ps_sparse.CASES[name]
+    rank, W = cluster.rank, cluster.workers
+    model = ps_sparse.make_model(case, seed=rank)  # seeds differ (worker 0: 0)
+    opts = make_optimizers(case.opt, model)
+    profile = analyze(model)
+    builder = BUILDERS[case.builder](local_proxy_variable=case.proxy)
+    strategy = validate(builder.build(profile, spec), profile, spec)
+    plan = compile_plan(strategy, profile, rank=rank, world_size=W,
+                        device=torch.device("cpu"), servers=server_devices(spec))
+    if plan.role == "server":
+        return {"server": True, "stats": run_server(model, plan, opts, cluster)}
+    dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
+    sx = dm._ps.sparse
+    rounds: list[tuple[int, int, int, int, bool]] = []
+    step = 0
+    pull_round = sx.pull_round
+
+    def logged(requests: Any) -> bool:  # what the engine asks, and of which capacity
+        per_owner: dict[int, int] = {}
+        for i, ids in (requests or {}).items():
+            o = sx.pieces[i].owner
+            if o != rank:
+                per_owner[o] = per_owner.get(o, 0) + len(ids)
+        cap = sx.caps[sx.round] if sx.round < len(sx.caps) else 0
+        rounds.append((step, sx.round, cap, max(per_owner.values(), default=0),
+                       requests is not None))
+        return pull_round(requests)
+
+    sx.pull_round = logged
+    pulled = []
+    for step in range(case.steps):
+        ps_sparse.before_step(case, model, step)
+        x, y = ps_sparse.global_batch(case, step)
+        per = len(x) // W
+        sl = slice(rank * per, (rank + 1) * per)
+        for o in opts:
+            o.zero_grad()
+        before = dm.comm_stats.rows_pulled
+        ps_sparse.train_step(case, dm, x[sl], y[sl])
+        pulled.append(dm.comm_stats.rows_pulled - before)
+        for o in opts:
+            o.step()
+    unrefreshed = {k: v.detach().clone() for k, v in dm.state_dict().items()}
+    dm.before_checkpoint()  # refresh + the owners' optimizer state into the chief's
+    state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
+    table = ps_sparse.table_state(opts, model.emb.weight) if rank == 0 else None
+    stats = dm.comm_stats
+    dm.close()
+    return {"state": state, "unrefreshed": unrefreshed, "table_state": table,
+            "pulled": pulled, "rounds": rounds, "stats": stats,
+            "owners": [(p.row_start, p.rows, p.owner) for p in plan.ps.sparse]}

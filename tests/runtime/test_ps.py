@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ps_sparse
 import ps_workers
 import pytest
 import torch
@@ -216,3 +217,84 @@ def test_gradient_accumulation(config: str, no_sync: bool,
     or pushed as well (the owners accumulate): both equal full-batch training."""
     for r in workers_of(request.getfixturevalue(config), f"accumulate/no_sync={no_sync}"):
         assert_close(r["state"], ref("adagrad", steps=10))
+
+
+# -- sparse exchange (ps_sparse: cases, models and references) --------------------------
+_SPARSE_REFS: dict = {}
+
+
+def sparse_ref(name: str) -> dict:
+    if name not in _SPARSE_REFS:
+        _SPARSE_REFS[name] = ps_sparse.reference(name)
+    return _SPARSE_REFS[name]
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    """Optimizer state (the chief's, gathered from the owners) against the reference's;
+    sparse tensors (SGD's momentum buffer) must hold the same rows."""
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    for k, w in want.items():
+        g = got[k]
+        if not isinstance(w, torch.Tensor):
+            assert float(g) == float(w), (k, g, w)
+        elif w.is_sparse:
+            g, w = g.coalesce(), w.coalesce()
+            assert torch.equal(g.indices(), w.indices()), (k, g.indices(), w.indices())
+            torch.testing.assert_close(g.values(), w.values(), rtol=RTOL, atol=1e-9, msg=k)
+        else:
+            torch.testing.assert_close(torch.as_tensor(g, dtype=w.dtype), w, rtol=RTOL,
+                                       atol=1e-9, msg=k)
+
+
+def check_sparse_case(name: str, per_worker: list[dict]) -> None:
+    """What every sparse case must satisfy, plus what shows its path was really taken."""
+    case, want = ps_sparse.CASES[name], sparse_ref(name)
+    for r in per_worker:
+        assert_close(r["state"], want["state"])
+        if case.proxy:  # the owners' refresh after each update kept the copies complete
+            assert_close(r["unrefreshed"], want["state"])
+            assert r["rounds"] == []  # local replication: never a pull
+    assert_same_state(per_worker[0]["table_state"], want["table_state"])
+    W = len(per_worker)
+    if name == "padding/adam":
+        # the scenario: the padding row trained first, so its moments are not zero, then
+        # never moved again (torch leaves it out of every gradient)
+        rows = want["pad_rows"]
+        k = ps_sparse.PAD_FROM - 1
+        assert not torch.equal(rows[k], rows[0])
+        assert all(torch.equal(row, rows[k]) for row in rows[k:])
+        assert want["table_state"]["exp_avg"][ps_sparse.PAD].abs().min() > 1e-4
+        for r in per_worker:
+            torch.testing.assert_close(r["state"]["emb.weight"][ps_sparse.PAD], rows[k],
+                                       rtol=RTOL, atol=1e-9)
+    if name == "twice/adagrad":
+        # each row once per step, whichever of the 2-3 calls first looked it up
+        for rank, r in enumerate(per_worker):
+            for step in range(case.steps):
+                x, _ = ps_sparse.global_batch(case, step)
+                per = len(x) // W
+                ids = torch.unique(ps_sparse.looked_up(x[rank * per:(rank + 1) * per]))
+                remote = sum(int(((ids >= lo) & (ids < lo + n)).sum())
+                             for lo, n, owner in r["owners"] if owner != rank)
+                assert r["pulled"][step] == remote, (rank, step)
+        calls = [[sum(1 for s, *_, by_call in r["rounds"] if s == step and by_call)
+                  for step in range(case.steps)] for r in per_worker]
+        assert any(len({c[step] for c in calls}) > 1 for step in range(case.steps)), calls
+    if name == "overflow/sgd":
+        asked = [(cap, n) for r in per_worker for _s, _i, cap, n, _c in r["rounds"] if n]
+        assert any(0 < cap < n for cap, n in asked)  # a non-empty header, the rest after it
+        assert any(n <= cap for cap, n in asked)  # and the header alone
+
+
+@pytest.mark.parametrize("config", ["w2", "w2s2"])
+@pytest.mark.parametrize("name", list(ps_sparse.CASES))
+def test_sparse_exchange_matches_single_process(config: str, name: str,
+                                                request: pytest.FixtureRequest) -> None:
+    """Each ps_sparse case against plain torch in one process: local replication under
+    bulk-synchronous training, a second backward pass of one forward, padding rows with
+    lazy Adam, one table looked up 2-3 times per forward, and a jump in batch size past the
+    agreed pull-header capacity. Values, and the table's optimizer state, must match."""
+    results = request.getfixturevalue(config)
+    per_worker = workers_of(results, f"sparse/{name}")
+    assert len(per_worker) == CONFIGS[config][0]
+    check_sparse_case(name, per_worker)
