@@ -247,7 +247,9 @@ class Worker:
         self.log(f"{phase.name}: building {', '.join(phase.variants)}")
         torch.manual_seed(self.args.seed)
         base_state = phase.make(True).state_dict()
-        variants = [self.build(phase, n, base_state) for n in phase.variants]
+        names = [n for n in phase.variants
+                 if not self.args.variants or n in self.args.variants]
+        variants = [self.build(phase, n, base_state) for n in names]
         dense_bytes = sum(t.numel() * t.element_size() for k, t in base_state.items()
                           if k != phase.table)
         del base_state
@@ -733,6 +735,8 @@ def driver(args: argparse.Namespace) -> int:
                     "--commit", commit, "--pinning", ":".join(",".join(map(str, c)) for c in cpus)]
             if args.only:
                 argv += ["--only", *args.only]
+            if args.variants:
+                argv += ["--variants", *args.variants]
             if args.verbose_errors:
                 argv.append("--verbose-errors")
             t0 = time.perf_counter()
@@ -778,6 +782,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="+", choices=["dense_only", "dlrm", "lstm_lm"])
+    p.add_argument("--variants", nargs="+", help="run only these variants (e.g. to profile)")
     p.add_argument("--pg-timeout", type=int, default=180, help="collective timeout (s)")
     p.add_argument("--timeout", type=int, default=900, help="per node count (s)")
     p.add_argument("--verbose-errors", action="store_true")

@@ -7,6 +7,13 @@ bytes cross the network once; gloo's ``reduce`` moved up to 1.7x more); the owne
 workers' contributions into an accumulator (several backward passes before one optimizer
 step add up, like ``.grad``). After the owner's update it sends the new values to every
 worker from the same buffer; workers wait for them just before the next forward.
+
+Receives are posted before sends, per phase and rank (:meth:`DenseBucket.expect_push`,
+:meth:`DenseBucket.expect_values`): gloo sends a payload only once the receiver has
+announced its receive, and that announcement travels on the same connection as the
+receiver's own outgoing payloads. A receive posted after a large send therefore waits
+for that send, which serialized the two directions of a link: the 51 MB shards of a 2-node
+PartitionedPS exchange took 0.86 s instead of 0.43 s in about half of the steps.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class DenseBucket:
                         if self.is_owner else [])
         self.inbox = [torch.empty_like(self.buf) for _ in self.senders]
         self.work: list | None = None
+        self.incoming: list | None = None  # the owner's posted receives of this push
         self.pull = None
         self.pushed = False
 
@@ -87,11 +95,17 @@ class DenseBucket:
             if not done:
                 self.capture(i, None, 1.0)
 
+    def expect_push(self) -> None:
+        """Owner: post the receives of the coming push (before this rank sends anything)."""
+        if self.is_owner and self.incoming is None:
+            self.incoming = [self.group.recv(t, m, self.tag)
+                             for m, t in zip(self.senders, self.inbox, strict=True)]
+
     def launch(self) -> None:
-        """Send this rank's buffer to the owner (the owner posts its receives)."""
+        """Send this rank's buffer to the owner (the owner's receives are posted)."""
         if self.is_owner:
-            self.work = [self.group.recv(t, m, self.tag)
-                         for m, t in zip(self.senders, self.inbox, strict=True)]
+            self.expect_push()
+            self.work, self.incoming = self.incoming, None
         elif self.group.cluster.rank < self.workers:
             self.work = [self.group.send(self.buf, self.owner, self.tag)]
             self.stats.push_bytes += self.nbytes
@@ -128,17 +142,24 @@ class DenseBucket:
         self.pushed = False
 
     # -- pull -----------------------------------------------------------------------
-    def post_values(self, shards: dict[int, torch.Tensor] | None = None) -> None:
-        """Broadcast the owner's values (the owner fills the buffer first)."""
-        if self.is_owner:
-            for piece, view in zip(self.pieces, self.views, strict=True):
-                view.copy_(shards[piece.id])
-        if self.is_owner:  # (point-to-point too: gloo's broadcast took 2x the push's time)
-            self.pull = [self.group.send(self.buf, m, self.tag + PULL_TAG)
-                         for m in self.group.members if m != self.owner and m < self.workers]
-        else:
+    def expect_values(self) -> None:
+        """Non-owner worker: post the receive of the values the owner sends after its
+        update (the buffer is free once the push is finished)."""
+        if not self.is_owner and self.pull is None and self.work is None:
             self.pull = [self.group.recv(self.buf, self.owner, self.tag + PULL_TAG)]
             self.stats.pull_bytes += self.nbytes
+            self.stats.collectives += 1
+
+    def post_values(self, shards: dict[int, torch.Tensor] | None = None) -> None:
+        """Send the owner's values to every worker (point-to-point: gloo's broadcast took
+        twice the push's time); a non-owner posts its receive if it has not yet."""
+        if not self.is_owner:
+            self.expect_values()
+            return
+        for piece, view in zip(self.pieces, self.views, strict=True):
+            view.copy_(shards[piece.id])
+        self.pull = [self.group.send(self.buf, m, self.tag + PULL_TAG)
+                     for m in self.group.members if m != self.owner and m < self.workers]
         self.stats.collectives += 1
 
     @torch.no_grad()

@@ -212,6 +212,7 @@ class PSEngine(EngineBase):
         with self._lock:
             if not self._queued:
                 self._finish_push()  # (a second backward before optimizer.step())
+                self._expect_push()
                 self._queued = True
                 _queue_callback(self._finish_backward)
                 if self.is_chief and self.ps.servers:
@@ -239,6 +240,11 @@ class PSEngine(EngineBase):
                     where="DistributedModel backward",
                     fix="use torch.utils.checkpoint with use_reentrant=False")
             bucket.capture(i, grad, factor)
+
+    def _expect_push(self) -> None:
+        """Owners post every receive of this push before this rank sends (see dense.py)."""
+        for b in self.buckets:
+            b.expect_push()
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
@@ -301,6 +307,8 @@ class PSEngine(EngineBase):
 
     def _update(self) -> None:
         self._finish_push()
+        for b in self.buckets:  # receives first, before any owner sends (see dense.py)
+            b.expect_values()
         self._pushed = False
         self.step_count += 1
         updated_sparse: dict[int, torch.Tensor] = {}
@@ -429,6 +437,7 @@ class PSEngine(EngineBase):
             elif cmd == PUSH:
                 self.finish_pulls()
                 self._finish_push()
+                self._expect_push()
                 for b in self.buckets:
                     b.fill_missing()
                     b.launch()
