@@ -2,7 +2,7 @@
 
 Models (bench/models.py): a DLRM-style model with a 1M x 64 ``EmbeddingBag`` (Zipf ids), its
 dense MLPs alone, and an LSTM language model with a 200k-word vocabulary. Per model, every
-variant runs in the same worker processes, interleaved step by step (rotating order), from
+variant runs in the same worker processes, interleaved step by step (a random order per step), from
 the same initial weights on the same batches:
 
 * ``ddp_sparse``     torch DDP on gloo, embeddings ``sparse=True`` (the strong baseline)
@@ -82,6 +82,20 @@ def _gather_json(obj: Any, world: int) -> list[Any]:
     dist.all_gather(bufs, torch.cat([data, torch.zeros(longest - data.numel(),
                                                        dtype=torch.uint8)]))
     return [json.loads(bytes(b[:int(n)].tolist())) for b, n in zip(bufs, sizes, strict=True)]
+
+
+def step_order(items: list[Any], seed: int, step: int) -> list[Any]:
+    """A fresh random order of ``items`` for every step, the same on every rank.
+
+    A rotating order keeps the cyclic sequence, so each variant would nearly always follow
+    the same predecessor and inherit its after-effects (measured: a 102 MB gloo all-reduce
+    leaves the next large fresh allocation on that core 4-5x slower to fault in, which cost
+    the variant after DDP ~100-300 ms per LSTM step). Random orders spread them evenly."""
+    import random
+
+    out = list(items)
+    random.Random(seed * 1_000_003 + step).shuffle(out)
+    return out
 
 
 def _first_line(exc: BaseException) -> str:
@@ -263,8 +277,7 @@ class Worker:
                 bounds[step] = self.bound_stats(batches, owners)
             active = [v for v in variants if v.error is None
                       and (v.total_steps is None or step < v.total_steps)]
-            shift = step % max(1, len(active))
-            for v in active[shift:] + active[:shift]:
+            for v in step_order(active, self.args.seed, step):
                 self.timed_step(v, step, batches[self.rank], phase)
             if step % 5 == 4 or step == phase.warmup + phase.steps - 1:
                 self.log(f"{phase.name}: step {step + 1}/{phase.warmup + phase.steps} "
@@ -556,7 +569,8 @@ def worker(args: argparse.Namespace) -> None:
                  "python": platform.python_version(),
                  "loadavg_1m_start": round(os.getloadavg()[0], 2)},
         "method": {
-            "interleaved": "every variant in the same processes, rotating order per step",
+            "interleaved": "every variant in the same processes, a seeded random order per "
+                           "step (the same on every rank)",
             "step_time": "median over measured steps of the max over ranks",
             "wire_bytes": "tx of eth0 (/proc/net/dev), headers included, minus the "
                           "end-of-step sync flag",
@@ -765,8 +779,8 @@ def main() -> int:
     p.add_argument("--subnet", default="10.79.0.0/24")
     p.add_argument("--steps", type=int, default=50, help="measured steps (DLRM, dense-only)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--lm-steps", type=int, default=10, help="measured steps (LSTM LM)")
-    p.add_argument("--lm-warmup", type=int, default=2)
+    p.add_argument("--lm-steps", type=int, default=16, help="measured steps (LSTM LM)")
+    p.add_argument("--lm-warmup", type=int, default=3)
     p.add_argument("--dense-steps", type=int, default=5, help="measured steps of ddp_dense")
     p.add_argument("--dense-warmup", type=int, default=1)
     p.add_argument("--dlrm-batch", type=int, default=256, help="per worker")
