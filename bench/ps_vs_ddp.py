@@ -777,8 +777,8 @@ def main() -> int:
     p.add_argument("--prefix", default="sgpsd",
                    help="virtual cluster name prefix (its own, so other clusters survive)")
     p.add_argument("--subnet", default="10.79.0.0/24")
-    p.add_argument("--steps", type=int, default=50, help="measured steps (DLRM, dense-only)")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=200, help="measured steps (DLRM, dense-only)")
+    p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--lm-steps", type=int, default=16, help="measured steps (LSTM LM)")
     p.add_argument("--lm-warmup", type=int, default=3)
     p.add_argument("--dense-steps", type=int, default=5, help="measured steps of ddp_dense")
