@@ -106,6 +106,7 @@ def suite(rank: int, workers: int, servers: int, cases: list | None = None,
                 cluster, spec, o, f"{ckpt_dir}/{o}"))
     if workers == 2 and cases is None:
         out.update(sparse_family(cluster, spec))
+        out["message_order"] = guarded(lambda: message_order_case(cluster, spec))
     if (workers, servers) == (2, 2) and cases is None:
         for comp in ("fp16", "none"):
             out[f"mixed/{comp}"] = guarded(lambda c=comp: train(
@@ -360,3 +361,27 @@ def sparse_case(cluster: Any, spec: Any, name: str) -> Any:
     return {"state": state, "unrefreshed": unrefreshed, "table_state": table,
             "pulled": pulled, "rounds": rounds, "stats": stats,
             "owners": [(p.row_start, p.rows, p.owner) for p in plan.ps.sparse]}
+
+
+def message_order_case(cluster: Any, spec: Any) -> list[tuple[str, int]]:
+    """PartitionedPS for a few steps, recording this rank's point-to-point posts in order:
+    ``("send" | "recv", tag)`` (see test_ps.test_receives_are_posted_before_sends)."""
+    from stratagem.runtime.ps.cluster import Group
+
+    log: list[tuple[str, int]] = []
+    send, recv = Group.send, Group.recv
+
+    def logged_send(self: Group, t: torch.Tensor, dst: int, tag: int) -> Any:
+        log.append(("send", tag))
+        return send(self, t, dst, tag)
+
+    def logged_recv(self: Group, t: torch.Tensor, src: int, tag: int) -> Any:
+        log.append(("recv", tag))
+        return recv(self, t, src, tag)
+
+    Group.send, Group.recv = logged_send, logged_recv
+    try:
+        train(cluster, PartitionedPS(), "sgd", spec, steps=3)
+    finally:
+        Group.send, Group.recv = send, recv
+    return log

@@ -298,3 +298,26 @@ def test_sparse_exchange_matches_single_process(config: str, name: str,
     per_worker = workers_of(results, f"sparse/{name}")
     assert len(per_worker) == CONFIGS[config][0]
     check_sparse_case(name, per_worker)
+
+
+def test_receives_are_posted_before_sends(w2: list[dict]) -> None:
+    """In each push and each value pull, a rank posts every receive before its first send:
+    gloo announces a receive on the connection that also carries the rank's own payloads, so
+    a receive posted behind a send waits for it and serializes the link's two directions."""
+    from stratagem.runtime.ps.dense import PULL_TAG
+
+    for rank, result in enumerate(w2):
+        log = check(result["message_order"])
+        phases: list[list[str]] = []  # maximal runs of one phase (push or pull tags)
+        last = None
+        for op, tag in log:
+            phase = "pull" if tag >= PULL_TAG else "push"
+            if phase != last:
+                phases.append([])
+                last = phase
+            phases[-1].append(op)
+        assert len(phases) == 6, (rank, log)  # 3 steps x (push, pull)
+        for ops in phases:
+            assert "recv" in ops and "send" in ops, (rank, log)
+            first_send = ops.index("send")
+            assert "recv" not in ops[first_send:], (rank, ops)
