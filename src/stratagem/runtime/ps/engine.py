@@ -306,30 +306,35 @@ class PSEngine(EngineBase):
         self._update()
 
     def _update(self) -> None:
-        self._finish_push()
+        """Dense shards first: their values travel back while this rank still waits for
+        (and applies) the sparse rows, whose push is usually the later one to arrive."""
+        for b in self.buckets:
+            b.finish_push()
         for b in self.buckets:  # receives first, before any owner sends (see dense.py)
             b.expect_values()
         self._pushed = False
         self.step_count += 1
-        updated_sparse: dict[int, torch.Tensor] = {}
         owned = [b for b in self.buckets if b.is_owner]
         for b in owned:
             b.attach_grads(self.shards)
-        sparse_ids = self.sparse.attach_grads() if self.sparse is not None else []
-        if self.shard_optimizer is not None:
-            if sparse_ids:
-                for pid in sparse_ids:
-                    p = self.ps.pieces[pid]
-                    if p.local_replication:
-                        updated_sparse[self.sparse.pos[pid]] = self._updated_rows(pid)
-            self.shard_optimizer.step()
+        if owned:
+            self.shard_optimizer.step(sparse=False)
         for b in owned:
             b.clear_grads(self.shards)
-        if self.sparse is not None:
-            self.sparse.clear()
         for b in self.buckets:
             b.post_values(self.shards)
-        if self.sparse is not None and any(p.local_replication for p in self.ps.sparse):
+        self._finish_push()  # the sparse rows (the buckets are done)
+        if self.sparse is None:
+            return
+        updated_sparse: dict[int, torch.Tensor] = {}
+        sparse_ids = self.sparse.attach_grads()
+        if sparse_ids:  # (this owner's pieces that have a gradient)
+            for pid in sparse_ids:
+                if self.ps.pieces[pid].local_replication:
+                    updated_sparse[self.sparse.pos[pid]] = self._updated_rows(pid)
+            self.shard_optimizer.step(sparse=True)
+        self.sparse.clear()
+        if any(p.local_replication for p in self.ps.sparse):
             self.sparse.send_updates(updated_sparse)
 
     def _updated_rows(self, pid: int) -> torch.Tensor:

@@ -124,6 +124,7 @@ class ShardOptimizer:
                                     fix="use one optimizer class per embedding")
             grouped.setdefault(key, {}).setdefault(gi, []).append(shard)
         self.optimizers: list[tuple[torch.optim.Optimizer, list[int], int]] = []
+        self.sparse_flags: list[bool] = []  # per entry of ``optimizers``: sparse shards?
         for (oi, _sparse), by_group in grouped.items():
             cls = classes[(oi, _sparse)]
             gis = sorted(by_group)
@@ -135,6 +136,7 @@ class ShardOptimizer:
                 for g, gi in zip(opt.param_groups, gis, strict=True):
                     g["weight_decay"] = self.user[oi].param_groups[gi].get("weight_decay", 0.0)
             self.optimizers.append((opt, gis, oi))
+            self.sparse_flags.append(_sparse)
 
     def mirror(self) -> None:
         """Copy the user's current hyperparameters into the shard optimizers."""
@@ -146,10 +148,13 @@ class ShardOptimizer:
                         g[k] = src[k]
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, sparse: bool | None = None) -> None:
+        """Update the shards: all of them, or only the sparse (``True``) or the dense
+        (``False``) ones (their optimizers are separate, so the order does not matter)."""
         self.mirror()
-        for opt, _, _ in self.optimizers:
-            opt.step()
+        for (opt, _, _), is_sparse in zip(self.optimizers, self.sparse_flags, strict=True):
+            if sparse is None or sparse == is_sparse:
+                opt.step()
 
     def owner_of(self, shard: torch.Tensor) -> torch.optim.Optimizer:
         """The torch optimizer that updates ``shard``."""
