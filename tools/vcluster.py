@@ -385,6 +385,12 @@ class VirtualCluster:
         if not ok:
             raise VirtualClusterUnavailable(f"cannot build a virtual cluster: {reason}")
         self._check_delay()
+        owner = read_state(self.prefix).get("owner_pid")
+        if isinstance(owner, int) and owner != os.getpid() and _alive(owner):
+            raise VirtualClusterError(
+                f"virtual cluster prefix {self.prefix!r} is in use by process {owner}, which "
+                "is still running; building it again would tear that cluster down. Fix: wait "
+                "for it, or pick another prefix (--prefix) and subnet (--subnet)")
         cleanup(self.prefix)
         try:
             self._make_bridge()
@@ -483,7 +489,8 @@ class VirtualCluster:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         state = {"prefix": self.prefix, "addresses": self.addresses, "cpus": self.cpus,
                  "rate_bps": self.rate_bps, "delay_s": self.delay_s,
-                 "delay_applied": self.delay_applied, "subnet": str(self.subnet)}
+                 "delay_applied": self.delay_applied, "subnet": str(self.subnet),
+                 "owner_pid": os.getpid()}
         (STATE_DIR / f"{self.prefix}.json").write_text(json.dumps(state, indent=1) + "\n")
 
 
@@ -493,6 +500,16 @@ def node_argv(namespace: str, cpus: Sequence[int] | None = None) -> list[str]:
     if cpus:
         argv += ["taskset", "-c", ",".join(map(str, cpus))]
     return argv + ["env"] + [f"{var}={NODE_IFNAME}" for var in IFNAME_ENV]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_state(prefix: str = DEFAULT_PREFIX) -> dict[str, Any]:

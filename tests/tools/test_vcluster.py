@@ -195,6 +195,27 @@ def test_up_cleans_stale_leftovers(need_vcluster: None) -> None:
 
 
 @vc_mark
+def test_up_refuses_a_prefix_a_live_process_holds(need_vcluster: None) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    held = cluster(2)
+    try:
+        held.up()
+        state = vcluster.STATE_DIR / f"{PREFIX}.json"
+        data = json.loads(state.read_text())
+        state.write_text(json.dumps({**data, "owner_pid": holder.pid}))
+        with pytest.raises(vcluster.VirtualClusterError, match="in use by process"):
+            cluster(2).up()
+        assert f"{PREFIX}-1" in live_names()  # the holder's cluster is intact
+        holder.kill()
+        holder.wait()
+        with cluster(2):  # a dead holder's cluster is a leftover: cleaned and rebuilt
+            assert f"{PREFIX}-1" in live_names()
+    finally:
+        holder.kill()
+        held.down()
+
+
+@vc_mark
 def test_cli_exec_by_address(need_vcluster: None) -> None:
     with cluster() as vc:
         addr = vc.addresses[1]
