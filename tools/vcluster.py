@@ -504,11 +504,11 @@ def node_argv(namespace: str, cpus: Sequence[int] | None = None) -> list[str]:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: existence check only
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # exists, owned by another user
+        pass
     return True
 
 

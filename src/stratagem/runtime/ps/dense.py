@@ -150,12 +150,9 @@ class DenseBucket:
             self.stats.pull_bytes += self.nbytes
             self.stats.collectives += 1
 
-    def post_values(self, shards: dict[int, torch.Tensor] | None = None) -> None:
-        """Send the owner's values to every worker (point-to-point: gloo's broadcast took
-        twice the push's time); a non-owner posts its receive if it has not yet."""
-        if not self.is_owner:
-            self.expect_values()
-            return
+    def post_values(self, shards: dict[int, torch.Tensor]) -> None:
+        """Owner: send the values to every worker (point-to-point: gloo's broadcast took
+        twice the push's time); the workers posted their receives with expect_values."""
         for piece, view in zip(self.pieces, self.views, strict=True):
             view.copy_(shards[piece.id])
         self.pull = [self.group.send(self.buf, m, self.tag + PULL_TAG)

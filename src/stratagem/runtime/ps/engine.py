@@ -321,7 +321,7 @@ class PSEngine(EngineBase):
             self.shard_optimizer.step(sparse=False)
         for b in owned:
             b.clear_grads(self.shards)
-        for b in self.buckets:
+        for b in owned:
             b.post_values(self.shards)
         self._finish_push()  # the sparse rows (the buckets are done)
         if self.sparse is None:
