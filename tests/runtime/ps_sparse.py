@@ -18,12 +18,16 @@ Each case aims at one part of the protocol:
 ``twice``          one forward looks the same table up 2 or 3 times with overlapping ids
                    (the third call only for some samples, so workers differ in how many
                    pull rounds they run); overlapping ids are asked once.
+``twice-late``     (ps_workers.late_pull_case) ``twice`` where a worker's third call waits
+                   until the workers without one have started their backward: their
+                   closing pull rounds must not hold their backward back.
 ``overflow``       batch sizes jump (1 row per worker for several steps, then 32): the
                    agreed header capacity has shrunk, the big step's id lists overflow it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +40,7 @@ PAD_FROM = 4  # steps before it train the row like any other
 ALL_PAD_STEP = 6  # the second half of this step's batch is padding only
 BIG_VOCAB = 240
 BIG_SIZES = (64, 2, 2, 2, 2, 2, 2, 64, 2, 2, 64, 64)  # global batch size per step
+BEFORE_THIRD_CALL: Callable[[], None] | None = None  # set by ps_workers.late_pull_case
 
 
 class SparseNet(nn.Module):
@@ -59,6 +64,8 @@ class SparseNet(nn.Module):
             h = self.emb(ids) + self.emb(shifted(ids))
             rows = third_call_rows(ids)
             if len(rows):
+                if BEFORE_THIRD_CALL is not None:
+                    BEFORE_THIRD_CALL()
                 h = h.index_add(0, rows, self.emb(scrambled(ids[rows])))
         else:
             h = self.emb(ids)

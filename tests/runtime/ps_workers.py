@@ -107,6 +107,7 @@ def suite(rank: int, workers: int, servers: int, cases: list | None = None,
     if workers == 2 and cases is None:
         out.update(sparse_family(cluster, spec))
         out["message_order"] = guarded(lambda: message_order_case(cluster, spec))
+        out["late_pull"] = guarded(lambda: late_pull_case(cluster, spec, f"{ckpt_dir}-late"))
     if (workers, servers) == (2, 2) and cases is None:
         for comp in ("fp16", "none"):
             out[f"mixed/{comp}"] = guarded(lambda c=comp: train(
@@ -302,17 +303,62 @@ def sparse_family(cluster: Any, spec: Any, names: list[str] | None = None) -> di
             for n in names or ps_sparse.CASES}
 
 
-def sparse_case(cluster: Any, spec: Any, name: str) -> Any:
+def late_pull_case(cluster: Any, spec: Any, signal_dir: str) -> Any:
+    """``twice/adagrad`` where a worker's third embedding call first waits (up to 20 s)
+    until every worker without a third call this step has started its backward (a
+    gradient hook writes a file). Returns sparse_case's result plus ``blocked``: the
+    steps where that wait timed out (a closing pull round held the other's backward)."""
+    import time
+
+    import ps_sparse
+
+    case = ps_sparse.CASES["twice/adagrad"]
+    rank, W = cluster.rank, cluster.workers
+    folder = Path(signal_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    blocked: list[int] = []
+    step = [0]
+
+    def started_backward(_param: torch.Tensor) -> None:
+        (folder / f"backward{rank}-{step[0]}").touch()
+
+    def wait_for_others() -> None:
+        x, _ = ps_sparse.global_batch(case, step[0])
+        per = len(x) // W
+        others = [q for q in range(W) if q != rank and not len(
+            ps_sparse.third_call_rows(x[q * per:(q + 1) * per]))]
+        deadline = time.monotonic() + (0 if blocked else 20)
+        while not all((folder / f"backward{q}-{step[0]}").exists() for q in others):
+            if time.monotonic() > deadline:
+                blocked.append(step[0])
+                return
+            time.sleep(0.005)
+
+    ps_sparse.BEFORE_THIRD_CALL = wait_for_others
+    try:
+        return sparse_case(cluster, spec, "twice/adagrad", step=step,
+                           on_model=lambda m: m.fc2.weight.register_post_accumulate_grad_hook(
+                               started_backward)) | {"blocked": blocked}
+    finally:
+        ps_sparse.BEFORE_THIRD_CALL = None
+
+
+def sparse_case(cluster: Any, spec: Any, name: str, step: list[int] | None = None,
+                on_model: Any = None) -> Any:
     """One ps_sparse case on this worker's slices of the global batches. Returns the
     values (also before any refresh), the embedding's optimizer state as the chief gathers
     it for a checkpoint, the rows pulled per step and, for each pull round, (step, round,
     agreed capacity, most ids asked of one owner, whether an embedding call ran it: False
-    for the closing rounds after the forward)."""
+    for the closing rounds after the forward). ``step``: a one-item list kept at the
+    current step; ``on_model(model)`` runs before the model is wrapped."""
     import ps_sparse
 
     case = ps_sparse.CASES[name]
     rank, W = cluster.rank, cluster.workers
     model = ps_sparse.make_model(case, seed=rank)  # seeds differ (worker 0: 0)
+    if on_model is not None:
+        on_model(model)
+    current = step if step is not None else [0]
     opts = make_optimizers(case.opt, model)
     profile = analyze(model)
     builder = BUILDERS[case.builder](local_proxy_variable=case.proxy)
@@ -324,7 +370,6 @@ def sparse_case(cluster: Any, spec: Any, name: str) -> Any:
     dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
     sx = dm._ps.sparse
     rounds: list[tuple[int, int, int, int, bool]] = []
-    step = 0
     pull_round = sx.pull_round
 
     def logged(requests: Any) -> bool:  # what the engine asks, and of which capacity
@@ -334,13 +379,14 @@ def sparse_case(cluster: Any, spec: Any, name: str) -> Any:
             if o != rank:
                 per_owner[o] = per_owner.get(o, 0) + len(ids)
         cap = sx.caps[sx.round] if sx.round < len(sx.caps) else 0
-        rounds.append((step, sx.round, cap, max(per_owner.values(), default=0),
+        rounds.append((current[0], sx.round, cap, max(per_owner.values(), default=0),
                        requests is not None))
         return pull_round(requests)
 
     sx.pull_round = logged
     pulled = []
     for step in range(case.steps):
+        current[0] = step
         ps_sparse.before_step(case, model, step)
         x, y = ps_sparse.global_batch(case, step)
         per = len(x) // W

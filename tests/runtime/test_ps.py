@@ -321,3 +321,15 @@ def test_receives_are_posted_before_sends(w2: list[dict]) -> None:
             assert "recv" in ops and "send" in ops, (rank, log)
             first_send = ops.index("send")
             assert "recv" not in ops[first_send:], (rank, ops)
+
+
+@pytest.mark.parametrize("config", ["w2", "w2s2"])
+def test_closing_pull_rounds_do_not_hold_backward(config: str,
+                                                  request: pytest.FixtureRequest) -> None:
+    """A worker that is done pulling starts its backward while a peer still pulls rows
+    from it (the closing rounds run in the background): the peer's extra embedding call
+    waits for that backward to start, which timed out when the closing rounds ran in
+    ``after_forward``. Training still equals one process."""
+    per_worker = workers_of(request.getfixturevalue(config), "late_pull")
+    assert [r["blocked"] for r in per_worker] == [[] for _ in per_worker]
+    check_sparse_case("twice/adagrad", per_worker)

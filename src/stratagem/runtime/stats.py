@@ -38,6 +38,11 @@ class CommStats:
         factor = 2.0 if kind == "all_reduce" else 1.0
         self.wire_bytes += factor * (world_size - 1) / world_size * nbytes
 
+    def add(self, other: CommStats) -> None:
+        """Add ``other``'s counters to these (counts kept apart by a background thread)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
     def reset(self) -> None:
         for f in fields(self):
             setattr(self, f.name, f.default)

@@ -6,7 +6,9 @@ A step on a worker (``DistributedModel`` calls these):
                     into the local copy; announce the forward to the servers;
 embedding hooks     one pull round per embedding call (rows this batch needs and has
                     not asked for since the last push);
-``after_forward``   closing pull rounds until every worker is done;
+``after_forward``   closing pull rounds until every worker is done, on a background
+                    thread: this worker's backward starts at once while it keeps serving
+                    rows to peers still in their forward (joined before the push);
 gradient hooks      dense pieces go into their bucket as they become ready, a bucket is
                     reduced to its owner as soon as it (and the ones before it) is full;
 end of backward     the rest of the buckets, then the sparse push; the worker's own
@@ -30,6 +32,7 @@ from torch import nn
 
 from stratagem.errors import StrategyError, UnsupportedModelError
 from stratagem.runtime.plan import Plan
+from stratagem.runtime.ps.background import Background
 from stratagem.runtime.ps.base import EngineBase
 from stratagem.runtime.ps.cluster import IDLE_TIMEOUT, Cluster, Group
 from stratagem.runtime.ps.dense import DenseBucket, piece_view
@@ -149,6 +152,8 @@ class PSEngine(EngineBase):
                                       self.params, self.shards, stats)
                        if ps.sparse else None)
         self.on_demand = [p for p in ps.sparse if not p.local_replication]
+        self._closer = Background(f"stratagem-ps-pull-{self.rank}")
+        self._closer_stats = CommStats()
 
         # Worker state.
         self._next = 0
@@ -176,10 +181,28 @@ class PSEngine(EngineBase):
             self._pulling = True
 
     def after_forward(self) -> None:
+        """Start the closing pull rounds in the background (see :meth:`_join_closer`)."""
         if self._pulling:
             self._pulling = False
-            while not self.sparse.pull_round(None):
-                pass
+            # The thread counts apart: CommStats is shared with the main thread's hooks.
+            self.sparse.stats = self._closer_stats
+            self._closer.submit(self._closing_rounds)
+
+    def _closing_rounds(self) -> None:
+        while not self.sparse.pull_round(None):
+            pass
+
+    def _join_closer(self) -> None:
+        """Wait for the closing pull rounds: before anything else uses the sparse group
+        or the ids announced to this owner (push, next forward, update, refresh)."""
+        if self.sparse is None or self.sparse.stats is self.stats:
+            return
+        try:
+            self._closer.join()
+        finally:
+            self.sparse.stats = self.stats
+            self.stats.add(self._closer_stats)
+            self._closer_stats.reset()
 
     def _on_embedding(self, name: str, module: nn.Module, ids: torch.Tensor) -> None:
         if not torch.is_grad_enabled():
@@ -200,6 +223,7 @@ class PSEngine(EngineBase):
         self.sparse.pull_round(requests)
 
     def finish_pulls(self) -> None:
+        self._join_closer()
         for b in self.buckets:
             b.finish_pull()
         if self.sparse is not None:
@@ -255,6 +279,7 @@ class PSEngine(EngineBase):
     def _finish_backward(self) -> None:
         with self._lock:
             try:
+                self._join_closer()
                 for name, pieces in self.by_param.items():
                     if pieces[0].sparse:
                         if self.sparse.pos[pieces[0].id] not in self.sparse.stash:
@@ -308,6 +333,7 @@ class PSEngine(EngineBase):
     def _update(self) -> None:
         """Dense shards first: their values travel back while this rank still waits for
         (and applies) the sparse rows, whose push is usually the later one to arrive."""
+        self._join_closer()  # (a training forward after the backward: its closing rounds)
         for b in self.buckets:
             b.finish_push()
         for b in self.buckets:  # receives first, before any owner sends (see dense.py)
