@@ -127,6 +127,10 @@ class Variant:
     retrans: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    parts: list[tuple[float, ...]] = field(default_factory=list)  # see STEP_PARTS
+
+
+STEP_PARTS = ("zero_grad", "forward", "backward", "optimizer_step", "wait_values")
 
 
 @dataclass
@@ -338,10 +342,16 @@ class Worker:
         error, loss = None, float("nan")
         try:
             v.opt.zero_grad(set_to_none=True)
+            marks = [time.perf_counter()]
             out = phase.loss(v.model(*batch.inputs), batch.target)
+            marks.append(time.perf_counter())
             out.backward()
+            marks.append(time.perf_counter())
             v.opt.step()
+            marks.append(time.perf_counter())
             _drain(v.model)
+            marks.append(time.perf_counter())
+            parts = tuple(b - a for a, b in zip([t0, *marks], marks, strict=False))
             loss = float(out.detach())
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             error = f"failed at step {step}: {_first_line(exc)}"
@@ -360,6 +370,7 @@ class Worker:
             v.retrans.append(_tcp_retrans() - re0)
             v.losses.append(loss)
             v.steps.append(step)
+            v.parts.append(parts)
 
     # -- lower bounds -----------------------------------------------------------------------
     def row_owners(self, strategy: Any, phase: Phase) -> tuple[Any, list[int]] | None:
@@ -440,6 +451,9 @@ class Worker:
                     "tcp_retrans_segs": {"total": sum(retrans),
                                          "steps_with_any": sum(1 for x in retrans if x)},
                     "loss_rank0": [round(x, 7) for x in v.losses],
+                    # where rank 0's step goes (medians of each part, ms)
+                    "parts_ms_rank0": {k: round(1e3 * statistics.median(
+                        p[i] for p in v.parts), 2) for i, k in enumerate(STEP_PARTS)},
                 })
                 if phase.table and bounds and v.name != "local":
                     lb = [2 * bounds[s]["unique_rows_global"] * rb + dense_lb for s in v.steps]
