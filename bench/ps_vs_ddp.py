@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import platform
@@ -131,6 +132,9 @@ class Variant:
 
 
 STEP_PARTS = ("zero_grad", "forward", "backward", "optimizer_step", "wait_values")
+SPARSE_VARIANTS = ("ddp_sparse", "ddp_dense", "parallax", "partitioned_ps", "local")
+DENSE_VARIANTS = ("allreduce", "parallax", "ddp", "local")  # the dense-only model
+VARIANTS = tuple(dict.fromkeys(SPARSE_VARIANTS + DENSE_VARIANTS))
 
 
 @dataclass
@@ -351,7 +355,7 @@ class Worker:
             marks.append(time.perf_counter())
             _drain(v.model)
             marks.append(time.perf_counter())
-            parts = tuple(b - a for a, b in zip([t0, *marks], marks, strict=False))
+            parts = tuple(b - a for a, b in itertools.pairwise([t0, *marks]))
             loss = float(out.detach())
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             error = f"failed at step {step}: {_first_line(exc)}"
@@ -545,11 +549,11 @@ def phases(args: argparse.Namespace, world: int) -> list[Phase]:
                    "bottom_mlp": [dcfg.num_dense, *dcfg.bottom, dcfg.dim],
                    "top_mlp_hidden": list(dcfg.top), "local_batch": args.dlrm_batch,
                    "lookups_per_worker": args.dlrm_batch * dcfg.fields * dcfg.pooling}
-    sparse_variants = ["ddp_sparse", "ddp_dense", "parallax", "partitioned_ps", "local"]
+    sparse_variants = list(SPARSE_VARIANTS)
     return [
         Phase("dense_only", lambda sparse: DenseMLP(mcfg),
               lambda s: ddata.batches(s, dense_only=True), bce_loss,
-              ["allreduce", "parallax", "ddp", "local"], args.steps, args.warmup,
+              list(DENSE_VARIANTS), args.steps, args.warmup,
               config={"model": "DenseMLP (DLRM bottom + top MLP, no embedding)",
                       "mlp": [mcfg.num_dense, *mcfg.bottom, mcfg.dim, *mcfg.top, 1],
                       "local_batch": args.dlrm_batch}),
@@ -810,7 +814,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="+", choices=["dense_only", "dlrm", "lstm_lm"])
-    p.add_argument("--variants", nargs="+", help="run only these variants (e.g. to profile)")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS,
+                   help="run only these variants (e.g. to profile)")
     p.add_argument("--pg-timeout", type=int, default=180, help="collective timeout (s)")
     p.add_argument("--timeout", type=int, default=900, help="per node count (s)")
     p.add_argument("--verbose-errors", action="store_true")

@@ -336,20 +336,20 @@ def late_pull_case(cluster: Any, spec: Any, signal_dir: str) -> Any:
 
     ps_sparse.BEFORE_THIRD_CALL = wait_for_others
     try:
-        return sparse_case(cluster, spec, "twice/adagrad", step=step,
+        return sparse_case(cluster, spec, "twice/adagrad", current=step,
                            on_model=lambda m: m.fc2.weight.register_post_accumulate_grad_hook(
                                started_backward)) | {"blocked": blocked}
     finally:
         ps_sparse.BEFORE_THIRD_CALL = None
 
 
-def sparse_case(cluster: Any, spec: Any, name: str, step: list[int] | None = None,
+def sparse_case(cluster: Any, spec: Any, name: str, current: list[int] | None = None,
                 on_model: Any = None) -> Any:
     """One ps_sparse case on this worker's slices of the global batches. Returns the
     values (also before any refresh), the embedding's optimizer state as the chief gathers
     it for a checkpoint, the rows pulled per step and, for each pull round, (step, round,
     agreed capacity, most ids asked of one owner, whether an embedding call ran it: False
-    for the closing rounds after the forward). ``step``: a one-item list kept at the
+    for the closing rounds after the forward). ``current``: a one-item list kept at the
     current step; ``on_model(model)`` runs before the model is wrapped."""
     import ps_sparse
 
@@ -358,7 +358,7 @@ def sparse_case(cluster: Any, spec: Any, name: str, step: list[int] | None = Non
     model = ps_sparse.make_model(case, seed=rank)  # seeds differ (worker 0: 0)
     if on_model is not None:
         on_model(model)
-    current = step if step is not None else [0]
+    current = current if current is not None else [0]
     opts = make_optimizers(case.opt, model)
     profile = analyze(model)
     builder = BUILDERS[case.builder](local_proxy_variable=case.proxy)
