@@ -89,33 +89,37 @@ def _loaders(n: int, batch: int, world: int, **kw) -> list[DistributedDataLoader
                                   seed=3, **kw) for r in range(world)]
 
 
-def _take(loaders: list[DistributedDataLoader], steps: int | None) -> list[list[int]]:
-    """``steps`` global batches (all if None), breaking out like a job that is stopped."""
-    out = []
+def _take(loaders: list[DistributedDataLoader], steps: int | None
+          ) -> tuple[list[list[int]], dict | None]:
+    """``steps`` global batches (all if None) and the position a checkpoint saved inside the
+    loop body of the next step records (that batch in hand is replayed after a restart)."""
+    out: list[list[int]] = []
     iters = [iter(lo) for lo in loaders]
-    while steps is None or len(out) < steps:
+    state = None
+    while True:
         try:
             parts = [next(it)[0].tolist() for it in iters]
         except StopIteration:
             break
+        if steps is not None and len(out) == steps:
+            state = json.loads(json.dumps(loaders[0].state_dict()))  # JSON, as checkpointed
+            assert all(lo.state_dict() == loaders[0].state_dict() for lo in loaders)
+            break
         out.append(sum(parts, []))
     for it in iters:
         it.close()
-    return out
+    return out, state
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 3), (4, 3)])
 def test_restart_with_another_world_size_continues_the_epoch(before: int, after: int) -> None:
-    reference = _take(_loaders(53, 8, 1), None)
-    first = _loaders(53, 8, before)
-    head = _take(first, 3)
-    state = json.loads(json.dumps(first[0].state_dict()))  # JSON, as checkpointed
+    reference, _ = _take(_loaders(53, 8, 1), None)
+    head, state = _take(_loaders(53, 8, before), 3)
     assert state["offset"] == 24 and state["epoch"] == 0
-    assert all(lo.state_dict() == first[0].state_dict() for lo in first)
     second = _loaders(53, 8, after)
     for lo in second:
         lo.load_state_dict(state)
-    tail = _take(second, None)
+    tail, _ = _take(second, None)
     assert head + tail == reference
     assert second[0].position == ShardPosition(epoch=1, offset=0)
 
@@ -128,15 +132,16 @@ def test_batch_size_change_mid_epoch_counts_samples_and_survives_restart() -> No
         lo.batch_size = 12  # takes effect from the next batch
     got.append(sum((next(it)[0].tolist() for it in iters), []))
     assert [len(b) for b in got] == [8, 12]
-    state = loaders[0].state_dict()
-    assert (state["offset"], state["batch_size"]) == (20, 12)
+    state = loaders[0].state_dict()  # saved holding the second batch: it is replayed
+    assert (state["offset"], state["batch_size"]) == (8, 12)
     restarted = _loaders(50, 8, 3)
     for lo in restarted:
         lo.load_state_dict(state)
-    rest = _take(restarted, None)
-    assert [len(b) for b in rest] == [12, 12, 6]
+    rest, _ = _take(restarted, None)
+    assert [len(b) for b in rest] == [12, 12, 12, 6]
+    assert rest[0] == got[1]
     order = epoch_permutation(50, 0, 3, True)
-    assert sum(got + rest, []) == order
+    assert sum(got[:1] + rest, []) == order
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -146,11 +151,15 @@ def test_prefetching_workers_do_not_advance_the_position(persistent: bool) -> No
     for i, _ in enumerate(loader):
         if i == 1:
             loader.batch_size = 6  # re-plans: the prefetched 4-sample batches are dropped
-        if i == 2:
+        if i == 3:  # holding samples 14-19: a checkpoint here resumes at sample 14
+            state = loader.state_dict()
             break
-    assert loader.position == ShardPosition(epoch=0, offset=14)
-    assert len(loader) == 9
-    rest = [b[0].tolist() for b in loader]
+    assert (state["epoch"], state["offset"]) == (0, 14)
+    restarted = DistributedDataLoader(_dataset(64), 4, rank=0, world_size=1, num_workers=2,
+                                      prefetch_factor=4, persistent_workers=persistent)
+    restarted.load_state_dict(state)
+    assert len(restarted) == 9
+    rest = [b[0].tolist() for b in restarted]
     assert sum(rest, []) == list(range(14, 64))
 
 

@@ -161,8 +161,10 @@ class DistributedDataLoader:
     """A torch DataLoader over this rank's share of each global batch.
 
     Iterating it runs the rest of the current epoch; when the epoch ends the position moves
-    to the next epoch (a new permutation). Breaking out of the loop keeps the position, so
-    the next iteration resumes there. Inside ``remaining_epochs_until`` the loader follows
+    to the next epoch (a new permutation). Breaking out of the loop ends the pass too: the
+    next ``for`` starts a fresh one (as with AdaptDL and a torch DataLoader); only a
+    checkpoint-restart resumes mid-epoch. A checkpoint saved inside the loop body resumes
+    at the batch in hand (it is replayed). Inside ``remaining_epochs_until`` the loader follows
     that loop's epoch. ``on_batch`` (set by AutoDist) receives each batch's gradient
     weight. With ``elastic=True`` (AutoDist's loaders) a pending SIGTERM is acted on after
     each step: the job state is saved and the process exits (see ``stratagem.adapt``), and
@@ -292,10 +294,19 @@ class DistributedDataLoader:
     def __iter__(self) -> Iterator[Any]:
         self._follow_epoch_loop()
         DistributedDataLoader.iterating += 1
+        finished = False
         try:
             yield from self._iterate()
+            finished = True
         finally:
             DistributedDataLoader.iterating -= 1
+            if not finished:
+                self._end_pass()
+
+    def _end_pass(self) -> None:
+        """A loop left early (``break``) ends its pass: the next ``for`` starts a fresh one
+        (the next epoch's order; inside ``remaining_epochs_until``, that epoch again)."""
+        self.sampler.position = ShardPosition(epoch=self.position.epoch + 1, offset=0)
 
     def _iterate(self) -> Iterator[Any]:
         from stratagem.adapt.elastic import exit_point
@@ -310,16 +321,16 @@ class DistributedDataLoader:
             self.sampler.batches = plan
             resized = False
             for info, batch in zip(plan, self._loader, strict=True):
-                if info.final:
-                    # Handed out = consumed: a checkpoint taken during this step resumes
-                    # after it (no exit point comes between its micro-batches).
-                    self.position.offset = info.start + info.size
                 if self._on_batch is not None:
                     self._on_batch(info.weight)
                 with hooks.scope(self, info) if hooks is not None else contextlib.nullcontext():
                     yield batch
                 if not info.final:
                     continue
+                # Consumed once the loop asks for the next batch: a checkpoint saved inside
+                # the loop body replays the batch in hand; the exit point's (SIGTERM) save
+                # below, after the step, resumes after it.
+                self.position.offset = info.start + info.size
                 if self.elastic:
                     exit_point()
                 if (self.batch_size, self.accum_steps, self.sampler.world_size,

@@ -14,10 +14,18 @@ NAMES = {
     "stratagem.adaptdl.torch": [
         "init_process_group", "AdaptiveDataParallel", "AdaptiveDataLoader", "Accumulator",
         "remaining_epochs_until", "current_epoch", "finished_epochs", "current_dataloader",
-        "AdaScale", "AdamScale", "LinearScale", "SqrtScale", "LEGW", "LEGWScale"],
+        "AdaScale", "AdamScale", "LinearScale", "SqrtScale", "LEGW", "LEGWScale",
+        "ElasticSampler", "AdaptiveDataLoaderHelper", "AdaptiveDataLoaderMixin",
+        "version_check"],
     "stratagem.adaptdl.torch.scaling_rules": [
-        "ScalingRuleBase", "AdaScale", "AdamScale", "LinearScale", "SqrtScale", "LEGWScale"],
-    "stratagem.adaptdl.torch.data": ["AdaptiveDataLoader", "current_dataloader"],
+        "ScalingRuleBase", "AdaScale", "AdamScale", "LinearScale", "SqrtScale", "LEGWScale",
+        "current_dataloader"],
+    "stratagem.adaptdl.torch.data": ["AdaptiveDataLoader", "current_dataloader",
+                                     "ElasticSampler", "AdaptiveDataLoaderHelper",
+                                     "AdaptiveDataLoaderMixin"],
+    "stratagem.adaptdl.torch.gradient_noise_scale": ["GradientNoiseScale"],
+    "stratagem.adaptdl.collective": ["initialize", "allreduce", "allreduce_async",
+                                     "broadcast"],
     "stratagem.adaptdl.torch.parallel": ["AdaptiveDataParallel"],
     "stratagem.adaptdl.torch.accumulator": ["Accumulator"],
     "stratagem.adaptdl.torch.epoch": ["remaining_epochs_until", "current_epoch",
@@ -25,7 +33,7 @@ NAMES = {
     "stratagem.adaptdl.env": ["replica_rank", "num_replicas", "num_nodes", "job_id",
                               "share_path", "checkpoint_path", "master_addr", "master_port",
                               "num_restarts"],
-    "stratagem.adaptdl.checkpoint": ["State", "save_all_states", "load_state"],
+    "stratagem.adaptdl.checkpoint": ["State", "save_all_states", "save_state", "load_state"],
 }
 
 
@@ -71,7 +79,7 @@ def test_signatures_match_adaptdl() -> None:
     assert params(adl.AdaptiveDataLoader.autoscale_batch_size) == [
         "self", "max_batch_size", "local_bsz_bounds", "gradient_accumulation"]
     assert params(adl.AdaptiveDataLoader.to_tensorboard)[:2] == ["self", "writer"]
-    assert params(adl.init_process_group) == ["backend"]
+    assert params(adl.init_process_group) == ["backend", "init_method", "world_size", "rank"]
     assert params(adl.LEGWScale) == ["base_warmup_epochs", "data_size"]
 
 

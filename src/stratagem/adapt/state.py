@@ -17,8 +17,9 @@ import io
 import json
 import os
 import pickle
+import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar, Literal
 
@@ -192,27 +193,45 @@ def _write_state(state: State, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def save_all_states(root: str | os.PathLike[str] | None = None) -> Path | None:
+def save_all_states(root: str | os.PathLike[str] | None = None, *,
+                    only: Collection[str] | None = None, sync: bool = True) -> Path | None:
     """Collectively save every registered state as the next checkpoint; all ranks call it.
 
     Returns the checkpoint directory, or None (with a warning) when no checkpoint directory
     is configured. Rank 0 writes the shared states, every rank its ``per_rank`` ones.
+    ``only``: save just these state names; every other state keeps what the latest
+    checkpoint holds (AdaptDL's ``save_state``). ``sync=False`` skips the ``sync`` hooks.
     """
     root_path = Path(root) if root is not None else checkpoint_root()
     if root_path is None:
         warnings.warn(f"no checkpoint saved: set {ENV_CHECKPOINT_DIR}", stacklevel=2)
         return None
-    rank, _ = _ckpt._rank_world()
-    states = list(_STATES.values())
-    for state in states:
-        state.sync()
+    rank, world = _ckpt._rank_world()
+    states = [s for s in _STATES.values() if only is None or s.name in only]
+    if sync:
+        for state in states:
+            state.sync()
+    layout = {s.name: {"format": s.format, "per_rank": s.per_rank} for s in states}
+    kept: list[Path] = []  # files of the states not saved now, from the latest checkpoint
+    previous = _ckpt.CheckpointDir(root_path).latest_good() if only is not None else None
+    if previous is not None:
+        meta = _ckpt.read_meta(previous)
+        for name, entry in meta.get("states", {}).items():
+            if name in layout or (entry["per_rank"] and meta["world_size"] != world):
+                continue
+            layout[name] = entry
+            files = {_filename(name, entry["format"], entry["per_rank"], r)
+                     for r in range(world)}
+            kept += [previous / f for f in sorted(files) if f in meta["sha256"]]
 
     def write(tmp: Path) -> None:
         for state in states:
             if state.per_rank or rank == 0:
                 _write_state(state, tmp / state.filename(rank))
+        if rank == 0:
+            for path in kept:
+                shutil.copyfile(path, tmp / path.name)
 
-    layout = {s.name: {"format": s.format, "per_rank": s.per_rank} for s in states}
     return _ckpt.CheckpointDir(root_path, keep=KEEP).save(
         write, {"states": layout, "metadata": {}, "strategy_id": None})
 

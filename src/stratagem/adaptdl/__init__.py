@@ -4,7 +4,8 @@
 ``stratagem.adaptdl.torch``: init_process_group, AdaptiveDataParallel, AdaptiveDataLoader,
 Accumulator, remaining_epochs_until / current_epoch / finished_epochs, scaling rules.
 ``stratagem.adaptdl.env``: replica_rank, num_replicas, num_nodes, job_id, share_path, ...
-``stratagem.adaptdl.checkpoint``: State, save_all_states, load_state.
+``stratagem.adaptdl.checkpoint``: State, save_all_states, save_state, load_state.
+``stratagem.adaptdl.collective``: initialize, allreduce, allreduce_async, broadcast.
 See docs/how-to/adaptdl-migration.md.
 """
 
@@ -15,11 +16,11 @@ from typing import Any
 
 from stratagem.adaptdl import env
 
-__all__ = ["checkpoint", "env", "torch"]
+__all__ = ["checkpoint", "collective", "env", "torch"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("checkpoint", "torch"):
+    if name in ("checkpoint", "collective", "torch"):
         module = importlib.import_module(f"stratagem.adaptdl.{name}")
         globals()[name] = module
         return module

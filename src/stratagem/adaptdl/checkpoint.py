@@ -11,14 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import BinaryIO
 
-from stratagem.adapt import state as _state
+from stratagem.adapt import state as job_state
 
 
-class State(_state.State):
+class State(job_state.State):
     """A named piece of job state saved with every checkpoint; names must be unique."""
 
     def __init__(self, name: str) -> None:
-        if name in _state.registered_states():
+        if name in job_state.registered_states():
             raise ValueError(f"State '{name}' already exists")
         super().__init__(name)
 
@@ -34,12 +34,18 @@ class State(_state.State):
 
 def save_all_states() -> Path | None:
     """Collectively save every registered state (all replicas call it)."""
-    return _state.save_all_states()
+    return job_state.save_all_states()
+
+
+def save_state(state: State, sync: bool = True) -> Path | None:
+    """Collectively save ``state`` alone (its ``sync`` first unless ``sync=False``) as a new
+    checkpoint; every other state keeps what the latest checkpoint holds."""
+    return job_state.save_all_states(only=[state.name], sync=sync)
 
 
 def load_state(state: State) -> bool:
     """Restore ``state`` from the latest good checkpoint; True if it was saved there."""
-    return _state.load_state(state)
+    return job_state.load_state(state)
 
 
-__all__ = ["State", "load_state", "save_all_states"]
+__all__ = ["State", "load_state", "save_all_states", "save_state"]

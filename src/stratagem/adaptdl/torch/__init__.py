@@ -8,9 +8,18 @@
     for epoch in adl.remaining_epochs_until(60): ...
 """
 
+import logging
+import re
+
 from stratagem.adaptdl.torch._runtime import init_process_group
 from stratagem.adaptdl.torch.accumulator import Accumulator
-from stratagem.adaptdl.torch.data import AdaptiveDataLoader, current_dataloader
+from stratagem.adaptdl.torch.data import (
+    AdaptiveDataLoader,
+    AdaptiveDataLoaderHelper,
+    AdaptiveDataLoaderMixin,
+    ElasticSampler,
+    current_dataloader,
+)
 from stratagem.adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
 from stratagem.adaptdl.torch.parallel import AdaptiveDataParallel
 from stratagem.adaptdl.torch.scaling_rules import (
@@ -23,12 +32,27 @@ from stratagem.adaptdl.torch.scaling_rules import (
     SqrtScale,
 )
 
+LOG = logging.getLogger(__name__)
+
+
+def version_check(version: str, lib: str) -> bool:
+    """Whether ``version`` is a release number (``X.Y.Z``, not 0.0.0); logs otherwise.
+    AdaptDL compares its trainer and scheduler versions with it."""
+    if re.match(r"[0-9]+\.[0-9]+\.[0-9]+", version) and version != "0.0.0":
+        return True
+    LOG.info("adaptdl version of %s is a custom version", lib)
+    return False
+
+
 __all__ = [
     "LEGW",
     "Accumulator",
     "AdaScale",
     "AdamScale",
     "AdaptiveDataLoader",
+    "AdaptiveDataLoaderHelper",
+    "AdaptiveDataLoaderMixin",
+    "ElasticSampler",
     "AdaptiveDataParallel",
     "LEGWScale",
     "LinearScale",
@@ -39,4 +63,5 @@ __all__ = [
     "finished_epochs",
     "init_process_group",
     "remaining_epochs_until",
+    "version_check",
 ]

@@ -9,66 +9,59 @@ from __future__ import annotations
 import atexit
 import os
 import weakref
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stratagem.adapt import state as _state
-from stratagem.adaptdl import env
+from stratagem.adapt.state import restore_point
+from stratagem.adaptdl import collective, env
 
 _autodist: Any = None
 _models: weakref.WeakSet[Any] = weakref.WeakSet()
 _loaders: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def _timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("STRATAGEM_PG_TIMEOUT_S") or 1800))
-
-
-def init_process_group(backend: str | None = None) -> None:
+def init_process_group(backend: str | None = None, init_method: str | None = None,
+                       world_size: int | None = None, rank: int | None = None) -> None:
     """Join the job's process group and set up Stratagem (idempotent).
 
-    Rendezvous: ``ADAPTDL_MASTER_ADDR``/``ADAPTDL_MASTER_PORT`` with ``ADAPTDL_REPLICA_RANK``
-    and ``ADAPTDL_NUM_REPLICAS`` (AdaptDL standalone), else torch elastic's ``MASTER_ADDR``,
+    ``init_method`` (with ``world_size`` and ``rank``, defaults from ``adaptdl.env``) is
+    passed to ``torch.distributed.init_process_group``. Without it the rendezvous is
+    ``ADAPTDL_MASTER_ADDR``/``ADAPTDL_MASTER_PORT`` with ``ADAPTDL_REPLICA_RANK`` and
+    ``ADAPTDL_NUM_REPLICAS`` (AdaptDL standalone), else torch elastic's ``MASTER_ADDR``,
     ``RANK``, ``WORLD_SIZE`` (``torchrun``, ``stratagem run``); a single replica needs
-    neither. The chosen rank and world size are exported as ``RANK``/``WORLD_SIZE``.
+    neither. The chosen rank and world size are exported as ``RANK``/``WORLD_SIZE``, and
+    :mod:`stratagem.adaptdl.collective` is initialized, as in AdaptDL.
     """
     global _autodist
     if _autodist is not None:
         return
-    rank, world = env.replica_rank(), env.num_replicas()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if not dist.is_initialized() and not os.environ.get("STRATAGEM_RESCALE_STORE"):
         # (in an in-process elastic job, AutoDist joins the job's group: adapt/rescale.py)
-        _join(backend or ("nccl" if torch.cuda.is_available() else "gloo"), rank, world)
+        if init_method is not None:
+            dist.init_process_group(
+                backend, init_method=init_method,
+                world_size=env.num_replicas() if world_size is None else int(world_size),
+                rank=env.replica_rank() if rank is None else int(rank))
+            atexit.register(collective.destroy_process_group)
+        else:
+            collective.join_process_group(backend, replica_rank=rank,
+                                          num_replicas=world_size)
+    world_rank, world = env.replica_rank(), env.num_replicas()
     if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+        world_rank, world = dist.get_rank(), dist.get_world_size()
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(world_rank), str(world)
     if "LOCAL_RANK" not in os.environ:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        os.environ["LOCAL_RANK"] = str(rank % gpus if gpus else 0)
+        os.environ["LOCAL_RANK"] = str(world_rank % gpus if gpus else 0)
     from stratagem.autodist import AutoDist
 
     _autodist = AutoDist(verbose=os.environ.get("STRATAGEM_VERBOSE", "1") != "0")
-    _state.restore_point()  # collective on first use: choose it here, on every replica at once
-
-
-def _join(backend: str, rank: int, world: int) -> None:
-    if os.environ.get("ADAPTDL_MASTER_ADDR") or os.environ.get("ADAPTDL_MASTER_PORT"):
-        method = f"tcp://{env.master_addr()}:{env.master_port()}"
-        dist.init_process_group(backend, init_method=method, rank=rank, world_size=world,
-                                timeout=_timeout())
-    elif world == 1 and not os.environ.get("MASTER_ADDR"):
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout())
-    atexit.register(_destroy)
-
-
-def _destroy() -> None:
-    if dist.is_initialized():  # before interpreter teardown (gloo threads; see autodist.py)
-        dist.destroy_process_group()
+    if dist.is_initialized() and not collective.is_initialized():
+        collective.initialize()
+    restore_point()  # collective on first use: choose it here, on every replica at once
 
 
 def autodist() -> Any:
@@ -84,24 +77,25 @@ def register_model(model: Any) -> None:
 
 def register_loader(loader: Any) -> None:
     _loaders.add(loader)
-    loader._attach(autodist())
+    loader.attach_autodist(autodist())
 
 
 def attach_loaders() -> None:
     """After the model is distributed: hand every loader to its adaptive loop."""
     for loader in list(_loaders):
-        loader._attach(autodist())
+        loader.attach_autodist(autodist())
 
 
 def set_grad_weight(weight: float) -> None:
     """Loader hook: this rank's share of the global batch, for every adaptive model."""
     for model in list(_models):
-        model._set_grad_weight(weight)
+        model.set_grad_weight(weight)
 
 
 def reset() -> None:
     """Forget the job's objects (tests)."""
     global _autodist
     _autodist = None
+    collective.reset()
     _models.clear()
     _loaders.clear()

@@ -5,7 +5,9 @@ In accumulation mode ``acc["k"] += v`` records local updates (reads see an empty
 reads and writes like a dict, identically on every replica. Results of a synchronization
 outside a data-loader loop are kept in the checkpoint, so a restart that replays the rest of
 the epoch sees the same values. Values: numbers, tensors, numpy arrays (summed as such),
-sent between replicas as JSON, never pickled.
+sent between replicas as JSON (:mod:`stratagem.adaptdl.collective`), never pickled. With
+more than one replica the job's process group must exist (``init_process_group``): without
+it ``synchronized()`` raises instead of summing this replica's updates alone.
 """
 
 from __future__ import annotations
@@ -17,49 +19,15 @@ import json
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
-from stratagem.adapt._wire import all_gather_bytes
 from stratagem.adapt.epoch import current_epoch
 from stratagem.adapt.state import State, load_state
+from stratagem.adaptdl import collective, env
 from stratagem.adaptdl.torch.data import current_dataloader
+from stratagem.errors import StratagemError
 
 _init_count: collections.Counter[int | None] = collections.Counter()
-
-
-def _encode(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return {"__tensor__": value.detach().cpu().tolist(),
-                "dtype": str(value.dtype).removeprefix("torch.")}
-    if isinstance(value, np.ndarray):
-        return {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
-    if isinstance(value, np.generic):
-        return value.item()
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_encode(v) for v in value]
-    raise TypeError(f"an Accumulator cannot hold a {type(value).__name__}")
-
-
-def _decode(value: Any) -> Any:
-    if isinstance(value, dict) and "__tensor__" in value:
-        return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
-    if isinstance(value, dict) and "__ndarray__" in value:
-        return np.asarray(value["__ndarray__"], dtype=value["dtype"])
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    return value
-
-
-def _encode_dict(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: _encode(v) for k, v in d.items()}
-
-
-def _decode_dict(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: _decode(v) for k, v in d.items()}
 
 
 def _dict_iadd(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -69,13 +37,27 @@ def _dict_iadd(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sum_over_replicas(updates: dict[str, Any]) -> dict[str, Any]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    """Every replica's pending updates summed (collective; the same sum everywhere)."""
+    world = dist.get_world_size() if dist.is_initialized() else env.num_replicas()
+    if world == 1:
         return dict(updates)
-    payload = json.dumps(_encode_dict(updates)).encode()
-    total: dict[str, Any] = {}
-    for data in all_gather_bytes(payload):  # rank order: the same sum on every replica
-        _dict_iadd(total, _decode_dict(json.loads(data.decode())))
-    return total
+    if not dist.is_initialized():
+        raise StratagemError(
+            f"an Accumulator of {world} replicas has no process group to sum over",
+            where="Accumulator.synchronized",
+            fix="call adaptdl.torch.init_process_group(...) (or adaptdl.collective."
+                "initialize()) on every replica before synchronizing")
+    if not collective.is_initialized():
+        collective.initialize()  # a collective point: every replica synchronizes here
+    return collective.allreduce(updates, lambda a, b: _dict_iadd(dict(a), b))
+
+
+def _encode_dict(d: dict[str, Any]) -> Any:
+    return collective.encode(d)
+
+
+def _decode_dict(d: Any) -> dict[str, Any]:
+    return collective.decode(d)
 
 
 class _AccumulatorState(State):

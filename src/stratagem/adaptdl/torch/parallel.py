@@ -18,7 +18,7 @@ from torch import nn
 
 from stratagem.adapt.state import State, load_state, register_state
 from stratagem.adaptdl.torch import _runtime
-from stratagem.adaptdl.torch.scaling_rules import AdaScale
+from stratagem.adaptdl.torch.scaling_rules import AdaScale, StatisticsView
 
 
 class _Stats(State):
@@ -67,6 +67,10 @@ class AdaptiveDataParallel(nn.Module):
         object.__setattr__(self, "_dist", _distribute(ad, model, optimizer,
                                                       self.scaling_rule))
         self._trainer = getattr(ad, "adaptive", None)  # the adaptive loop, when available
+        self._syncing = True
+        initialize = getattr(self.scaling_rule, "initialize", None)
+        if initialize is not None:  # an AdaptDL-style rule: its adp is this model
+            initialize(self, optimizer)
         _runtime.attach_loaders()
         if lr_scheduler is not None:
             register_state(f"{name}-lr_scheduler", lr_scheduler)
@@ -79,14 +83,36 @@ class AdaptiveDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._dist(*args, **kwargs)
 
-    def _set_grad_weight(self, weight: float) -> None:
+    def set_grad_weight(self, weight: float) -> None:
+        """This replica's share of the global batch (set by the loader for each batch)."""
         self._dist.grad_weight = weight
+
+    # Stratagem's adaptive loop scales the optimizer's steps itself (scaling rules see it).
+    runs_scaling_rule = True
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """False inside :meth:`no_sync` (the backward only accumulates)."""
+        return self._syncing
+
+    @property
+    def gns(self) -> StatisticsView:
+        """The loop's gradient statistics with AdaptDL's ``gns`` interface (read-only)."""
+        trainer = self._trainer
+        tracker = getattr(trainer, "tracker", None)
+        return StatisticsView(getattr(trainer, "gns", None),
+                              tracker.progress if tracker is not None else 0.0,
+                              len(self.optimizer.param_groups), self.optimizer)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally inside the block (synced at the next backward)."""
-        with self._dist.no_sync():
-            yield
+        self._syncing = False
+        try:
+            with self._dist.no_sync():
+                yield
+        finally:
+            self._syncing = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         warnings.warn("zero_grad has no effect with AdaptiveDataParallel", stacklevel=2)
