@@ -11,7 +11,6 @@
 import logging
 import re
 
-from stratagem.adaptdl.torch._runtime import init_process_group
 from stratagem.adaptdl.torch.accumulator import Accumulator
 from stratagem.adaptdl.torch.data import (
     AdaptiveDataLoader,
@@ -21,6 +20,7 @@ from stratagem.adaptdl.torch.data import (
     current_dataloader,
 )
 from stratagem.adaptdl.torch.epoch import current_epoch, finished_epochs, remaining_epochs_until
+from stratagem.adaptdl.torch.job import init_process_group
 from stratagem.adaptdl.torch.parallel import AdaptiveDataParallel
 from stratagem.adaptdl.torch.scaling_rules import (
     LEGW,

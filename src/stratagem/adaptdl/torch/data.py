@@ -29,7 +29,7 @@ from stratagem.adapt.elastic import exit_point
 from stratagem.adapt.epoch import current_epoch
 from stratagem.adapt.state import State, load_state
 from stratagem.adaptdl import env
-from stratagem.adaptdl.torch import _runtime
+from stratagem.adaptdl.torch import job
 from stratagem.data import DistributedDataLoader, epoch_permutation
 
 LOG = logging.getLogger(__name__)
@@ -390,7 +390,7 @@ class AdaptiveDataLoader(AdaptiveDataLoaderMixin):
             raise RuntimeError("dataloader may not be initialized during dataloader iteration")
         kwargs.pop("sampler", None)
         kwargs.pop("batch_sampler", None)
-        ad = _runtime.autodist()
+        ad = job.autodist()
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.shuffle = shuffle
@@ -398,11 +398,11 @@ class AdaptiveDataLoader(AdaptiveDataLoaderMixin):
         self._loader = DistributedDataLoader(
             dataset, world * math.ceil(self.batch_size / world), rank=ad.rank,
             world_size=world, shuffle=shuffle, seed=ad.seed,
-            on_batch=_runtime.set_grad_weight, elastic=True, **kwargs)
+            on_batch=job.set_grad_weight, elastic=True, **kwargs)
         self._loader.base_batch_size = self.batch_size  # the LR rules' reference batch
         self._pending_autoscale: tuple[int, Any, bool] | None = None
         self._elastic = _LoaderHelper(self._loader, self.batch_size)
-        _runtime.register_loader(self)
+        job.register_loader(self)
 
     # -- adaptive batch size ---------------------------------------------------------------
     def autoscale_batch_size(self, max_batch_size: int,
@@ -418,7 +418,7 @@ class AdaptiveDataLoader(AdaptiveDataLoaderMixin):
                                            gradient_accumulation)
         self._loader.batch_size = self.batch_size  # the goodput optimizer splits exactly
         self._pending_autoscale = (max_batch_size, local_bsz_bounds, gradient_accumulation)
-        self.attach_autodist(_runtime.autodist())
+        self.attach_autodist(job.autodist())
 
     def attach_autodist(self, ad: Any) -> None:
         """Join the adaptive loop of the distributed model (AdaptDL scripts build loaders

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from stratagem.adapt.state import State, load_state, register_state
-from stratagem.adaptdl.torch import _runtime
+from stratagem.adaptdl.torch import job
 from stratagem.adaptdl.torch.scaling_rules import AdaScale, StatisticsView
 
 
@@ -60,7 +60,7 @@ class AdaptiveDataParallel(nn.Module):
                  lr_scheduler: Any = None, mp_scaler: Any = None, scaling_rule: Any = None,
                  name: str = "adaptdl-dataparallel", **kwargs: Any) -> None:
         super().__init__()
-        ad = _runtime.autodist()
+        ad = job.autodist()
         self.module = model
         self.optimizer = optimizer
         self.scaling_rule = scaling_rule if scaling_rule is not None else AdaScale()
@@ -71,14 +71,14 @@ class AdaptiveDataParallel(nn.Module):
         initialize = getattr(self.scaling_rule, "initialize", None)
         if initialize is not None:  # an AdaptDL-style rule: its adp is this model
             initialize(self, optimizer)
-        _runtime.attach_loaders()
+        job.attach_loaders()
         if lr_scheduler is not None:
             register_state(f"{name}-lr_scheduler", lr_scheduler)
         if mp_scaler is not None:
             register_state(f"{name}-mp_scaler", mp_scaler)
         self._stats = _Stats(name)
         load_state(self._stats)
-        _runtime.register_model(self)
+        job.register_model(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._dist(*args, **kwargs)
