@@ -30,6 +30,7 @@ __all__ = ["allreduce", "allreduce_async", "broadcast", "initialize", "is_initia
 
 _lock = threading.Lock()
 _group: Any = None  # the gloo group of this module, once initialized
+_world: Any = None  # the default group it was made from
 _executor: ThreadPoolExecutor | None = None
 
 
@@ -133,12 +134,19 @@ def initialize(master_addr: str | None = None, master_port: int | None = None,
     """Set up this module (collective: every replica calls it). Joins the job's process
     group first if the script has not (AdaptDL's rendezvous variables, see
     :func:`join_process_group`). Raises RuntimeError if already initialized."""
-    global _group, _executor
+    global _executor
     if _group is not None:
         raise RuntimeError(f"{__name__} is already initialized")
     join_process_group("gloo", master_addr, master_port, replica_rank, num_replicas)
-    _group = dist.new_group(backend="gloo") if dist.get_world_size() > 1 else dist.group.WORLD
+    _make_group()
     _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaptdl-collective")
+
+
+def _make_group() -> None:
+    """This module's group over the current default group (collective)."""
+    global _group, _world
+    _world = dist.group.WORLD
+    _group = dist.new_group(backend="gloo") if dist.get_world_size() > 1 else _world
 
 
 def is_initialized() -> bool:
@@ -148,10 +156,10 @@ def is_initialized() -> bool:
 
 def reset() -> None:
     """Forget the module's group (tests, and after the process group was destroyed)."""
-    global _group, _executor
+    global _group, _world, _executor
     if _executor is not None:
         _executor.shutdown(wait=True)
-    _group, _executor = None, None
+    _group, _world, _executor = None, None, None
 
 
 def _require() -> tuple[Any, ThreadPoolExecutor]:
@@ -159,6 +167,8 @@ def _require() -> tuple[Any, ThreadPoolExecutor]:
         raise RuntimeError(f"{__name__} has not been initialized: call "
                            "adaptdl.torch.init_process_group(...) or "
                            "adaptdl.collective.initialize() on every replica first")
+    if dist.is_initialized() and dist.group.WORLD is not _world:
+        _make_group()  # the job regrouped in-process; every replica gets here in step
     return _group, _executor
 
 
