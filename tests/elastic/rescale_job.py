@@ -68,7 +68,9 @@ def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: in
     with (out / f"ids-{os.getpid()}.jsonl").open("a") as log:
         for epoch in ad.remaining_epochs_until(epochs):
             for ids, x, y in loader:
-                step = loader.position.offset // BATCH + epoch * (N // BATCH)  # (batch 8)
+                # 1-based number of the batch in hand (the position counts the batches
+                # before it: the one in hand is consumed when the loop asks for the next)
+                step = loader.position.offset // BATCH + 1 + epoch * (N // BATCH)
                 log.write(json.dumps({"step": step, "epoch": epoch, "rank": ad.rank,
                                       "world": ad.world_size, "ids": ids.tolist(),
                                       "time": time.time()}) + "\n")
