@@ -259,7 +259,8 @@ def load_hints_profile(directory: str | Path) -> AppProfile:
     hi = int(over.get("max_local_bsz", hi or max_batch))
     measured = {(r.num_nodes, r.num_replicas, r.local_bsz): r for r in records
                 if r.accum_steps == 0}
-    grid = np.unique(np.geomspace(lo, hi, 12).round().astype(int))
+    grid = np.unique(np.concatenate([np.geomspace(lo, hi, 12).round(),
+                                     [k[2] for k in measured]]).astype(int))
     rows: list[Measurement] = []
     for nodes in range(1, 17):
         for per_node in range(1, 9):
