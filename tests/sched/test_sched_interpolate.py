@@ -36,7 +36,8 @@ def test_measured_points_come_back_exactly(pollux_data, pollux_profiles, app):
                 (float(r["step_time"]), float(r["sync_time"])))
     for (placement, bsz), values in rows.items():
         step, sync = np.mean(values, axis=0)
-        assert table.lookup(placement[1:] + placement[:1], bsz) == pytest.approx((step, sync), rel=1e-12)
+        rotated = placement[1:] + placement[:1]
+        assert table.lookup(rotated, bsz) == pytest.approx((step, sync), rel=1e-12)
     with open(d / "scalability.csv") as f:  # nodes > 4: no placement of this shape measured
         for r in csv.DictReader(f):
             n, k, b = int(r["num_nodes"]), int(r["num_replicas"]), float(r["local_bsz"])

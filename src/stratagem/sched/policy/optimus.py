@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from stratagem.sched.policy.base import Allocation, ClusterSpec, JobView
-from stratagem.sched.policy.placement import NodeState, keep_or_place
+from stratagem.sched.policy.placement import NodeState, keep_or_place, pin
 
 
 def _time(job: JobView, replicas: int, gpn: int) -> float:
@@ -33,7 +33,10 @@ class OptimusPolicy:
     def allocate(self, jobs: Sequence[JobView], cluster: ClusterSpec,
                  current: Mapping[str, tuple[int, ...]], now: float) -> Allocation:
         gpn = cluster.gpus_per_node
-        free = cluster.total_gpus
+        state = NodeState(cluster)
+        pinned = pin(jobs, current, state)
+        jobs = [j for j in jobs if j.name not in pinned]
+        free = state.total_free
         memo: dict[tuple[str, int], float] = {}
 
         def t(job: JobView, r: int) -> float:
@@ -62,7 +65,6 @@ class OptimusPolicy:
                 break
             counts[best] += 1
             free -= 1
-        state = NodeState(cluster)
         names = sorted(counts, key=lambda n: (-counts[n], n))
         out = keep_or_place(names, counts, current, state)
         for name in names:  # could not be placed at its count: the largest that fits
@@ -72,4 +74,4 @@ class OptimusPolicy:
                 if reps:
                     out[name] = reps
                 r -= 1
-        return out
+        return {**pinned, **out}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from stratagem.sched.policy.base import Allocation, ClusterSpec, per_node
+from stratagem.sched.policy.base import Allocation, ClusterSpec, JobView, per_node
 
 
 class NodeState:
@@ -72,6 +72,18 @@ class NodeState:
         if reps:
             self.take(reps)
         return reps
+
+
+def pin(jobs: Sequence[JobView], current: Mapping[str, Sequence[int]],
+        state: NodeState) -> Allocation:
+    """Keep every running non-preemptible job where it is (taken from ``state``)."""
+    out: Allocation = {}
+    for job in jobs:
+        before = tuple(sorted(current.get(job.name, ())))
+        if not job.preemptible and before:
+            state.take(before)
+            out[job.name] = before
+    return out
 
 
 def keep_or_place(order: Iterable[str], counts: Mapping[str, int],

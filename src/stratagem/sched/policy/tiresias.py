@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from stratagem.sched.policy.base import Allocation, ClusterSpec, JobView
-from stratagem.sched.policy.placement import NodeState, keep_or_place
+from stratagem.sched.policy.placement import NodeState, keep_or_place, pin
 
 
 @dataclass
@@ -30,12 +30,15 @@ class TiresiasPolicy:
 
     def allocate(self, jobs: Sequence[JobView], cluster: ClusterSpec,
                  current: Mapping[str, tuple[int, ...]], now: float) -> Allocation:
-        order = sorted(jobs, key=lambda j: (self.queue(j), j.submit_time, j.name))
-        free = cluster.total_gpus
+        state = NodeState(cluster)
+        pinned = pin(jobs, current, state)
+        order = sorted((j for j in jobs if j.name not in pinned),
+                       key=lambda j: (self.queue(j), j.submit_time, j.name))
+        free = state.total_free
         counts: dict[str, int] = {}
         for job in order:
             count = max(min(job.requested_replicas, job.max_replicas), job.min_replicas)
             if count <= free:
                 counts[job.name] = count
                 free -= count
-        return keep_or_place([j.name for j in order], counts, current, NodeState(cluster))
+        return {**pinned, **keep_or_place([j.name for j in order], counts, current, state)}
