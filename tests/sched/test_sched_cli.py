@@ -50,6 +50,10 @@ def test_simulate_errors_are_one_readable_message(setup, capsys):
     args = ["simulate", str(setup / "w" / "mix.csv"), "--profiles", str(setup / "profiles")]
     assert main(args + ["--policy", "gandiva"]) == 2
     assert "unknown policy 'gandiva'" in capsys.readouterr().err
+    assert main(args + ["--policy", ","]) == 2
+    assert "no policy given" in capsys.readouterr().err
+    assert main(args + ["--interval", "0"]) == 2
+    assert "interval" in capsys.readouterr().err
     assert main(["simulate", str(setup / "nope.csv"), "--profiles", "x"]) == 2
     assert "workload not found" in capsys.readouterr().err
     assert main(args[:2] + ["--profiles", str(setup / "w")]) == 2

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from stratagem.errors import StratagemError
+
 
 def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -96,6 +98,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from stratagem.sched.simulator.workload import load_workload, workload_files
 
     names = _policies(args.policy)
+    if not names:
+        raise StratagemError("no policy given", where="--policy",
+                             fix="pollux, tiresias, optimus, fifo, a list or all")
     for name in names:  # fail on a typo before any work
         make_policy(name)
     options = SimOptions(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node,
