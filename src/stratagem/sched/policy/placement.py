@@ -104,7 +104,3 @@ def keep_or_place(order: Iterable[str], counts: Mapping[str, int],
                 out[name] = reps
     return out
 
-
-def shape(replicas: Sequence[int]) -> tuple[int, int]:
-    """(nodes, replicas) of an allocation."""
-    return len(set(replicas)), len(replicas)

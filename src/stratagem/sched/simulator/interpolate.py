@@ -84,10 +84,6 @@ class StepTimeTable:
         self.max_local_bsz = float(max(m.local_bsz for m in rows))
         self._cache: dict[tuple[Placement, float], tuple[float, float]] = {}
 
-    @property
-    def placements(self) -> list[Placement]:
-        return sorted(self._exact)
-
     def lookup(self, placement: Iterable[int], local_bsz: float) -> tuple[float, float]:
         """``(step_time, sync_time)`` in seconds for one step of ``local_bsz`` per replica."""
         key = (normalize_placement(placement), float(local_bsz))

@@ -38,7 +38,6 @@ from stratagem.adapt import (
 from stratagem.errors import StratagemError
 from stratagem.sched.simulator.interpolate import (
     Measurement,
-    Placement,
     StepTimeTable,
     parse_placement,
 )
@@ -308,6 +307,3 @@ def load_profiles(root: str | Path, names: Iterable[str] | None = None) -> dict[
                              fix="add a directory per application the workload names")
     return {n: load_profile(r / n) for n in wanted}
 
-
-def placement_shape(placement: Placement) -> tuple[int, int]:
-    return len(placement), sum(placement)
