@@ -86,9 +86,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- simulate (parser and handler in stratagem.sched.cli) -----------------------------------
+from stratagem.sched.cli import add_simulate_parser  # noqa: E402 - light: imports on use
+
 # -- dispatcher -----------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_run_parser,
-                                                                   add_plan_parser]
+                                                                   add_plan_parser,
+                                                                   add_simulate_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
