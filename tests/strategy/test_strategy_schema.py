@@ -139,10 +139,14 @@ def test_example_file_matches_its_comments() -> None:
     w = s.config_for("0.weight")
     assert w.partitioner == Partitioner((2, 1), sizes=(40, 24))
     assert [p.var_name for p in w.leaves()] == ["0.weight/part_0", "0.weight/part_1"]
+    assert [p.synchronizer for p in w.leaves()] == [
+        PSSynchronizer("192.168.1.10:CPU:0", staleness=1),
+        PSSynchronizer("192.168.1.11:CPU:0", staleness=1)]
+    assert s.config_for("0.bias").synchronizer == AllReduceSynchronizer(compressor="fp16",
+                                                                        group=1)
     assert s.config_for("2.weight").synchronizer == PSSynchronizer(
-        "192.168.1.10:CPU:0", sync=True, staleness=2)
-    assert s.config_for("2.bias").synchronizer == PSSynchronizer("192.168.1.10:CPU:1",
-                                                                 sync=False)
+        "192.168.1.10:CPU:1", sync=True, staleness=1)
+    assert s.config_for("2.bias").synchronizer == AllReduceSynchronizer()
 
 
 def test_minimal_hand_written_strategy_gets_defaults() -> None:

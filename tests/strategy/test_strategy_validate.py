@@ -163,7 +163,7 @@ BAD: dict[str, tuple[Mutation, str, str]] = {
         lambda d: sync(d, "0.bias").update(compressor="zstd"),
         "unknown compressor 'zstd'", "use one of none, fp16, bf16, powersgd"),
     "unknown-spec": (
-        lambda d: part(d, 0)["synchronizer"].update(spec="mpi"),
+        lambda d: sync(d, "2.bias").update(spec="mpi"),
         "unknown all-reduce spec 'mpi'", "use one of auto, nccl, gloo"),
     "negative-group": (
         lambda d: sync(d, "0.bias").update(group=-1),
@@ -185,7 +185,7 @@ BAD: dict[str, tuple[Mutation, str, str]] = {
         lambda d: sync(d, "2.weight").update(staleness=-1),
         "negative staleness -1", "use 0 for bulk-synchronous"),
     "async-with-staleness": (
-        lambda d: sync(d, "2.bias").update(staleness=3),
+        lambda d: sync(d, "2.weight").update(sync=False, staleness=3),
         "staleness applies only to synchronous PS", "staleness: 0"),
     "replicas-reordered": (
         lambda d: d["graph_config"]["replicas"].reverse(),
