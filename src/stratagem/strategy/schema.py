@@ -347,7 +347,7 @@ class _StrategyParser:
     def synchronizer(self, where: str, data: Any) -> Synchronizer:
         data = self.mapping(where, data)
         kind = data.get("type")
-        if kind not in _SYNC_TYPES:
+        if not isinstance(kind, str) or kind not in _SYNC_TYPES:
             raise self.fail(f"{where}.type", f"unknown synchronizer type {kind!r}",
                             f"use one of {', '.join(_SYNC_TYPES)}")
         cls = _SYNC_TYPES[kind]
