@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.errors import LaunchError, ResourceSpecError
+from stratagem.errors import LaunchError
 from stratagem.launch import JobOptions, multinode, plan_job
 from stratagem.launch.remote_shell import (
     activate_command,
@@ -17,7 +17,7 @@ from stratagem.launch.remote_shell import (
     ssh_argv,
     template_argv,
 )
-from stratagem.resource import Node, ResourceSpec, SSHConfig
+from stratagem.resource import Node, SSHConfig
 
 SPEC = """
 nodes:
@@ -169,11 +169,3 @@ def test_addresses_that_are_not_hosts_never_reach_a_command_line(address: str) -
         template_argv("ssh {address}", address, "true")
     with pytest.raises(LaunchError, match="is not a host name or IP address"):
         ssh_argv(Node(address=address), SSHConfig(), "true")
-
-
-def test_spec_address_option_is_refused_before_planning(tmp_path: Path) -> None:
-    spec = tmp_path / "spec.yml"
-    spec.write_text("nodes:\n  - address: 10.0.0.1\n    chief: true\n"
-                    "  - address: '-V'\n")
-    with pytest.raises(ResourceSpecError, match="'-V' is neither an IP address nor a host"):
-        ResourceSpec.from_file(spec)
