@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import signal
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +16,7 @@ from stratagem.launch.agent import (
     FAILURE_MARKER,
     TORCH_PCONTEXT_LOGGER,
     StoppedPids,
+    read_key,
     untraced_failures,
 )
 from stratagem.launch.job import AgentLaunch, LaunchPlan
@@ -123,3 +125,22 @@ def test_no_records_names_the_agent_and_shows_its_output() -> None:
     text = sup.failure_summary(agents[1])
     assert "first failure: node 1 (10.0.0.2): agent exited with code 255" in text
     assert "No route to host" in text
+
+
+def test_agent_reads_only_the_key_line_from_stdin() -> None:
+    read, write = os.pipe()
+    os.write(write, b"abc123\nrest of stdin")
+    os.close(write)
+    try:
+        assert read_key(read) == "abc123"
+        assert os.read(read, 100) == b"rest of stdin"  # left for the stdin watcher
+    finally:
+        os.close(read)
+    for raw in (b"", b"not a key!\n", b"x" * 300):
+        read, write = os.pipe()
+        os.write(write, raw)
+        os.close(write)
+        try:
+            assert read_key(read) == ""
+        finally:
+            os.close(read)

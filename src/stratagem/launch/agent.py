@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix=f"stratagem-{os.environ.get(ENV_JOB_ID, 'job')}-")
     code = 1
     untraced: list[dict[str, Any]] = []
-    key = read_key() if args.failure_key_stdin else ""  # before any worker exists
+    # Before any worker exists; not from a terminal (a --dry-run line run by hand).
+    key = read_key() if args.failure_key_stdin and not os.isatty(0) else ""
     try:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, stop)  # until torchrun installs its own
