@@ -57,6 +57,14 @@ def test_nproc_must_be_in_range(script: Script, capsys: pytest.CaptureFixture[st
     assert code == 2 and f"--nproc must be 1 to 1024, got {nproc}" in err and "fix:" in err
 
 
+@pytest.mark.parametrize("job_id", ["-x", "a/b", "a b", "", "x" * 65, "ok\n"])
+def test_job_id_is_checked(script: Script, capsys: pytest.CaptureFixture[str],
+                           job_id: str) -> None:
+    code, _, err = run_cli(capsys, "run", "--dry-run", f"--job-id={job_id}",
+                           str(script("t.py", "")))
+    assert code == 2 and "invalid job id" in err and "fix:" in err
+
+
 def test_bad_resource_spec(script: Script, tmp_path: Path,
                            capsys: pytest.CaptureFixture[str]) -> None:
     spec = tmp_path / "spec.yml"

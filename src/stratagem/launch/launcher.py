@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from stratagem.launch.remote_shell import REMOTE_SHELL_ENV
 from stratagem.resource import MAX_WORKERS_PER_NODE, ResourceSpec
 
 STRATEGY_SUFFIXES = (".json", ".yml", ".yaml")
+# A job id names temporary directories and goes on every node's command line.
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def new_job_id() -> str:
@@ -48,6 +51,10 @@ def check_options(opts: JobOptions) -> None:
     if opts.rdzv_port is not None and not 0 < opts.rdzv_port < 65536:
         raise LaunchError(f"--rdzv-port {opts.rdzv_port} out of range", where="--rdzv-port",
                           fix="use a free TCP port between 1 and 65535")
+    if opts.job_id is not None and not JOB_ID.fullmatch(opts.job_id):
+        raise LaunchError(f"invalid job id {opts.job_id!r}", where="--job-id",
+                          fix="use 1-64 letters, digits, '_', '.' or '-', starting with a "
+                              "letter or digit")
     if not Path(opts.script).is_file():
         raise LaunchError(f"training script {opts.script!r} not found",
                           fix=f"check the path (relative to {os.getcwd()})")
