@@ -536,5 +536,6 @@ def test_gpu_for_maps_local_ranks_to_the_spec_gpus() -> None:
     assert [spec.gpu_for("10.0.0.1", r) for r in (0, 1, 2)] == [2, 3, None]
     assert [spec.gpu_for("10.0.0.2", r) for r in (0, 1)] == [0, None]
     assert spec.gpu_for(None, 0) is None  # several nodes: which one is unknown
+    assert spec.gpu_for("-bad-", 0) is None and spec.gpu_for(" 10.0.0.2", 0) == 0
     local = ResourceSpec.from_dict({"nodes": [{"address": "127.0.0.1", "gpus": [1]}]})
     assert local.gpu_for(None, 0) == 1

@@ -171,8 +171,12 @@ class ResourceSpec:
         worker runs on CPU. ``gpus: [2, 3]``: local rank 1 trains on GPU 3."""
         if address is None and not self.is_local:
             return None
-        node = self.nodes[0] if address is None else next(
-            (n for n in self.nodes if n.address == normalize_address(address)), None)
+        try:
+            wanted = None if address is None else normalize_address(address)
+        except ValueError:
+            return None
+        node = self.nodes[0] if wanted is None else next(
+            (n for n in self.nodes if n.address == wanted), None)
         if node is None or not node.gpus or not 0 <= local_rank < min(node.workers,
                                                                        len(node.gpus)):
             return None

@@ -113,10 +113,11 @@ def test_agent_tells_stopped_workers_from_killed_ones() -> None:
 
     exc = SimpleNamespace(failures={0: failure(4242, 0, -signal.SIGKILL),
                                     1: failure(5151, 1, -signal.SIGKILL),
-                                    2: failure(6161, 2, 3)})
-    records = untraced_failures(exc, stopped.pids)
-    assert [(r["rank"], r["kind"]) for r in records] == [("0", "stopped"), ("1", "signal"),
-                                                         ("2", "exit")]
+                                    2: failure(6161, 2, 3),
+                                    3: failure(7373, 3, 143)})  # handled SIGTERM, exited
+    records = untraced_failures(exc, stopped.pids | {7373})
+    assert [(r["rank"], r["kind"]) for r in records] == [
+        ("0", "stopped"), ("1", "signal"), ("2", "exit"), ("3", "stopped")]
     assert records[1]["message"] == "killed by SIGKILL"
 
 

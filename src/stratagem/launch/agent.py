@@ -162,13 +162,13 @@ def untraced_failures(exc: Any, stopped: Collection[int] = ()) -> list[dict[str,
         if failure.error_file and os.path.isfile(failure.error_file):
             continue
         sig = failure.signal_name() if failure.exitcode < 0 else None
-        kind = "exit" if not sig else "stopped" if failure.pid in stopped else "signal"
+        kind = "stopped" if failure.pid in stopped else "signal" if sig else "exit"
         out.append({
             "kind": kind,
             "signal": sig,
-            "message": (f"exited with code {failure.exitcode}" if not sig
-                        else f"stopped by torchrun ({sig})" if kind == "stopped"
-                        else f"killed by {sig}"),
+            "message": (f"stopped by torchrun ({sig or failure.exitcode})" if kind == "stopped"
+                        else f"killed by {sig}" if sig
+                        else f"exited with code {failure.exitcode}"),
             "traceback": "",
             "time": float(failure.timestamp),
             "rank": str(rank),
