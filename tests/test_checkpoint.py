@@ -224,6 +224,13 @@ def test_elastic_restore_falls_back_past_an_unlisted_damaged_file(job_dir: Path)
     assert again.data == b"first"
 
 
+def test_state_names_with_any_characters_still_verify(job_dir: Path) -> None:
+    Blob("my state é", b"x")
+    saved = save_all_states()
+    assert saved is not None
+    assert "my state é.pt" in checkpoint.verify(saved)["sha256"]
+
+
 def test_load_state_verifies_the_file_it_reads(job_dir: Path) -> None:
     Blob("blob", b"payload")
     saved = save_all_states()

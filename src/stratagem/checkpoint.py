@@ -157,7 +157,13 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, 
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_FILE = re.compile(r"[A-Za-z0-9_.-]{1,255}")
+
+
+def _plain_file_name(name: str) -> bool:
+    """A name inside the checkpoint directory (job-state names may hold any character but
+    '/'), never a path out of it."""
+    return (0 < len(name.encode("utf-8", "surrogatepass")) <= 255 and "/" not in name
+            and "\0" not in name and name not in (".", "..", META))
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -177,8 +183,8 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(sums, dict):
         raise CheckpointError("meta.json is corrupt: no checksums", where=str(p), fix=fix)
     for name, digest in sums.items():
-        if (not _FILE.fullmatch(name) or name in (".", "..", META)
-                or not isinstance(digest, str) or not _HEX64.fullmatch(digest)):
+        if (not _plain_file_name(name) or not isinstance(digest, str)
+                or not _HEX64.fullmatch(digest)):
             raise CheckpointError(f"meta.json is corrupt: bad checksum entry {name!r}"[:300],
                                   where=str(p), fix=fix)
     world = meta.get("world_size")
