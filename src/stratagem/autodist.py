@@ -25,6 +25,7 @@ from stratagem.adapt import state as _state
 from stratagem.analysis import ModelProfile, analyze
 from stratagem.data import DistributedDataLoader
 from stratagem.errors import StratagemError, StrategyError, install_excepthook
+from stratagem.launch.env import nproc_override
 from stratagem.resource import ResourceSpec
 from stratagem.strategy import AllReduce, Strategy, StrategyBuilder, builder_from_name, validate
 from stratagem.strategy.validate import server_devices
@@ -104,6 +105,9 @@ class AutoDist:
         if spec is None:
             path = path or os.environ.get(ENV_SPEC) or None
             spec = ResourceSpec.from_file(path) if path else ResourceSpec.local(self.world_size)
+            nproc = nproc_override()  # `stratagem run --nproc N` with a single-node spec
+            if path and nproc is not None and spec.is_local:
+                spec = spec.with_local_workers(nproc)
         if server_devices(spec) and self.world_size == spec.num_workers + len(
                 server_devices(spec)):
             return spec  # the spec's dedicated parameter servers run in this job too
@@ -122,9 +126,13 @@ class AutoDist:
         return spec
 
     def _pick_device(self) -> torch.device:
+        """This worker's spec GPU (``gpus: [2, 3]``: local rank 1 -> ``cuda:3``), else CPU."""
         if self.resource_spec.uses_gpus and torch.cuda.is_available():
-            torch.cuda.set_device(self.local_rank)
-            return torch.device("cuda", self.local_rank)
+            gpu = self.resource_spec.gpu_for(os.environ.get("STRATAGEM_NODE_ADDRESS"),
+                                             self.local_rank)
+            index = self.local_rank if gpu is None else gpu  # unknown node: torchrun's way
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
         return torch.device("cpu")
 
     def _discover_rank_devices(self) -> list[str]:

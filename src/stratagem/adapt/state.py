@@ -254,6 +254,10 @@ def load_state(state: State) -> bool:
     entry = meta.get("states", {}).get(state.name)
     if entry is None:
         return False
+    if not (isinstance(entry, dict) and isinstance(entry.get("per_rank"), bool)
+            and entry.get("format") in ("pt", "json")):
+        raise CheckpointError(f"meta.json is corrupt: bad entry for state {state.name!r}",
+                              where=str(path), fix="use an earlier checkpoint")
     rank, world = _ckpt._rank_world()
     if entry["per_rank"] and meta["world_size"] != world:
         if not _is_empty(path / _filename(state.name, entry["format"], True, 0)):
@@ -265,8 +269,9 @@ def load_state(state: State) -> bool:
         raise CheckpointError(f"state {state.name!r} was saved as {entry['format']}, "
                               f"loads as {state.format}", where=str(path),
                               fix="keep the State's format between runs")
+    verified = _ckpt.read_verified(path, name)  # checksum-checked: never a damaged file
     try:
-        with (path / name).open("rb") as f:
+        with verified as f:
             state.load(f)
     except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as exc:
         raise CheckpointError(f"cannot restore state {state.name!r} from {name}: {exc}",

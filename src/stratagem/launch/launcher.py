@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from stratagem.errors import LaunchError
@@ -13,9 +13,11 @@ from stratagem.launch.job import JobOptions, LaunchPlan
 from stratagem.launch.local import plan_local
 from stratagem.launch.multinode import plan_multinode
 from stratagem.launch.remote_shell import REMOTE_SHELL_ENV
-from stratagem.resource import Node, ResourceSpec
+from stratagem.resource import MAX_WORKERS_PER_NODE, ResourceSpec
 
 STRATEGY_SUFFIXES = (".json", ".yml", ".yaml")
+# A job id names temporary directories and goes on every node's command line.
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def new_job_id() -> str:
@@ -42,12 +44,17 @@ def resolve_strategy(value: str | None) -> str | None:
 
 
 def check_options(opts: JobOptions) -> None:
-    if opts.nproc is not None and opts.nproc < 1:
-        raise LaunchError(f"--nproc must be at least 1, got {opts.nproc}", where="--nproc",
+    if opts.nproc is not None and not 1 <= opts.nproc <= MAX_WORKERS_PER_NODE:
+        raise LaunchError(f"--nproc must be 1 to {MAX_WORKERS_PER_NODE}, got {opts.nproc}",
+                          where="--nproc",
                           fix="pass the number of worker processes, e.g. --nproc 2")
     if opts.rdzv_port is not None and not 0 < opts.rdzv_port < 65536:
         raise LaunchError(f"--rdzv-port {opts.rdzv_port} out of range", where="--rdzv-port",
                           fix="use a free TCP port between 1 and 65535")
+    if opts.job_id is not None and not JOB_ID.fullmatch(opts.job_id):
+        raise LaunchError(f"invalid job id {opts.job_id!r}", where="--job-id",
+                          fix="use 1-64 letters, digits, '_', '.' or '-', starting with a "
+                              "letter or digit")
     if not Path(opts.script).is_file():
         raise LaunchError(f"training script {opts.script!r} not found",
                           fix=f"check the path (relative to {os.getcwd()})")
@@ -61,21 +68,14 @@ def plan_job(opts: JobOptions) -> LaunchPlan:
     strategy = resolve_strategy(opts.strategy)
     job_id = opts.job_id or new_job_id()
     if spec.is_local:
-        if opts.nproc is not None and spec_path:
-            spec = ResourceSpec(nodes=(_with_workers(spec.nodes[0], opts.nproc),),
-                                ssh=spec.ssh, source=spec.source)
+        if opts.nproc is not None and spec_path:  # the workers apply it too (STRATAGEM_NPROC)
+            spec = spec.with_local_workers(opts.nproc)
         return plan_local(opts, spec, job_id, spec_path, strategy)
     if opts.nproc is not None:
         raise LaunchError("--nproc only applies to single-node runs", where="--nproc",
                           fix=f"set 'workers' per node in {spec.source} instead")
     shell = opts.remote_shell or os.environ.get(REMOTE_SHELL_ENV) or None
     return plan_multinode(opts, spec, job_id, spec_path, strategy, remote_shell=shell)
-
-
-def _with_workers(node: Node, workers: int) -> Node:
-    """``node`` running ``workers`` processes (on CPU if it has fewer GPUs than that)."""
-    gpus = node.gpus if len(node.gpus) >= workers else ()
-    return replace(node, workers=workers, gpus=gpus)
 
 
 def run_job(opts: JobOptions) -> int:
