@@ -208,8 +208,10 @@ class DistributedModel(nn.Module):
             self._ps.after_restore()
 
     def close(self) -> None:
-        """Finish pending parameter-server traffic and release dedicated servers (the chief
-        sends them STOP; also done at interpreter exit). No-op without PS synchronizers."""
+        """Finish pending parameter-server traffic, make this worker's copy of the PS
+        parameters current and release the owners and dedicated servers (the chief sends
+        them STOP); an owning worker serves the others' reads until they are done too. Also
+        done at interpreter exit (without the copy). No-op without PS synchronizers."""
         if self._ps is not None:
             self._ps.close()
 
@@ -217,11 +219,9 @@ class DistributedModel(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict (no ``module.`` prefix).
 
-        With PS synchronizers, pending pulls are finished first; on-demand sparse tables
-        are fresh only in the rows this worker pulled -- call :meth:`refresh_parameters`
-        (collective) first for the full current values."""
-        if self._ps is not None:
-            self._ps.finish_pulls()
+        With PS synchronizers the values are current on this rank alone (a state-dict
+        pre-hook on the module waits for pending values and fetches stale embedding rows
+        from their owners), also while the other workers have left the training loop."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
