@@ -61,6 +61,8 @@ class DistributedModel(nn.Module):
                                    self.comm_stats)
         # A PS engine broadcast everything already (servers included).
         self._install_synchronizers(params, process_group, broadcast=self._ps is None)
+        self._process_group = process_group
+        self._scaler_link: Any = None
         # The initial broadcast is not training traffic.
         self.comm_stats.reset()
 
@@ -113,6 +115,8 @@ class DistributedModel(nn.Module):
     # -- training ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._reducer.prepare_for_forward()
+        if self._scaler_link is not None:
+            self._scaler_link.before_forward()
         if self._ps is not None:
             self._ps.before_forward()
         if self._buffers_dirty:
@@ -178,6 +182,26 @@ class DistributedModel(nn.Module):
         self._reducer.grad_weight = value
         if self._ps is not None:
             self._ps.grad_weight = value
+
+    # -- mixed precision -----------------------------------------------------------------
+    def attach_scaler(self, scaler: Any) -> None:
+        """Use ``scaler`` (a ``torch.amp.GradScaler``) with this model: its inf/NaN
+        decision becomes the same on every rank and parameter-server owner (a step skipped
+        on one is skipped on all), PS gradients and gradient statistics are unscaled, and
+        ``stratagem.checkpoint.save`` saves it. ``None`` detaches the current one. See
+        docs/how-to/mixed-precision.md and runtime/amp.py."""
+        from stratagem.runtime.amp import ScalerLink
+
+        if self._scaler_link is not None:
+            self._scaler_link.detach()
+            self._scaler_link = None
+        if scaler is not None:
+            self._scaler_link = ScalerLink(self, scaler, self._process_group)
+
+    @property
+    def scaler(self) -> Any:
+        """The attached GradScaler (None without one)."""
+        return self._scaler_link.scaler if self._scaler_link is not None else None
 
     # -- parameter servers ---------------------------------------------------------------
     def wait_for_values(self) -> None:

@@ -51,6 +51,11 @@ class EngineBase:
             self.by_param.setdefault(p.param, []).append(p)
         self.grad_weight = 1.0
         self.require_sync = True
+        # A GradScaler (runtime/amp.py): gradients are divided by loss_scale as they are
+        # captured, and with check_finite a non-finite one sets nonfinite until the update.
+        self.loss_scale = 1.0
+        self.check_finite = False
+        self.nonfinite = False
         self._lock = threading.Lock()
         self._touched: dict[str, list[torch.Tensor]] = {}
         self._handles: list[Any] = []

@@ -49,9 +49,9 @@ from stratagem.runtime.ps.plan import PSPiece
 from stratagem.runtime.ps.sparse import SparseExchange, write_rows
 from stratagem.runtime.stats import CommStats
 
-PULL, PUSH, UPDATE, REFRESH, STOP, GATHER, SCATTER = 1, 2, 3, 4, 5, 6, 7
+PULL, PUSH, UPDATE, REFRESH, STOP, GATHER, SCATTER, DISCARD = 1, 2, 3, 4, 5, 6, 7, 8
 CMD_NAMES = {PULL: "pull", PUSH: "push", UPDATE: "update", REFRESH: "refresh", STOP: "stop",
-             GATHER: "gather", SCATTER: "scatter"}
+             GATHER: "gather", SCATTER: "scatter", DISCARD: "discard"}
 HEADER = 4  # cmd, step, arg, number of hyperparameter values
 
 
@@ -271,7 +271,11 @@ class PSEngine(EngineBase):
             pieces = self.by_param.get(name)
             if pieces is None:
                 return
-            factor = self.grad_weight / self.W
+            factor = self.grad_weight / self.W / self.loss_scale
+            if self.check_finite and param.grad is not None:
+                g = param.grad._values() if param.grad.is_sparse else param.grad
+                if not bool(torch.isfinite(g).all()):
+                    self.nonfinite = True
             self._capture(name, pieces, param.grad, factor)
             param.grad = None
             self._launch_ready()
@@ -365,6 +369,7 @@ class PSEngine(EngineBase):
         for b in self.buckets:  # receives first, before any owner sends (see dense.py)
             b.expect_values()
         self._pushed = False
+        self.nonfinite = False
         self.step_count += 1
         owned = [b for b in self.buckets if b.is_owner]
         for b in owned:
@@ -389,6 +394,28 @@ class PSEngine(EngineBase):
         self._values_changed()
         if any(p.local_replication for p in self.ps.sparse):
             self.sparse.send_updates(updated_sparse)
+
+    def discard(self) -> None:
+        """A skipped step (a GradScaler found inf/NaN, on every rank alike): owners drop
+        the gradients pushed since the last update instead of applying them."""
+        self.nonfinite = False
+        if not self._pushed:
+            return
+        if self.is_chief and self.ps.servers:
+            self.stopper.send(DISCARD, self.step_count)
+        self._discard()
+
+    def _discard(self) -> None:
+        self._join_closer()
+        self._finish_push()
+        for b in self.buckets:
+            b.finish_push()
+            if b.acc is not None:
+                b.acc.zero_()
+                b.pushed = False
+        if self.sparse is not None:
+            self.sparse.clear()
+        self._pushed = False
 
     def _values_changed(self) -> None:
         """Every rank, after each update and restore: workers' copies of rows they did not
@@ -580,6 +607,9 @@ class PSEngine(EngineBase):
             elif cmd == REFRESH:
                 self.finish_pulls()
                 self._refresh()
+            elif cmd == DISCARD:
+                self.finish_pulls()
+                self._discard()
             elif cmd == GATHER:
                 self._gather()
             elif cmd == SCATTER:
