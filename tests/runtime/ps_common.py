@@ -97,6 +97,19 @@ def reference(opt: str, steps: int = STEPS, sparse: bool = True, bag: bool = Tru
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
+def train_slices(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                 world: int) -> None:
+    """A user's loop (ps_script.py, ps_idiom.py): STEPS steps on this worker's slice of
+    each global batch."""
+    per = BATCH // world
+    sl = slice(rank * per, (rank + 1) * per)
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        loss_fn(model(x[sl]), y[sl]).backward()
+        optimizer.step()
+
+
 def spec_for(workers: int, servers: int) -> ResourceSpec:
     """One worker node (``workers`` CPU workers) plus ``servers`` server-only nodes."""
     nodes = [{"address": "10.0.0.1", "chief": True, "workers": workers, "cpus": [0]}]

@@ -16,7 +16,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # ps_common, and tests/ for its _spawn
-from ps_common import BATCH, STEPS, batch, loss_fn, make_model  # noqa: E402
+from ps_common import STEPS, batch, make_model, train_slices  # noqa: E402
 
 import stratagem as sg  # noqa: E402
 
@@ -28,13 +28,7 @@ original = make_model(seed=ad.rank)
 optimizer = torch.optim.Adagrad(original.parameters(), lr=0.2)
 model, optimizer = ad.distribute(original, optimizer)
 
-per = BATCH // ad.world_size
-sl = slice(ad.rank * per, (ad.rank + 1) * per)
-for step in range(STEPS):
-    x, y = batch(step)
-    optimizer.zero_grad()
-    loss_fn(model(x[sl]), y[sl]).backward()
-    optimizer.step()
+train_slices(model, optimizer, ad.rank, ad.world_size)
 
 if ad.rank != READER:
     (OUT / f"left{ad.rank}").touch()
