@@ -98,15 +98,18 @@ def reference(opt: str, steps: int = STEPS, sparse: bool = True, bag: bool = Tru
 
 
 def train_slices(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-                 world: int) -> None:
+                 world: int, fail_at: int | None = None) -> None:
     """A user's loop (ps_script.py, ps_idiom.py): STEPS steps on this worker's slice of
-    each global batch."""
+    each global batch; ``fail_at``: raise after that step's forward (a bug in user code)."""
     per = BATCH // world
     sl = slice(rank * per, (rank + 1) * per)
     for step in range(STEPS):
         x, y = batch(step)
         optimizer.zero_grad()
-        loss_fn(model(x[sl]), y[sl]).backward()
+        out = model(x[sl])
+        if step == fail_at:
+            raise RuntimeError(f"user code failed at step {step}")
+        loss_fn(out, y[sl]).backward()
         optimizer.step()
 
 

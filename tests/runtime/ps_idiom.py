@@ -4,7 +4,8 @@ others leave -- no ``refresh_parameters()``, no extra call.
 The reader (env PS_READER, default 0) waits until every other worker has finished its
 script, then saves ``model.state_dict()``, ``model.module.state_dict()``, the original
 module's ``state_dict()`` and the outputs of evaluation forwards (under ``no_grad``, and
-in eval mode with gradients on). Env as ps_script.py (PS_OUT, PS_BUILDER, PS_SPEC).
+in eval mode with gradients on). Env as ps_script.py (PS_OUT, PS_BUILDER, PS_SPEC);
+PS_FAIL_AT: the last worker raises after that step's forward instead.
 """
 
 import os
@@ -28,7 +29,9 @@ original = make_model(seed=ad.rank)
 optimizer = torch.optim.Adagrad(original.parameters(), lr=0.2)
 model, optimizer = ad.distribute(original, optimizer)
 
-train_slices(model, optimizer, ad.rank, ad.world_size)
+FAIL_AT = os.environ.get("PS_FAIL_AT")  # this step's forward: the last worker raises
+train_slices(model, optimizer, ad.rank, ad.world_size,
+             fail_at=int(FAIL_AT) if FAIL_AT and ad.rank == ad.world_size - 1 else None)
 
 if ad.rank != READER:
     (OUT / f"left{ad.rank}").touch()

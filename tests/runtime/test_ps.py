@@ -191,6 +191,25 @@ def test_one_rank_reads_current_values_while_the_others_leave(
         torch.testing.assert_close(got["eval_grad"], m(x[:2]), rtol=RTOL, atol=1e-9)
 
 
+def test_a_worker_failing_mid_step_does_not_linger(tmp_path_factory: pytest.TempPathFactory
+                                                   ) -> None:
+    """Lingering at exit (to serve peers' reads) happens between steps only: a worker whose
+    user code raises after a training forward leaves at once, so its peer fails on the
+    closed connection instead of waiting for its timeout (60 s here; gloo says which)."""
+    import yaml
+    from ps_common import run_script, spec_for
+
+    out = tmp_path_factory.mktemp("fail")
+    spec = out / "spec.yml"
+    spec.write_text(yaml.safe_dump(spec_for(2, 0).to_dict()))
+    codes = run_script(Path(__file__).with_name("ps_idiom.py"), ["worker", "worker"], out,
+                       {"PS_SPEC": str(spec), "PS_BUILDER": "Parallax", "PS_FAIL_AT": "3",
+                        "STRATAGEM_PS_TIMEOUT": "60"})
+    assert "user code failed at step 3" in codes[1], codes[1]
+    assert "Traceback" in codes[0], codes[0]
+    assert "Timed out" not in codes[0] and "timed out" not in codes[0], codes[0]
+
+
 def test_killed_server_fails_the_job_fast(tmp_path_factory: pytest.TempPathFactory) -> None:
     """SIGKILL one of two servers mid-training: every survivor raises a DistributedError
     naming it within seconds (no collective timeout)."""

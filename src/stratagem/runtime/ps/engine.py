@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -182,6 +183,7 @@ class PSEngine(EngineBase):
         self._pushed = False  # a push happened since the last update
         self._push_open = False  # its reduces/all-to-alls may still be in flight
         self._pulling = False
+        self._in_step = False  # a training forward since the last update (or skip)
         if not self.is_server:
             self._install_hooks()
             atexit.register(_close_at_exit, weakref.ref(self))
@@ -194,6 +196,7 @@ class PSEngine(EngineBase):
             self._reset_backward()
         self._finish_push()
         self.finish_pulls()
+        self._in_step = self._in_step or self._training_forward()
         if self._training_forward() and self.on_demand:
             if self.ps.servers and self.is_chief:
                 self.stopper.send(PULL, self.step_count)
@@ -369,6 +372,7 @@ class PSEngine(EngineBase):
         for b in self.buckets:  # receives first, before any owner sends (see dense.py)
             b.expect_values()
         self._pushed = False
+        self._in_step = False
         self.nonfinite = False
         self.step_count += 1
         owned = [b for b in self.buckets if b.is_owner]
@@ -416,6 +420,7 @@ class PSEngine(EngineBase):
         if self.sparse is not None:
             self.sparse.clear()
         self._pushed = False
+        self._in_step = False
 
     def _values_changed(self) -> None:
         """Every rank, after each update and restore: workers' copies of rows they did not
@@ -640,8 +645,17 @@ class PSEngine(EngineBase):
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
-    """Interpreter exit of a worker: close without fetching (peers may have failed)."""
+    """Interpreter exit of a worker: close without fetching, so peers still reading are
+    served. Mid-step (a training forward or backward without its update) or after an
+    uncaught exception only release the servers: peers may be waiting for this rank in the
+    step, and must see it go at once (the failure is what they report)."""
     engine = ref()
-    if engine is not None:
-        with contextlib.suppress(Exception):  # at exit, peers may already be gone
-            engine.close(current=False)
+    if engine is None:
+        return
+    with contextlib.suppress(Exception):  # at exit, peers may already be gone
+        mid_step = engine._in_step or engine._pushed or engine._queued
+        if mid_step or getattr(sys, "last_value", None) is not None:
+            if engine.is_chief:
+                engine.stopper.stop()
+            return
+        engine.close(current=False)
