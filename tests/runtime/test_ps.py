@@ -204,7 +204,7 @@ def test_a_worker_failing_mid_step_does_not_linger(tmp_path_factory: pytest.Temp
     spec.write_text(yaml.safe_dump(spec_for(2, 0).to_dict()))
     codes = run_script(Path(__file__).with_name("ps_idiom.py"), ["worker", "worker"], out,
                        {"PS_SPEC": str(spec), "PS_BUILDER": "Parallax", "PS_FAIL_AT": "3",
-                        "STRATAGEM_PS_TIMEOUT": "60"})
+                        "STRATAGEM_PS_TIMEOUT": "60"}, failing=True)
     assert "user code failed at step 3" in codes[1], codes[1]
     assert "Traceback" in codes[0], codes[0]
     assert "Timed out" not in codes[0] and "timed out" not in codes[0], codes[0]

@@ -657,5 +657,7 @@ def _close_at_exit(ref: weakref.ref) -> None:
         if mid_step or getattr(sys, "last_value", None) is not None:
             if engine.is_chief:
                 engine.stopper.stop()
+            if engine.fetch_service is not None:
+                engine.fetch_service.stop()
             return
         engine.close(current=False)

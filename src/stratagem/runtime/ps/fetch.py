@@ -94,11 +94,17 @@ class FetchService:
 
     def linger(self, alive: Callable[[], bool] = lambda: True) -> None:
         """Wait until every worker closed (or its process ended), at most the data
-        timeout; ``alive`` False stops waiting early."""
+        timeout (``alive`` False stops waiting early), then :meth:`stop`."""
         deadline = time.monotonic() + data_timeout().total_seconds()
         for t in self._threads:
             while t.is_alive() and time.monotonic() < deadline and alive():
                 t.join(0.2)
+        self.stop()
+
+    def stop(self) -> None:
+        """Shut the group down: a receive still pending at interpreter exit (a thread whose
+        worker is still there) makes gloo's teardown abort the process now and then."""
+        self.group.shutdown()
 
 
 class FetchClient:
