@@ -19,6 +19,10 @@ end of backward     the rest of the buckets, then the sparse push; the worker's 
 The chief (worker 0) tells dedicated servers which phase comes next with a small control
 broadcast (phase, step, the optimizers' current hyperparameters); a server runs the same
 engine in :meth:`serve`, taking part in every exchange with empty contributions.
+
+Reads on one rank (``state_dict()``, evaluation forwards) need no other worker: stale
+embedding rows come from the owners' fetch services (``fetch.py``), which every owner keeps
+serving until all workers are done (:meth:`PSEngine.close`, also at interpreter exit).
 """
 
 from __future__ import annotations
