@@ -241,3 +241,41 @@ def test_load_state_verifies_the_file_it_reads(job_dir: Path) -> None:
     (saved / name).write_bytes(b"tampered")  # ... then damaged before the state loads
     with pytest.raises(CheckpointError, match=f"checksum mismatch in {name}"):
         load_state(Blob("blob", b""))
+
+def test_grad_scaler_is_saved_and_restored(tmp_path: Path) -> None:
+    """A GradScaler attached to the model (or passed) is in the checkpoint: its scale and
+    growth tracker after an overflow and some growth come back."""
+    from stratagem.analysis import analyze
+    from stratagem.resource import ResourceSpec
+    from stratagem.runtime import DistributedModel, compile_plan
+    from stratagem.strategy import AllReduce
+
+    def build() -> tuple[DistributedModel, torch.optim.Optimizer, torch.amp.GradScaler]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        profile = analyze(model)
+        strategy = AllReduce().build(profile, ResourceSpec.local(1))
+        plan = compile_plan(strategy, profile, rank=0, world_size=1, device=torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        dm = DistributedModel(model, plan, optimizer=opt)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+        dm.attach_scaler(scaler)
+        return dm, opt, scaler
+
+    dm, opt, scaler = build()
+    for step in range(6):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = dm(torch.randn(16, 4)).pow(2).mean()
+        scaler.scale(loss * (float("inf") if step == 1 else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0 ** 11  # (a backoff at step 1, then growth twice)
+    checkpoint.save(tmp_path / "ck", dm, opt)
+    dm2, opt2, scaler2 = build()
+    checkpoint.load(tmp_path / "ck", dm2, opt2)
+    assert scaler2.state_dict() == scaler.state_dict()
+    plain = torch.amp.GradScaler("cpu")  # passed explicitly, into a plain model's load
+    checkpoint.load(tmp_path / "ck", nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)),
+                    scaler=plain)
+    assert plain.get_scale() == scaler.get_scale()

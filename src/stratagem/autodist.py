@@ -212,11 +212,12 @@ class AutoDist:
         return validate(strategy, self.profile, self.resource_spec)
 
     def distribute(self, model: nn.Module, optimizer: Any = None, *,
-                   scaling_rule: Any = None) -> tuple[nn.Module, Any]:
+                   scaling_rule: Any = None, scaler: Any = None) -> tuple[nn.Module, Any]:
         """Return (distributed model, optimizer); the optimizer object is the same, its
         ``step``/``zero_grad`` wrapped by the adaptive loop (``stratagem.adapt.loop``): LR
         scaled by ``scaling_rule`` (default by optimizer type) when the batch size changes,
-        gradient accumulation over the loader's micro-batches."""
+        gradient accumulation over the loader's micro-batches. ``scaler``: a
+        ``torch.amp.GradScaler`` for mixed precision (``DistributedModel.attach_scaler``)."""
         from stratagem.runtime import DistributedModel, compile_plan
 
         if not isinstance(model, nn.Module):
@@ -233,6 +234,8 @@ class AutoDist:
         if self.role == "server":
             self._serve(model, optimizer, plan)  # exits the process
         self.model = DistributedModel(model, plan, optimizer=optimizer, cluster=self.cluster)
+        if scaler is not None:
+            self.model.attach_scaler(scaler)
         self.optimizer = optimizer
         # Job state for checkpoint-restart (restored here when a checkpoint exists).
         if _state.track_model(self.model, optimizer):

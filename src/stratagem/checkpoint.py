@@ -133,12 +133,17 @@ def write_collectively(final: Path, write: Callable[[Path], None], meta: dict[st
 
 
 def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, *,
-         strategy_id: str | None = None, metadata: dict[str, Any] | None = None) -> Path:
+         strategy_id: str | None = None, metadata: dict[str, Any] | None = None,
+         scaler: Any = None) -> Path:
     """Collectively save ``model`` (plain or distributed) and ``optimizer`` to ``path``.
 
-    Every rank must call it. ``metadata`` must be JSON-serializable.
+    Every rank must call it. ``metadata`` must be JSON-serializable. ``scaler`` (a
+    ``torch.amp.GradScaler``; default: the one attached to ``model``) goes to
+    ``scaler.pt``.
     """
     rank, _ = _rank_world()
+    if scaler is None:
+        scaler = getattr(model, "scaler", None)
     prepare = getattr(model, "before_checkpoint", None)
     if prepare is not None:  # collective: e.g. gather parameter-server shards on rank 0
         prepare()
@@ -151,6 +156,8 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, 
             _save_file(_inner(model).state_dict(), tmp / "model.pt")
             if optimizer is not None:
                 _save_file(optimizer.state_dict(), tmp / "optimizer.pt")
+            if scaler is not None:
+                _save_file(scaler.state_dict(), tmp / "scaler.pt")
 
     meta = {"strategy_id": strategy_id, "metadata": metadata or {}}
     return write_collectively(Path(path), write, meta, replace=True)
@@ -287,8 +294,9 @@ def check_model_state(state: Any, model: nn.Module, where: str) -> None:
 
 
 def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer: Any = None,
-         *, map_location: Any = "cpu") -> dict[str, Any]:
-    """Restore ``model``/``optimizer`` from ``path``; returns the metadata.
+         *, map_location: Any = "cpu", scaler: Any = None) -> dict[str, Any]:
+    """Restore ``model``/``optimizer`` (and ``scaler``, default the one attached to
+    ``model``, when the checkpoint has one) from ``path``; returns the metadata.
 
     Works in a single process and in any world size. Per-rank synchronizer state is
     restored only when the world size matches; otherwise it restarts fresh (warned).
@@ -316,6 +324,10 @@ def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer
                               stacklevel=2)
     if optimizer is not None and (p / "optimizer.pt").is_file():
         optimizer.load_state_dict(load_file(p, "optimizer.pt", map_location))
+    if scaler is None:
+        scaler = getattr(model, "scaler", None)
+    if scaler is not None and (p / "scaler.pt").is_file():
+        scaler.load_state_dict(load_file(p, "scaler.pt", map_location))
     finish = getattr(model, "after_restore", None)
     if finish is not None:  # collective: e.g. hand parameter-server shards to their owners
         finish()

@@ -138,6 +138,7 @@ class AllReduceReducer:
         # Gradient observers (DistributedModel.add_grad_observer): called with each group's
         # buffer before its collective ("local") and after the average ("reduced").
         self.observers: list[GradObserver] = []
+        self.loss_scale = 1.0  # the gradients' factor from a GradScaler (runtime/amp.py)
         self._next = 0
         self._queued = False
         # Hooks of CPU and CUDA parameters may run on different autograd threads.
@@ -194,8 +195,8 @@ class AllReduceReducer:
 
     def _launch(self, g: _GroupRT) -> None:
         g.launched = True
-        if self.observers:
-            scale = self.grad_weight / self.world_size
+        if self.observers:  # (loss_scale: a GradScaler's, see runtime/amp.py)
+            scale = self.grad_weight / self.world_size * self.loss_scale
             for fn in self.observers:
                 fn("local", g.plan, g.buffer, scale)
         g.compressor.start(g.comm)
@@ -217,7 +218,7 @@ class AllReduceReducer:
                 g.compressor.finish(g.comm)
             for fn in self.observers:
                 for g in self.groups:
-                    fn("reduced", g.plan, g.buffer, 1.0)
+                    fn("reduced", g.plan, g.buffer, self.loss_scale)
             for g in self.groups:
                 for m in g.members:
                     m.write_back()
@@ -275,6 +276,7 @@ class LocalReducer:
         self.stats = stats
         self.require_sync = True
         self.grad_weight = 1.0
+        self.loss_scale = 1.0
         self.before_wait = None
         self._queued = False
         ref = weakref.ref(self)
