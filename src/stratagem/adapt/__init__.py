@@ -7,20 +7,13 @@ The adaptive training loop that AutoDist attaches (``loop``: profiling, gradient
 batch-size decisions, LR scaling, hints, per-epoch progress) and the ``Accumulator`` of
 metrics: see ``docs/how-to/adaptive-batch-size.md``.
 
-Job state and elastic restarts (``state``, ``epoch``, ``elastic``): see
-``docs/how-to/elastic-training.md``.
+Job state and elastic restarts live in :mod:`stratagem.elastic` (re-exported here under
+their documented names): see ``docs/how-to/elastic-training.md``.
 """
 
+from stratagem.adapt import rescale
 from stratagem.adapt.accumulator import Accumulator
 from stratagem.adapt.autoscale import Autoscaler, BatchConfig
-from stratagem.adapt.elastic import (
-    EXIT_CODE,
-    exit_point,
-    exit_requested,
-    hold_exit,
-    request_exit,
-)
-from stratagem.adapt.epoch import current_epoch, finished_epochs, remaining_epochs_until
 from stratagem.adapt.gns import GNSEstimate, GradientNoiseScale, unbiased_estimates
 from stratagem.adapt.goodput import (
     DEFAULT_SWITCH_THRESHOLD,
@@ -38,7 +31,7 @@ from stratagem.adapt.grad_norms import (
 )
 from stratagem.adapt.gradstats import GradStats
 from stratagem.adapt.hints import HintsPublisher
-from stratagem.adapt.loop import AdaptiveTrainer
+from stratagem.adapt.loop import AdaptiveTrainer, TrainerConfig
 from stratagem.adapt.metrics import StepProfiler
 from stratagem.adapt.progress import ProgressTracker
 from stratagem.adapt.progress_report import EpochReport
@@ -53,18 +46,6 @@ from stratagem.adapt.scaling_rules import (
     scaled_lr,
     scaled_step,
 )
-from stratagem.adapt.state import (
-    ENV_ADAPTDL_CHECKPOINT,
-    ENV_CHECKPOINT_DIR,
-    ObjectState,
-    State,
-    checkpoint_root,
-    load_state,
-    register_state,
-    reset_states,
-    restore_point,
-    save_all_states,
-)
 from stratagem.adapt.throughput import (
     ProfileRecord,
     ThroughputParams,
@@ -73,6 +54,26 @@ from stratagem.adapt.throughput import (
     predict_step_time,
     predict_sync_time,
     predict_throughput,
+)
+from stratagem.elastic import (  # the job lifecycle, documented under sg.adapt too
+    ENV_ADAPTDL_CHECKPOINT,
+    ENV_CHECKPOINT_DIR,
+    EXIT_CODE,
+    ObjectState,
+    State,
+    checkpoint_root,
+    current_epoch,
+    exit_point,
+    exit_requested,
+    finished_epochs,
+    hold_exit,
+    load_state,
+    register_state,
+    remaining_epochs_until,
+    request_exit,
+    reset_states,
+    restore_point,
+    save_all_states,
 )
 
 __all__ = [
@@ -84,6 +85,8 @@ __all__ = [
     "GradStats",
     "HintsPublisher",
     "StepProfiler",
+    "TrainerConfig",
+    "rescale",
     "DEFAULT_SWITCH_THRESHOLD",
     "ENV_ADAPTDL_CHECKPOINT",
     "ENV_CHECKPOINT_DIR",

@@ -20,20 +20,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-ENV_HINTS_FILE = "STRATAGEM_HINTS_FILE"
-ENV_HINTS_PORT = "STRATAGEM_HINTS_PORT"
-ENV_HINTS_ADDR = "STRATAGEM_HINTS_ADDR"
+from stratagem import env
+
+ENV_HINTS_FILE = env.HINTS_FILE
+ENV_HINTS_PORT = env.HINTS_PORT
+ENV_HINTS_ADDR = env.HINTS_ADDR
 SCHEMA_VERSION = 1
 
 
 def default_hints_path() -> Path | None:
     """``$STRATAGEM_HINTS_FILE``, else ``<checkpoint dir>/hints.json``, else None."""
-    from stratagem.adapt.state import checkpoint_root
-
-    value = os.environ.get(ENV_HINTS_FILE)
+    value = env.hints_file()
     if value:
         return Path(value)
-    root = checkpoint_root()
+    root = env.checkpoint_dir()
     return root / "hints.json" if root is not None else None
 
 
@@ -96,9 +96,9 @@ class HintsPublisher:
                  host: str | None = None, *, enabled: bool = True) -> None:
         self.enabled = enabled
         self.path = Path(path) if path is not None else default_hints_path()
-        if port is None and os.environ.get(ENV_HINTS_PORT, "") != "":
-            port = int(os.environ[ENV_HINTS_PORT])
-        self.host = host or os.environ.get(ENV_HINTS_ADDR) or "127.0.0.1"
+        if port is None:
+            port = env.hints_port()
+        self.host = host or env.hints_addr()
         self._server: _HintsServer | None = None
         self._thread: threading.Thread | None = None
         self.latest: dict[str, Any] | None = None

@@ -26,13 +26,13 @@ import math
 import time
 import types
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from stratagem.adapt import elastic
 from stratagem.adapt.autoscale import Autoscaler, BatchConfig
 from stratagem.adapt.gns import GradientNoiseScale
 from stratagem.adapt.goodput import BatchChoice, GoodputFunction
@@ -50,8 +50,16 @@ from stratagem.adapt.scaling_rules import (
     default_rule_for,
     scaled_lr,
 )
-from stratagem.adapt.state import ObjectState, load_state, unique_name
 from stratagem.data import DistributedDataLoader, GlobalBatch, split_evenly
+from stratagem.elastic import (
+    MembershipChange,
+    ObjectState,
+    current_job,
+    hold_exit,
+    load_state,
+    unique_name,
+)
+from stratagem.errors import StratagemError
 
 MIN_INTERVAL = 10  # steps between batch-size decisions, at least
 MAX_INTERVAL = 1000
@@ -61,21 +69,48 @@ MAX_STATS_EVERY = 32
 _CACHEABLE = (AdaScale, AdamScale, LinearScale, SqrtScale)
 
 
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Settings of the adaptive loop (``ad.distribute(model, opt, adaptive=...)``).
+
+    ``decision_interval``: steps between batch-size decisions (None: adaptive, so that
+    fitting and deciding take at most 2% of the time, at least every 10 steps);
+    ``smoothing``: the noise estimate's EMA factor per base batch of samples;
+    ``precond_every``: steps between refreshes of the Adam preconditioner used for the
+    gradient statistics.
+    """
+
+    decision_interval: int | None = None
+    smoothing: float = 0.999
+    precond_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.decision_interval is not None and self.decision_interval < 1:
+            raise StratagemError(f"decision_interval must be >= 1, got "
+                                 f"{self.decision_interval}", where="TrainerConfig",
+                                 fix="use None for the adaptive interval, or a step count")
+        if not 0.0 < self.smoothing < 1.0:
+            raise StratagemError(f"smoothing must be in (0, 1), got {self.smoothing}",
+                                 where="TrainerConfig", fix="e.g. 0.999 (the default)")
+        if self.precond_every < 1:
+            raise StratagemError(f"precond_every must be >= 1, got {self.precond_every}",
+                                 where="TrainerConfig", fix="e.g. 10 (the default)")
+
+
 class AdaptiveTrainer:
     """Adaptive batch size and learning rate for one model and optimizer (module doc).
 
-    ``scaling_rule``: default by optimizer type (:func:`default_rule_for`);
-    ``decision_interval``: steps between decisions (default: adaptive, so that fitting and
-    deciding take at most 2% of the time, at least every 10 steps); ``smoothing``: the noise
-    estimate's EMA factor per base batch of samples; ``precond_every``: steps between
-    refreshes of the Adam preconditioner used for the statistics.
+    ``scaling_rule``: default by optimizer type (:func:`default_rule_for`); ``config``: the
+    loop's settings (:class:`TrainerConfig`).
     """
 
     def __init__(self, model: Any, optimizer: torch.optim.Optimizer, *,
                  scaling_rule: ScalingRule | None = None, rank: int = 0, world_size: int = 1,
                  num_nodes: int = 1, log: Callable[[str], None] | None = None,
-                 decision_interval: int | None = None, smoothing: float = 0.999,
-                 precond_every: int = 10, hints: HintsPublisher | None = None) -> None:
+                 config: TrainerConfig | None = None,
+                 hints: HintsPublisher | None = None) -> None:
+        config = config if config is not None else TrainerConfig()
+        self.config = config
         self.model = model
         self.optimizer = optimizer
         self.rule = scaling_rule if scaling_rule is not None else default_rule_for(optimizer)
@@ -85,9 +120,9 @@ class AdaptiveTrainer:
         self.preconditioned = isinstance(default_rule_for(optimizer), AdamScale)
         self.rank, self.world_size, self.num_nodes = rank, world_size, num_nodes
         self.log = log or (lambda message: None)
-        self.decision_interval = decision_interval
-        self.smoothing = smoothing
-        self.precond_every = precond_every
+        self.decision_interval = config.decision_interval
+        self.smoothing = config.smoothing
+        self.precond_every = config.precond_every
         self._hints = hints
         self.profiler = StepProfiler()
         self.loader: DistributedDataLoader | None = None
@@ -123,6 +158,7 @@ class AdaptiveTrainer:
         self._factor_value: tuple[np.ndarray, float] = (np.ones(1), 1.0)
         self._wrap_optimizer()
         self._state: ObjectState | None = None
+        current_job().add_participant(self)  # follows in-process rescales
         if self.explicit_rule:
             self._register_state()
 
@@ -245,8 +281,19 @@ class AdaptiveTrainer:
         self.stats = GradStats(self.model, self.optimizer, self.gns, world_size=self.world_size,
                                precond_every=self.precond_every)
 
+    def before_membership_change(self) -> None:
+        """In the old group, before an in-process rescale: apply the queued gradient
+        statistics (collective)."""
+        if self.stats is not None:
+            self.stats.flush()
+
+    def on_membership_change(self, change: MembershipChange) -> None:
+        """An in-process rescale happened (after AutoDist re-bound the model, which
+        registered first): follow it (:meth:`on_rescale`)."""
+        self.on_rescale(change.rank, change.world_size)
+
     def on_rescale(self, rank: int, world_size: int) -> None:
-        """Follow an in-process rescale (:mod:`stratagem.adapt.rescale`), after the model
+        """Follow an in-process rescale (:mod:`stratagem.elastic.rescale`), after the model
         was re-bound to the new group: take the new rank and world size, restart the
         gradient statistics (they depend on the replica count and observe the new
         synchronizers), and decide the batch configuration again at the next loader start
@@ -302,7 +349,7 @@ class AdaptiveTrainer:
             if not info.final:
                 if hasattr(self.model, "no_sync"):
                     stack.enter_context(self.model.no_sync())
-                stack.enter_context(elastic.hold_exit())
+                stack.enter_context(hold_exit())
             self._micro = info
             try:
                 yield
@@ -379,7 +426,7 @@ class AdaptiveTrainer:
             payload[:] = torch.tensor([config.global_bsz, config.accum_steps, self._interval(),
                                        self._stats_every()])
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.broadcast(payload, src=0, group=elastic._control_group())
+            dist.broadcast(payload, src=0, group=current_job().control_group())
         global_bsz, accum, interval, self.stats_every = (int(v) for v in payload.tolist())
         loader = self.loader
         if (global_bsz, accum) != (loader.batch_size, loader.accum_steps):

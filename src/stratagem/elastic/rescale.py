@@ -1,8 +1,11 @@
 """In-process rescale: workers join or leave a running job, nobody restarts.
 
 The job's workers share one ``TCPStore`` (``STRATAGEM_RESCALE_STORE=host:port``), hosted by
-``python -m stratagem.adapt.rescale serve`` (a launcher) or by one worker with
-``STRATAGEM_RESCALE_HOST=1``. Membership moves in *generations*:
+``python -m stratagem.elastic.rescale serve`` (a launcher) or by one worker with
+``STRATAGEM_RESCALE_HOST=1``. The store listens on loopback unless told otherwise; one that
+listens on another address requires a shared token (``STRATAGEM_RESCALE_TOKEN``), which
+names the job's keys: a client without it can neither read nor forge the membership.
+Membership moves in *generations*:
 
 * The first ``STRATAGEM_RESCALE_NPROC`` workers form generation 0 when ``AutoDist()`` is
   created (each takes a ticket; ticket 0 writes the member list).
@@ -13,15 +16,16 @@ The job's workers share one ``TCPStore`` (``STRATAGEM_RESCALE_STORE=host:port``)
   joiners to admit. On a change, rank 0 writes generation ``g+1`` to the store; every member
   syncs its job state (accumulators), leavers exit, the rest destroy the old process group
   and create the new one under the store prefix of ``g+1``; the joiners do the same.
-* Then (:mod:`stratagem.adapt._regroup`) every member rebuilds the strategy, plan and
-  gradient synchronizers for the new world, rank 0 broadcasts parameters, buffers and all
-  job state (optimizer, loader position, epoch, adaptive loop, user states: tensors and
-  JSON, no pickles) to the joiners, and loaders re-plan the epoch's remaining global
-  batches from the current sample offset. Global batch ``t`` is the same set of samples at
+* Then (:mod:`stratagem.elastic.membership`) rank 0 sends all job state (optimizer, loader
+  position, epoch, adaptive loop, user states: tensors and JSON, no pickles) to the
+  joiners, and every participant follows the change through its own callback: AutoDist
+  rebuilds the strategy, plan and gradient synchronizers for the new world and broadcasts
+  parameters and buffers, loaders re-plan the epoch's remaining global batches from the
+  current sample offset. Global batch ``t`` is the same set of samples at
   any world size, so no sample is lost or repeated and training equals one process's.
 
 When every member leaves at once (the whole job is stopped), the checkpoint path of
-:func:`stratagem.adapt.exit_point` saves the job state and exits as usual (without a
+:func:`stratagem.elastic.exit_point` saves the job state and exits as usual (without a
 checkpoint directory the workers just exit).
 All-reduce strategies only (parameter-server strategies are refused); single-node resource
 specs (the world is rebuilt as this machine's workers).
@@ -29,8 +33,11 @@ specs (the world is rebuilt as this machine's workers).
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
+import hashlib
+import ipaddress
 import json
 import os
 import socket
@@ -38,22 +45,26 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from stratagem import env
+from stratagem.elastic.context import JobContext, MembershipChange, current_job
+from stratagem.elastic.membership import after_change, before_change
+from stratagem.elastic.signals import EXIT_CODE, install_signal_handler, request_exit
+from stratagem.elastic.state import checkpoint_root
 from stratagem.errors import DistributedError
+from stratagem.process_group import destroy_process_group, init_process_group
+from stratagem.process_group import init_single_process_group as init_alone
 
-ENV_STORE = "STRATAGEM_RESCALE_STORE"
-ENV_HOST = "STRATAGEM_RESCALE_HOST"
-ENV_NPROC = "STRATAGEM_RESCALE_NPROC"
-ENV_ID = "STRATAGEM_RESCALE_ID"
-ENV_TIMEOUT = "STRATAGEM_RESCALE_TIMEOUT_S"
+ENV_STORE = env.RESCALE_STORE
+ENV_HOST = env.RESCALE_HOST
+ENV_NPROC = env.RESCALE_NPROC
+ENV_ID = env.RESCALE_ID
+ENV_TIMEOUT = env.RESCALE_TIMEOUT
+ENV_TOKEN = env.RESCALE_TOKEN
 NS = "sg-rescale"
-
-_group: ElasticGroup | None = None
-_leave_requested = False
 
 
 @dataclass(frozen=True)
@@ -94,18 +105,60 @@ def parse_address(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def host_store(host: str, port: int, timeout_s: float = 600.0) -> dist.TCPStore:
-    """Serve a job's rescale store (keep the returned object alive)."""
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def namespace(token: str | None) -> str:
+    """The prefix of a job's store keys: with a token, a digest of it, so a client that
+    does not know the token cannot find (read or forge) the job's membership."""
+    if not token:
+        return NS
+    return f"{NS}/{hashlib.sha256(token.encode()).hexdigest()[:32]}"
+
+
+def host_store(host: str, port: int, timeout_s: float = 600.0, *,
+               token: str | None = None) -> dist.TCPStore:
+    """Serve a job's rescale store on ``host:port`` only (keep the returned object alive).
+
+    A store on anything but loopback is reachable from other machines: it needs a token.
+    """
+    if not is_loopback(host) and not token:
+        raise DistributedError(
+            f"a rescale store on {host}:{port} would accept any client on the network",
+            where="rescale store",
+            fix=f"keep it on 127.0.0.1, or set {ENV_TOKEN} (or --token) to a shared secret "
+                "on the store and on every worker")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise DistributedError(f"cannot listen on {host}:{port}: {exc}",
+                               where="rescale store", fix="pick a free port") from None
+    # torch's store server would listen on every interface; it takes this socket instead.
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=sock.detach())
 
 
 class ElasticGroup:
     """This worker's membership of an in-process elastic job (see the module docstring)."""
 
     def __init__(self, store: dist.Store, member_id: str, *, nproc: int = 1,
-                 timeout_s: float = 300.0, backend: str | None = None) -> None:
+                 timeout_s: float = 300.0, backend: str | None = None,
+                 token: str | None = None, job: JobContext | None = None) -> None:
         self.store = store
+        self.job = job if job is not None else current_job()  # whose participants follow
+        self.namespace = namespace(token)
         self.id = member_id
         self.nproc = max(int(nproc), 1)
         self.timeout = timedelta(seconds=timeout_s)
@@ -116,31 +169,28 @@ class ElasticGroup:
         self.ticket: int | None = None
         self.pending = False  # started late: joins at its first exit point
         self.history: list[Change] = []
-        self.ad: Any = None  # the AutoDist whose model, loaders and states follow the group
-        self._server: Any = None
+        self.server: dist.TCPStore | None = None  # the store, when this worker hosts it
 
     @classmethod
     def from_env(cls) -> ElasticGroup | None:
         """The group described by ``STRATAGEM_RESCALE_*``, or None when unset."""
-        address = os.environ.get(ENV_STORE)
+        address = env.rescale_store()
         if not address:
             return None
         host, port = parse_address(address)
-        timeout_s = float(os.environ.get(ENV_TIMEOUT) or 300)
-        server = None
-        if os.environ.get(ENV_HOST) == "1":
-            server = host_store(host, port, timeout_s)
+        timeout_s = env.rescale_timeout().total_seconds()
+        token = env.rescale_token()
+        server = host_store(host, port, timeout_s, token=token) if env.rescale_host() else None
         store = dist.TCPStore(host, port, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
-        member = os.environ.get(ENV_ID) or f"{socket.gethostname()}-{os.getpid()}"
-        nproc = int(os.environ.get(ENV_NPROC) or os.environ.get("WORLD_SIZE") or 1)
-        group = cls(store, member, nproc=nproc, timeout_s=timeout_s)
-        group._server = server
+        member = env.rescale_id() or f"{socket.gethostname()}-{os.getpid()}"
+        group = cls(store, member, nproc=env.rescale_nproc(), timeout_s=timeout_s, token=token)
+        group.server = server
         return group
 
     # -- keys ----------------------------------------------------------------------------
     def _key(self, *parts: object) -> str:
-        return "/".join([NS, *map(str, parts)])
+        return "/".join([self.namespace, *map(str, parts)])
 
     def _read_generation(self, number: int) -> Generation:
         key = self._key("gen", number)
@@ -171,14 +221,14 @@ class ElasticGroup:
         self.pending = True
         os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
         if not dist.is_initialized():  # alone until admitted (collectives in the script work)
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            init_alone("gloo")
 
     def _close(self) -> None:
         """At exit: rank 0 marks the job finished (waiting joiners then give up)."""
         if self.rank == 0 and not self.pending and self.generation is not None:
             with contextlib.suppress(RuntimeError, OSError):  # no store: nobody to tell
                 self.store.set(self._key("done"), str(self.generation.number))
-        _destroy()
+        self._destroy()
 
     def _publish(self, gen: Generation, tickets: list[int]) -> None:
         self.store.set(self._key("gen", gen.number), gen.to_json())
@@ -190,8 +240,7 @@ class ElasticGroup:
         """Create this worker's process group of generation ``gen``."""
         rank, world = gen.members.index(self.id), len(gen.members)
         store = dist.PrefixStore(self._key("pg", gen.number), self.store)
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
-                                timeout=self.timeout)
+        init_process_group(self.backend, store=store, rank=rank, world_size=world)
         self.rank, self.world_size, self.generation = rank, world, gen
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
 
@@ -214,12 +263,11 @@ class ElasticGroup:
                                            f"step boundaries; raise {ENV_TIMEOUT}")
             time.sleep(0.005)
         gen = self._read_generation(int(self.store.get(key)))
-        _destroy()  # the world-1 group it trained alone with
+        self._destroy()  # the world-1 group it trained alone with
         self._enter(gen)
         self.pending = False
-        from stratagem.adapt import _regroup
-
-        _regroup.regroup(self, newcomer=True, joiners=True)
+        after_change(self.job, MembershipChange(self.rank, self.world_size, newcomer=True,
+                                                joiners=True))
         change = Change(gen.number, len(gen.members) - 1, len(gen.members), (), (self.id,),
                         time.perf_counter() - t0)
         self.history.append(change)
@@ -253,25 +301,24 @@ class ElasticGroup:
             return None
         survivors = [m for m, f in zip(gen.members, flags, strict=True) if not f]
         if not survivors:
-            return _stop_all()
+            return self._stop_all()
         joined = [self.store.get(self._key("ticket", t)).decode()
                   for t in range(gen.admitted, gen.admitted + n)]
         new = Generation(gen.number + 1, tuple(survivors + joined), gen.admitted + n)
         if self.rank == 0:
             self._publish(new, list(range(gen.admitted, new.admitted)))
-        from stratagem.adapt import _regroup
-
-        _regroup.sync_states(self.ad)  # pending accumulator updates, leavers' included
+        before_change(self.job)  # pending accumulator updates, leavers' included
         left = tuple(m for m, f in zip(gen.members, flags, strict=True) if f)
         old_world = self.world_size
-        _destroy()
+        self._destroy()
         if leaving:
             self.generation = None  # gone: not the one to mark the job finished at exit
             print(f"stratagem: worker {self.id} left the job (generation {new.number}: "
                   f"{len(new.members)} workers)", file=sys.stderr, flush=True)
             sys.exit(0)
         self._enter(new)
-        _regroup.regroup(self, newcomer=False, joiners=n > 0)
+        after_change(self.job, MembershipChange(self.rank, self.world_size, newcomer=False,
+                                                joiners=n > 0))
         change = Change(new.number, old_world, self.world_size, left, tuple(joined),
                         time.perf_counter() - t0)
         self.history.append(change)
@@ -281,84 +328,75 @@ class ElasticGroup:
         return change
 
 
-def _destroy() -> None:
-    from stratagem.adapt import elastic
+    def _destroy(self) -> None:
+        """Leave the current process group (its cached control group goes with it)."""
+        self.job.forget_control_group()
+        destroy_process_group()
 
-    elastic._group = None  # its cached control group belongs to the old process group
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _stop_all() -> None:
-    """Every member leaves: the job stops. With a checkpoint directory the exit point saves
-    the job state and exits next; without one, exit now."""
-    from stratagem.adapt import elastic
-    from stratagem.adapt.state import checkpoint_root
-
-    elastic.request_exit()
-    if checkpoint_root() is None:
-        _destroy()
-        sys.exit(elastic.EXIT_CODE)
+    def _stop_all(self) -> None:
+        """Every member leaves: the job stops. With a checkpoint directory the exit point
+        saves the job state and exits next; without one, exit now."""
+        request_exit()
+        if checkpoint_root() is None:
+            self._destroy()
+            sys.exit(EXIT_CODE)
 
 
 # -- module API -------------------------------------------------------------------------------
-def begin(ad: Any = None) -> ElasticGroup | None:
-    """Called by ``AutoDist()``: join the in-process elastic job described by the environment
-    (``STRATAGEM_RESCALE_STORE``), or return None when there is none."""
-    global _group
-    if _group is None:
+def join_job() -> ElasticGroup | None:
+    """Join the in-process elastic job described by the environment
+    (``STRATAGEM_RESCALE_STORE``; called by ``AutoDist()``), or return None when there is
+    none. Idempotent: the group is kept in the job context."""
+    ctx = current_job()
+    if ctx.group is None:
         group = ElasticGroup.from_env()
         if group is None:
             return None
-        from stratagem.adapt import elastic
-
-        elastic.install_signal_handler()  # SIGTERM: leave at the next step boundary
+        install_signal_handler()  # SIGTERM: leave at the next step boundary
         group.start()
-        _group = group
-    if ad is not None:
-        _group.ad = ad
-    return _group
+        ctx.group = group
+    return ctx.group
 
 
 def active_group() -> ElasticGroup | None:
-    return _group
+    """This worker's elastic group, or None outside in-process elastic jobs."""
+    return current_job().group
 
 
 def request_leave() -> None:
     """Leave the job at the next step boundary (like SIGTERM, without stopping the rest)."""
-    global _leave_requested
-    _leave_requested = True
+    current_job().leave_requested = True
 
 
 def rescale_point() -> Change | None:
     """A step boundary (every exit point calls it): apply pending joins and leaves.
     Collective over the members; a no-op outside in-process elastic jobs."""
-    group = _group
+    ctx = current_job()
+    group = ctx.group
     if group is None:
         return None
     if group.pending:
         return group.join_late()
-    from stratagem.adapt import elastic
-
-    return group.poll(_leave_requested or elastic.exit_requested())
-
-
-def reset() -> None:
-    """Forget the group (tests)."""
-    global _group, _leave_requested
-    _group, _leave_requested = None, False
+    return group.poll(ctx.leave_requested or ctx.exit_requested)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m stratagem.adapt.rescale serve [--host H] --port P``: host a job's store."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m stratagem.adapt.rescale")
+    """``python -m stratagem.elastic.rescale serve [--host H] --port P [--token T]``: host
+    a job's store (on loopback unless ``--host`` says otherwise, which needs a token)."""
+    parser = argparse.ArgumentParser(prog="python -m stratagem.elastic.rescale")
     parser.add_argument("command", choices=["serve"])
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--token", default=None,
+                        help=f"shared secret of the job's workers (default: ${ENV_TOKEN}); "
+                             "required when listening beyond loopback")
     args = parser.parse_args(argv)
-    server = host_store(args.host, args.port)
+    try:
+        server = host_store(args.host, args.port, token=args.token or env.rescale_token())
+    except DistributedError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 2
     print(f"stratagem: rescale store on {args.host}:{args.port}", flush=True)
     try:
         while True:

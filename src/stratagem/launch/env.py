@@ -1,6 +1,8 @@
 """The environment contract between the launcher, the per-node agents and the workers.
 
-Every worker sees, besides torch elastic's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/...:
+This module *writes* the variables; their names, meanings and accessors are defined in
+:mod:`stratagem.env` (the one place that reads them). Every worker sees, besides torch
+elastic's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/...:
 
 ``STRATAGEM_RESOURCE_SPEC``  absolute path of the resource spec (unset: this machine alone)
 ``STRATAGEM_STRATEGY``       builder name or strategy file path from ``--strategy`` (or unset)
@@ -19,14 +21,15 @@ import os
 import sys
 from collections.abc import Mapping, MutableMapping
 
+from stratagem import env
 from stratagem.launch.netif import interface_for_address
 from stratagem.resource import Node
 
-ENV_SPEC = "STRATAGEM_RESOURCE_SPEC"
-ENV_STRATEGY = "STRATAGEM_STRATEGY"
-ENV_NODE_ADDRESS = "STRATAGEM_NODE_ADDRESS"
-ENV_JOB_ID = "STRATAGEM_JOB_ID"
-ENV_ROLE = "STRATAGEM_ROLE"
+ENV_SPEC = env.RESOURCE_SPEC
+ENV_STRATEGY = env.STRATEGY
+ENV_NODE_ADDRESS = env.NODE_ADDRESS
+ENV_JOB_ID = env.JOB_ID
+ENV_ROLE = env.ROLE
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 
 
@@ -38,16 +41,16 @@ def job_env(job_id: str, node: Node, spec_path: str | None, strategy: str | None
     ``inherited`` (the launcher's environment) already sets it.
     """
     inherited = os.environ if inherited is None else inherited
-    env = {ENV_JOB_ID: job_id, ENV_NODE_ADDRESS: node.address, "PYTHONUNBUFFERED": "1"}
+    out = {ENV_JOB_ID: job_id, ENV_NODE_ADDRESS: node.address, "PYTHONUNBUFFERED": "1"}
     if spec_path:
-        env[ENV_SPEC] = spec_path
+        out[ENV_SPEC] = spec_path
     if strategy:
-        env[ENV_STRATEGY] = strategy
+        out[ENV_STRATEGY] = strategy
     if "OMP_NUM_THREADS" in inherited:
-        env["OMP_NUM_THREADS"] = inherited["OMP_NUM_THREADS"]
+        out["OMP_NUM_THREADS"] = inherited["OMP_NUM_THREADS"]
     else:
-        env["OMP_NUM_THREADS"] = str(max(1, len(node.cpus) // max(1, node.workers)))
-    return env
+        out["OMP_NUM_THREADS"] = str(max(1, len(node.cpus) // max(1, node.workers)))
+    return out
 
 
 def apply_node_env(environ: MutableMapping[str, str] | None = None) -> str | None:

@@ -22,27 +22,34 @@ import torch
 from stratagem.errors import CheckpointError
 from stratagem.runtime.comm import Comm
 from stratagem.runtime.plan import GroupPlan
+from stratagem.strategy.compressors import (
+    SettingsCheck,
+    compressor_names,
+    register_compressor_name,
+)
 
-_REGISTRY: dict[str, type[Compressor]] = {}
+__all__ = ["Compressor", "compressor_names", "make_compressor", "register_compressor"]
+
+_IMPLEMENTATIONS: dict[str, type[Compressor]] = {}  # names: stratagem.strategy.compressors
 
 
-def register_compressor(name: str) -> Callable[[type[Compressor]], type[Compressor]]:
-    """Class decorator: make a compressor usable as ``AllReduceSynchronizer.compressor``."""
+def register_compressor(name: str, check: SettingsCheck | None = None
+                        ) -> Callable[[type[Compressor]], type[Compressor]]:
+    """Class decorator: make a compressor usable as ``AllReduceSynchronizer.compressor``
+    (its name goes into the one registry that validation reads; ``check`` validates its
+    settings)."""
 
     def deco(cls: type[Compressor]) -> type[Compressor]:
+        register_compressor_name(name, check)
         cls.name = name
-        _REGISTRY[name] = cls
+        _IMPLEMENTATIONS[name] = cls
         return cls
 
     return deco
 
 
-def compressor_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
 def make_compressor(group: GroupPlan, buffer: torch.Tensor) -> Compressor:
-    return _REGISTRY[group.compressor](group, buffer)
+    return _IMPLEMENTATIONS[group.compressor](group, buffer)
 
 
 class Compressor:

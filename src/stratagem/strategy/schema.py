@@ -20,7 +20,6 @@ import yaml
 from stratagem.errors import StrategyError
 
 SCHEMA_VERSION = 1
-COMPRESSORS = ("none", "fp16", "bf16", "powersgd")
 ALL_REDUCE_SPECS = ("auto", "nccl", "gloo")
 
 
