@@ -16,7 +16,7 @@ from stratagem import elastic
 from stratagem.elastic import MembershipChange, State, current_job, drop_job, job_context
 from stratagem.elastic.membership import after_change, before_change
 from stratagem.elastic.rescale import host_store, is_loopback, main, namespace
-from stratagem.errors import DistributedError
+from stratagem.errors import DistributedError, StratagemError
 from stratagem.launch.local import free_port
 
 
@@ -118,7 +118,7 @@ def test_adaptive_loop_settings_travel_through_distribute() -> None:
     ad.distribute(*_model_and_optimizer(), adaptive=config)
     assert (ad.adaptive.decision_interval, ad.adaptive.smoothing,
             ad.adaptive.precond_every) == (7, 0.9, 3)
-    with pytest.raises(sg.errors.StratagemError, match="smoothing"):
+    with pytest.raises(StratagemError, match="smoothing"):
         sg.adapt.TrainerConfig(smoothing=1.5)
 
 
