@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sched",),
     ("autodist",),
     ("adaptdl",),
-    ("explain", "cli", "__main__", ""),  # "": the package's own __init__ (public API)
+    ("plan_command", "cli", "__main__", ""),  # "": the package's own __init__ (public API)
 )
 ENV_NAME = re.compile(r"(STRATAGEM|ADAPTDL)_[A-Z0-9_]+")
 

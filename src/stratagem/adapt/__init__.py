@@ -1,7 +1,9 @@
 """Adaptive batch size and learning rate: throughput model, gradient noise scale, goodput.
 
-Pure math here (numpy, plus torch for optimizer-facing helpers); the data loader, elastic
-restarts and engine integration build on it. See ``docs/concepts/goodput.md``.
+The models (``throughput``, ``noise_scale``, ``goodput``, ``scaling_rules``, ``autoscale``:
+numpy, plus torch for optimizer-facing helpers) and what measures their inputs while
+training (``step_profiler``: step times; ``gradient_stats``: gradient norms per step). See
+``docs/concepts/goodput.md``.
 
 The adaptive training loop that AutoDist attaches (``loop``: profiling, gradient statistics,
 batch-size decisions, LR scaling, hints, per-epoch progress) and the ``Accumulator`` of
@@ -14,7 +16,6 @@ their documented names): see ``docs/how-to/elastic-training.md``.
 from stratagem.adapt import rescale
 from stratagem.adapt.accumulator import Accumulator
 from stratagem.adapt.autoscale import Autoscaler, BatchConfig
-from stratagem.adapt.gns import GNSEstimate, GradientNoiseScale, unbiased_estimates
 from stratagem.adapt.goodput import (
     DEFAULT_SWITCH_THRESHOLD,
     BatchChoice,
@@ -23,16 +24,16 @@ from stratagem.adapt.goodput import (
     choose_with_hysteresis,
     should_switch,
 )
-from stratagem.adapt.grad_norms import (
+from stratagem.adapt.gradient_stats import (
     ConsecutiveGradients,
+    GradStats,
     adam_preconditioner,
     group_sqr_norms,
     param_group_grads,
 )
-from stratagem.adapt.gradstats import GradStats
 from stratagem.adapt.hints import HintsPublisher
 from stratagem.adapt.loop import AdaptiveTrainer, TrainerConfig
-from stratagem.adapt.metrics import StepProfiler
+from stratagem.adapt.noise_scale import GNSEstimate, GradientNoiseScale, unbiased_estimates
 from stratagem.adapt.progress import ProgressTracker
 from stratagem.adapt.progress_report import EpochReport
 from stratagem.adapt.scaling_rules import (
@@ -46,6 +47,7 @@ from stratagem.adapt.scaling_rules import (
     scaled_lr,
     scaled_step,
 )
+from stratagem.adapt.step_profiler import StepProfiler
 from stratagem.adapt.throughput import (
     ProfileRecord,
     ThroughputParams,

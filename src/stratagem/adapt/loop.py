@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 
 from stratagem.adapt.autoscale import Autoscaler, BatchConfig
-from stratagem.adapt.gns import GradientNoiseScale
 from stratagem.adapt.goodput import BatchChoice, GoodputFunction
-from stratagem.adapt.gradstats import GradStats
+from stratagem.adapt.gradient_stats import GradStats
 from stratagem.adapt.hints import SCHEMA_VERSION, HintsPublisher
-from stratagem.adapt.metrics import StepProfiler
+from stratagem.adapt.noise_scale import GradientNoiseScale
 from stratagem.adapt.progress import ProgressTracker
 from stratagem.adapt.progress_report import EpochReport, to_tensorboard
 from stratagem.adapt.scaling_rules import (
@@ -50,6 +49,7 @@ from stratagem.adapt.scaling_rules import (
     default_rule_for,
     scaled_lr,
 )
+from stratagem.adapt.step_profiler import StepProfiler
 from stratagem.data import DistributedDataLoader, GlobalBatch, split_evenly
 from stratagem.elastic import (
     MembershipChange,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stratagem.adapt.gns import GradientNoiseScale
+from stratagem.adapt import GradientNoiseScale
 from stratagem.adapt.scaling_rules import LEGW, AdamScale, AdaScale, LinearScale, SqrtScale
 from stratagem.adapt.scaling_rules import ScalingRule as ScalingRuleBase
 
