@@ -66,7 +66,7 @@ class AdaptiveDataParallel(nn.Module):
         self.scaling_rule = scaling_rule if scaling_rule is not None else AdaScale()
         object.__setattr__(self, "_dist", _distribute(ad, model, optimizer,
                                                       self.scaling_rule))
-        self._trainer = getattr(ad, "adaptive", None)  # the adaptive loop, when available
+        self._trainer = ad.adaptive  # the adaptive loop (None without an optimizer)
         _runtime.attach_loaders()
         if lr_scheduler is not None:
             register_state(f"{name}-lr_scheduler", lr_scheduler)
