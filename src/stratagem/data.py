@@ -166,8 +166,6 @@ class DistributedDataLoader:
     an in-process rescale moves the loader to the new world (:meth:`on_rescale`).
     """
 
-    iterating: int = 0  # loader iterations in progress, all loaders (see adapt.Accumulator)
-
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False,
                  on_batch: Any = None, elastic: bool = False, **loader_kwargs: Any) -> None:
@@ -293,11 +291,12 @@ class DistributedDataLoader:
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         self._follow_epoch_loop()
-        DistributedDataLoader.iterating += 1
+        job = current_job()
+        job.loader_iterations += 1  # (see adapt.Accumulator: syncs inside a loop)
         try:
             yield from self._iterate()
         finally:
-            DistributedDataLoader.iterating -= 1
+            job.loader_iterations -= 1
 
     def _iterate(self) -> Iterator[Any]:
         hooks = self.hooks

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.data import DistributedDataLoader
 from stratagem.elastic import State, current_epoch, current_job, load_state, unique_name
 from stratagem.elastic.wire import all_gather_bytes
 
@@ -65,7 +64,7 @@ def _allreduce_dict(updates: dict[str, Any]) -> dict[str, Any]:
 
 
 def _in_loader() -> bool:
-    return DistributedDataLoader.iterating > 0
+    return current_job().loader_iterations > 0
 
 
 class _AccumulatorState(State):

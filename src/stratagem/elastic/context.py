@@ -56,6 +56,7 @@ class JobContext:
         self.exit_requested = False  # SIGTERM arrived (or request_exit)
         self.leave_requested = False  # in-process rescale: leave at the next boundary
         self.exit_holds = 0  # hold_exit() depth
+        self.loader_iterations = 0  # data-loader iterations in progress (all loaders)
         self.signal_installed = False
         self.previous_signal_handler: Any = None
         self.group: Any = None  # stratagem.elastic.rescale.ElasticGroup, when in one
