@@ -69,6 +69,25 @@ MAX_STATS_EVERY = 32
 _CACHEABLE = (AdaScale, AdamScale, LinearScale, SqrtScale)
 
 
+@dataclass
+class StepClock:
+    """Timing of the step in progress: a step runs from the end of the previous one (its
+    data loading included) to its optimizer step; communication wait is subtracted."""
+
+    started: float | None = None  # when the step being timed began
+    wait_at_start: float = 0.0  # the model's cumulative comm wait then
+    last_end: float | None = None  # end of the previous step of this loader iteration
+
+
+@dataclass
+class EpochTally:
+    """What the epoch so far did, for its report line."""
+
+    started: float | None = None
+    steps: int = 0
+    samples: int = 0
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """Settings of the adaptive loop (``ad.distribute(model, opt, adaptive=...)``).
@@ -146,13 +165,9 @@ class AdaptiveTrainer:
         self._decided = False  # in this process
         self._micro: GlobalBatch | None = None
         self._made_step = True
-        self._t0: float | None = None  # when the step being timed began
-        self._wait0 = 0.0
-        self._last_end: float | None = None  # end of the previous step of this iteration
+        self._clock = StepClock()
         self._collecting = False
-        self._epoch_t0: float | None = None
-        self._epoch_steps = 0
-        self._epoch_samples = 0
+        self._epoch = EpochTally()
         self._pending_state: dict[str, Any] | None = None
         self._factor_key: tuple[float, int] | None = None
         self._factor_value: tuple[np.ndarray, float] = (np.ones(1), 1.0)
@@ -219,8 +234,8 @@ class AdaptiveTrainer:
                 self.stats.after_step(collecting)
             self._profile(info)
         self.steps += 1
-        self._epoch_steps += 1
-        self._epoch_samples += size
+        self._epoch.steps += 1
+        self._epoch.samples += size
         if self.autoscaler is not None and self.steps >= self.next_decision:
             self._decide()
         return loss
@@ -241,16 +256,17 @@ class AdaptiveTrainer:
         return [n for _, n in split_evenly(size, self.world_size)]
 
     def _profile(self, info: GlobalBatch) -> None:
-        if self._t0 is None or info.size != self.loader.batch_size:
+        clock = self._clock
+        if clock.started is None or info.size != self.loader.batch_size:
             return  # not timed, or the epoch's last (smaller) batch
-        elapsed = time.perf_counter() - self._t0
-        wait = self._comm_wait() - self._wait0
+        elapsed = time.perf_counter() - clock.started
+        wait = self._comm_wait() - clock.wait_at_start
         local = -(-info.size // (self.world_size * info.micros))
         self.profiler.record(self.num_nodes, self.world_size, local, info.micros - 1,
                              elapsed, wait)
-        self._t0 = None
-        self._last_end = time.perf_counter()
-        self._wait0 = self._comm_wait()
+        clock.started = None
+        clock.last_end = time.perf_counter()
+        clock.wait_at_start = self._comm_wait()
 
     def _comm_wait(self) -> float:
         stats = getattr(self.model, "comm_stats", None)
@@ -317,10 +333,9 @@ class AdaptiveTrainer:
             self.attach(loader)
         if loader is not self.loader:
             return
-        self._last_end = None  # (re)planned: the first step's loading is not typical
-        if self._epoch_t0 is None:
-            self._epoch_t0 = time.perf_counter()
-            self._epoch_steps = self._epoch_samples = 0
+        self._clock.last_end = None  # (re)planned: the first step's loading is not typical
+        if self._epoch.started is None:
+            self._epoch = EpochTally(started=time.perf_counter())
         # Decide when a loader iteration starts (epochs, restarts) if this process has not
         # decided yet or a decision is due; otherwise the interval keeps its budget.
         if self.autoscaler is not None and (not self._decided
@@ -334,9 +349,11 @@ class AdaptiveTrainer:
             return
         if info.micro == 0:
             # A step runs from the end of the previous one (loading its data included).
-            self._t0 = self._last_end if self._last_end is not None else time.perf_counter()
-            if self._last_end is None:
-                self._wait0 = self._comm_wait()
+            clock = self._clock
+            clock.started = (clock.last_end if clock.last_end is not None
+                             else time.perf_counter())
+            if clock.last_end is None:
+                clock.wait_at_start = self._comm_wait()
             wanted = self.autoscaler is not None or self.collect_stats or (
                 self.explicit_rule and loader.batch_size != self.base_batch_size)
             # Statistics on every stats_every-th step (pairs of steps for the consecutive
@@ -380,7 +397,7 @@ class AdaptiveTrainer:
         if self.stats is not None:
             self.stats.flush()
         report = self.report()
-        self._epoch_t0 = None
+        self._epoch.started = None
         if report is None:
             return
         self.last_report = report
@@ -463,18 +480,19 @@ class AdaptiveTrainer:
 
     def report(self) -> EpochReport | None:
         """The current configuration and how the epoch so far went (None before a step)."""
-        if self.loader is None or self.tracker is None or not self._epoch_steps:
+        tally = self._epoch
+        if self.loader is None or self.tracker is None or not tally.steps:
             return None
         config = self.current_config()
-        elapsed = time.perf_counter() - self._epoch_t0 if self._epoch_t0 else 0.0
+        elapsed = time.perf_counter() - tally.started if tally.started else 0.0
         fn = self.goodput_function() if self.rank == 0 else None
         now = fn.describe(self.num_nodes, self.world_size, config.local_bsz,
                           config.accum_steps) if fn is not None else None
         return EpochReport(
-            epoch=self.loader.epoch, steps=self._epoch_steps, global_bsz=config.global_bsz,
+            epoch=self.loader.epoch, steps=tally.steps, global_bsz=config.global_bsz,
             num_replicas=self.world_size, local_bsz=config.local_bsz,
             accum_steps=config.accum_steps, lr_factor=self.lr_factor, gain=self.gain,
-            throughput=self._epoch_samples / elapsed if elapsed > 0 else None,
+            throughput=tally.samples / elapsed if elapsed > 0 else None,
             goodput=now.goodput if now else None, efficiency=now.efficiency if now else None,
             noise_scale=self.gns.noise_scale if self.gns is not None else None,
             progress=self.tracker.progress)
