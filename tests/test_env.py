@@ -81,3 +81,11 @@ def test_every_name_has_a_documented_accessor() -> None:
     docs = " ".join(f.__doc__ or "" for name, f in vars(env).items()
                     if callable(f) and not name.startswith("_") and f.__module__ == env.__name__)
     assert [name for name in ALL if name not in docs] == []
+
+
+def test_the_reference_page_lists_every_accessor() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reference"
+            / "environment.md").read_text()
+    accessors = [name for name, f in vars(env).items() if callable(f)
+                 and not name.startswith("_") and getattr(f, "__module__", "") == env.__name__]
+    assert accessors and [a for a in accessors if f"`env.{a}()`" not in page] == []
