@@ -182,7 +182,7 @@ def rescale_timeout() -> timedelta:
 
 def rescale_token() -> str | None:
     """``STRATAGEM_RESCALE_TOKEN``: the shared secret a rescale store that listens beyond
-    loopback requires (see ``python -m stratagem.elastic.rescale serve``)."""
+    loopback requires (see ``python -m stratagem.elastic serve``)."""
     return _first(RESCALE_TOKEN)
 
 

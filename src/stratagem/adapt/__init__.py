@@ -13,7 +13,6 @@ Job state and elastic restarts live in :mod:`stratagem.elastic` (re-exported her
 their documented names): see ``docs/how-to/elastic-training.md``.
 """
 
-from stratagem.adapt import rescale
 from stratagem.adapt.accumulator import Accumulator
 from stratagem.adapt.autoscale import Autoscaler, BatchConfig
 from stratagem.adapt.goodput import (
@@ -88,7 +87,6 @@ __all__ = [
     "HintsPublisher",
     "StepProfiler",
     "TrainerConfig",
-    "rescale",
     "DEFAULT_SWITCH_THRESHOLD",
     "ENV_ADAPTDL_CHECKPOINT",
     "ENV_CHECKPOINT_DIR",
@@ -138,3 +136,13 @@ __all__ = [
     "should_switch",
     "unbiased_estimates",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``sg.adapt.rescale``: the in-process rescale API under its earlier name, imported on
+    first use (so ``python -m stratagem.adapt.rescale`` runs it cleanly)."""
+    if name == "rescale":
+        import importlib
+
+        return importlib.import_module("stratagem.adapt.rescale")
+    raise AttributeError(f"module 'stratagem.adapt' has no attribute {name!r}")

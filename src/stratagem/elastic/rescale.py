@@ -1,7 +1,7 @@
 """In-process rescale: workers join or leave a running job, nobody restarts.
 
 The job's workers share one ``TCPStore`` (``STRATAGEM_RESCALE_STORE=host:port``), hosted by
-``python -m stratagem.elastic.rescale serve`` (a launcher) or by one worker with
+``python -m stratagem.elastic serve`` (a launcher) or by one worker with
 ``STRATAGEM_RESCALE_HOST=1``. The store listens on loopback unless told otherwise; one that
 listens on another address requires a shared token (``STRATAGEM_RESCALE_TOKEN``), which
 names the job's keys: a client without it can neither read nor forge the membership.
@@ -381,9 +381,9 @@ def rescale_point() -> Change | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m stratagem.elastic.rescale serve [--host H] --port P [--token T]``: host
-    a job's store (on loopback unless ``--host`` says otherwise, which needs a token)."""
-    parser = argparse.ArgumentParser(prog="python -m stratagem.elastic.rescale")
+    """``python -m stratagem.elastic serve [--host H] --port P [--token T]``: host a job's
+    store (on loopback unless ``--host`` says otherwise, which needs a token)."""
+    parser = argparse.ArgumentParser(prog="python -m stratagem.elastic")
     parser.add_argument("command", choices=["serve"])
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only)")
@@ -406,6 +406,3 @@ def main(argv: list[str] | None = None) -> int:
     del server
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
