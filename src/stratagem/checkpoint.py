@@ -31,17 +31,12 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.errors import CheckpointError
+from stratagem.process_group import rank_world as _rank_world
 from stratagem.safeload import load_json
 
 META = "meta.json"
 PREFIX = "ckpt-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _barrier() -> None:

@@ -79,7 +79,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from stratagem.explain import explain
+    from stratagem.plan_command import explain
 
     print(explain(args.model, args.resource_spec, args.strategy, args.nproc, args.out,
                   args.show_plan))

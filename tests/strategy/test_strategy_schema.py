@@ -26,12 +26,12 @@ from stratagem.strategy import (
     Strategy,
     StrategyBuilder,
 )
-from stratagem.strategy.schema import COMPRESSORS
+from stratagem.strategy.compressors import compressor_names
 
 MIXED = Path(__file__).resolve().parents[2] / "examples" / "strategies" / "mlp-mixed.yaml"
 
 BUILDERS = {
-    **{f"AllReduce-{c}": AllReduce(compressor=c) for c in COMPRESSORS},
+    **{f"AllReduce-{c}": AllReduce(compressor=c) for c in compressor_names()},
     "AllReduce-chunk2-gloo": AllReduce(chunk_size=2, all_reduce_spec="gloo"),
     "AllReduce-powersgd-rank4": AllReduce(compressor="powersgd", powersgd_rank=4),
     "AllReduce-fp16-rank4": AllReduce(compressor="fp16", powersgd_rank=4),

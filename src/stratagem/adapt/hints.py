@@ -24,11 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stratagem import env
 from stratagem.errors import StratagemError
 
-ENV_HINTS_FILE = "STRATAGEM_HINTS_FILE"
-ENV_HINTS_PORT = "STRATAGEM_HINTS_PORT"
-ENV_HINTS_ADDR = "STRATAGEM_HINTS_ADDR"
+ENV_HINTS_FILE = env.HINTS_FILE
+ENV_HINTS_PORT = env.HINTS_PORT
+ENV_HINTS_ADDR = env.HINTS_ADDR
 SCHEMA_VERSION = 1
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 5.0
@@ -39,12 +40,10 @@ FD_BACKOFF_S = 0.5
 
 def default_hints_path() -> Path | None:
     """``$STRATAGEM_HINTS_FILE``, else ``<checkpoint dir>/hints.json``, else None."""
-    from stratagem.adapt.state import checkpoint_root
-
-    value = os.environ.get(ENV_HINTS_FILE)
+    value = env.hints_file()
     if value:
         return Path(value)
-    root = checkpoint_root()
+    root = env.checkpoint_dir()
     return root / "hints.json" if root is not None else None
 
 
@@ -227,17 +226,6 @@ def _response(status: int, body: bytes, kind: str, head_only: bool = False) -> b
     return head if head_only else head + body
 
 
-def hints_port(value: str) -> int:
-    """``$STRATAGEM_HINTS_PORT`` as a port number (0: any free port), or a StratagemError."""
-    text = value.strip()
-    if not text.isdigit() or int(text) > 65535:
-        raise StratagemError(f"{ENV_HINTS_PORT}={value!r} is not a TCP port",
-                             where=ENV_HINTS_PORT,
-                             fix="set it to a port number from 1 to 65535, 0 for any free "
-                                 "port, or unset it to serve no hints over HTTP")
-    return int(text)
-
-
 class HintsPublisher:
     """Publishes hint documents to a file and/or an HTTP endpoint (see the module doc).
 
@@ -249,9 +237,9 @@ class HintsPublisher:
                  host: str | None = None, *, enabled: bool = True) -> None:
         self.enabled = enabled
         self.path = Path(path) if path is not None else default_hints_path()
-        if port is None and os.environ.get(ENV_HINTS_PORT, "") != "":
-            port = hints_port(os.environ[ENV_HINTS_PORT])
-        self.host = host or os.environ.get(ENV_HINTS_ADDR) or "127.0.0.1"
+        if port is None:
+            port = env.hints_port()
+        self.host = host or env.hints_addr()
         self._server: _HintsServer | None = None
         self._thread: threading.Thread | None = None
         self.latest: dict[str, Any] | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import BinaryIO
 
-from stratagem.adapt import state as _state
+from stratagem.elastic import state as _state
 
 
 class State(_state.State):

@@ -42,6 +42,7 @@ import traceback
 from collections.abc import Collection
 from typing import Any
 
+from stratagem import env
 from stratagem.launch.env import ENV_JOB_ID, apply_node_env
 
 FAILURE_MARKER = "@@stratagem-failure@@ "
@@ -119,7 +120,7 @@ def read_failures(workdir: str) -> list[dict[str, Any]]:
                 "time": float(ours.get("time") or extra.get("timestamp") or 0),
                 "rank": ours.get("rank"),
                 "local_rank": ours.get("local_rank"),
-                "node": ours.get("node") or os.environ.get("STRATAGEM_NODE_ADDRESS"),
+                "node": ours.get("node") or env.node_address(),
             }
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
@@ -173,7 +174,7 @@ def untraced_failures(exc: Any, stopped: Collection[int] = ()) -> list[dict[str,
             "time": float(failure.timestamp),
             "rank": str(rank),
             "local_rank": str(failure.local_rank),
-            "node": os.environ.get("STRATAGEM_NODE_ADDRESS"),
+            "node": env.node_address(),
         })
     return out
 

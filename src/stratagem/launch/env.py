@@ -1,6 +1,8 @@
 """The environment contract between the launcher, the per-node agents and the workers.
 
-Every worker sees, besides torch elastic's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/...:
+This module *writes* the variables; their names, meanings and accessors are defined in
+:mod:`stratagem.env` (the one place that reads them). Every worker sees, besides torch
+elastic's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/...:
 
 ``STRATAGEM_RESOURCE_SPEC``  absolute path of the resource spec (unset: this machine alone)
 ``STRATAGEM_STRATEGY``       builder name or strategy file path from ``--strategy`` (or unset)
@@ -25,16 +27,17 @@ import os
 import sys
 from collections.abc import Mapping, MutableMapping
 
+from stratagem import env
 from stratagem.errors import LaunchError
 from stratagem.launch.netif import interface_for_address
 from stratagem.resource import MAX_WORKERS_PER_NODE, Node
 
-ENV_SPEC = "STRATAGEM_RESOURCE_SPEC"
-ENV_STRATEGY = "STRATAGEM_STRATEGY"
-ENV_NODE_ADDRESS = "STRATAGEM_NODE_ADDRESS"
-ENV_JOB_ID = "STRATAGEM_JOB_ID"
-ENV_ROLE = "STRATAGEM_ROLE"
-ENV_NPROC = "STRATAGEM_NPROC"
+ENV_SPEC = env.RESOURCE_SPEC
+ENV_STRATEGY = env.STRATEGY
+ENV_NODE_ADDRESS = env.NODE_ADDRESS
+ENV_JOB_ID = env.JOB_ID
+ENV_ROLE = env.ROLE
+ENV_NPROC = env.NPROC
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 NCCL_IFNAME = "NCCL_SOCKET_IFNAME"
 
@@ -49,25 +52,25 @@ def job_env(job_id: str, node: Node, spec_path: str | None, strategy: str | None
     that overrides the spec's worker count (single-node specs).
     """
     inherited = os.environ if inherited is None else inherited
-    env = {ENV_JOB_ID: job_id, ENV_NODE_ADDRESS: node.address, "PYTHONUNBUFFERED": "1",
+    out = {ENV_JOB_ID: job_id, ENV_NODE_ADDRESS: node.address, "PYTHONUNBUFFERED": "1",
            "CUDA_DEVICE_ORDER": inherited.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
     if spec_path:
-        env[ENV_SPEC] = spec_path
+        out[ENV_SPEC] = spec_path
         if nproc is not None:
-            env[ENV_NPROC] = str(nproc)
+            out[ENV_NPROC] = str(nproc)
     if strategy:
-        env[ENV_STRATEGY] = strategy
+        out[ENV_STRATEGY] = strategy
     if "OMP_NUM_THREADS" in inherited:
-        env["OMP_NUM_THREADS"] = inherited["OMP_NUM_THREADS"]
+        out["OMP_NUM_THREADS"] = inherited["OMP_NUM_THREADS"]
     else:
-        env["OMP_NUM_THREADS"] = str(max(1, len(node.cpus) // max(1, node.workers)))
-    return env
+        out["OMP_NUM_THREADS"] = str(max(1, len(node.cpus) // max(1, node.workers)))
+    return out
 
 
 def nproc_override(environ: Mapping[str, str] | None = None) -> int | None:
     """``STRATAGEM_NPROC``: the worker count ``stratagem run --nproc`` gave a single-node
     spec, so every worker applies the launcher's override to the spec it loads."""
-    value = (os.environ if environ is None else environ).get(ENV_NPROC, "")
+    value = (env.nproc() if environ is None else environ.get(ENV_NPROC)) or ""
     if value == "":
         return None
     if not value.isdigit() or not 1 <= int(value) <= MAX_WORKERS_PER_NODE:

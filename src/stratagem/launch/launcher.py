@@ -8,14 +8,14 @@ import secrets
 import sys
 from pathlib import Path
 
+from stratagem import env
 from stratagem.errors import LaunchError
 from stratagem.launch.job import JobOptions, LaunchPlan
 from stratagem.launch.local import plan_local
 from stratagem.launch.multinode import plan_multinode
-from stratagem.launch.remote_shell import REMOTE_SHELL_ENV
 from stratagem.resource import MAX_WORKERS_PER_NODE, ResourceSpec
+from stratagem.strategy.resolve import is_strategy_path, resolve_builder
 
-STRATEGY_SUFFIXES = (".json", ".yml", ".yaml")
 # A job id names temporary directories and goes on every node's command line.
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -25,22 +25,13 @@ def new_job_id() -> str:
 
 
 def resolve_strategy(value: str | None) -> str | None:
-    """A strategy file's absolute path, or a registered builder name; errors name the fix."""
+    """What the workers get as ``--strategy``: a strategy file's absolute path or a
+    builder name, checked here (:func:`stratagem.strategy.resolve_builder`) so that a bad
+    one fails once in the launcher, not in every worker."""
     if not value:
         return None
-    path = Path(value)
-    if path.is_file():
-        from stratagem.strategy import Strategy
-
-        Strategy.load(path)  # a malformed file fails here, not in every worker
-        return str(path.resolve())
-    if path.suffix in STRATEGY_SUFFIXES or os.sep in value:
-        raise LaunchError(f"strategy file {value!r} not found", where="--strategy",
-                          fix="pass an existing strategy file, or a builder name")
-    from stratagem.strategy import builder_from_name
-
-    builder_from_name(value)  # raises StrategyError listing the known names
-    return value
+    resolve_builder(value)
+    return str(Path(value).resolve()) if is_strategy_path(value) else value
 
 
 def check_options(opts: JobOptions) -> None:
@@ -74,7 +65,7 @@ def plan_job(opts: JobOptions) -> LaunchPlan:
     if opts.nproc is not None:
         raise LaunchError("--nproc only applies to single-node runs", where="--nproc",
                           fix=f"set 'workers' per node in {spec.source} instead")
-    shell = opts.remote_shell or os.environ.get(REMOTE_SHELL_ENV) or None
+    shell = opts.remote_shell or env.remote_shell()
     return plan_multinode(opts, spec, job_id, spec_path, strategy, remote_shell=shell)
 
 

@@ -11,10 +11,11 @@ import shlex
 import shutil
 from collections.abc import Mapping, Sequence
 
+from stratagem import env
 from stratagem.errors import LaunchError
 from stratagem.resource import Node, SSHConfig, normalize_address
 
-REMOTE_SHELL_ENV = "STRATAGEM_REMOTE_SHELL"
+REMOTE_SHELL_ENV = env.REMOTE_SHELL
 
 
 def activate_command(python_venv: str) -> str:

@@ -21,7 +21,6 @@ from stratagem.errors import StrategyError
 from stratagem.safeload import MAX_BYTES, load_yaml
 
 SCHEMA_VERSION = 1
-COMPRESSORS = ("none", "fp16", "bf16", "powersgd")
 ALL_REDUCE_SPECS = ("auto", "nccl", "gloo")
 # Upper bounds of the integer fields: far beyond any use, well inside int64.
 MAX_STALENESS = 1_000_000

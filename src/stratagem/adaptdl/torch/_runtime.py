@@ -6,25 +6,21 @@ calls it at the same point, so its collectives line up), and loaders and models 
 
 from __future__ import annotations
 
-import atexit
 import os
 import weakref
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from stratagem.adapt import state as _state
+from stratagem import env as sg_env
+from stratagem import process_group
 from stratagem.adaptdl import env
+from stratagem.elastic import state as _state
 
 _autodist: Any = None
 _models: weakref.WeakSet[Any] = weakref.WeakSet()
 _loaders: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("STRATAGEM_PG_TIMEOUT_S") or 1800))
 
 
 def init_process_group(backend: str | None = None) -> None:
@@ -39,7 +35,7 @@ def init_process_group(backend: str | None = None) -> None:
     if _autodist is not None:
         return
     rank, world = env.replica_rank(), env.num_replicas()
-    if not dist.is_initialized() and not os.environ.get("STRATAGEM_RESCALE_STORE"):
+    if not dist.is_initialized() and not sg_env.rescale_store():
         # (in an in-process elastic job, AutoDist joins the job's group: adapt/rescale.py)
         _join(backend or ("nccl" if torch.cuda.is_available() else "gloo"), rank, world)
     if dist.is_initialized():
@@ -50,25 +46,19 @@ def init_process_group(backend: str | None = None) -> None:
         os.environ["LOCAL_RANK"] = str(rank % gpus if gpus else 0)
     from stratagem.autodist import AutoDist
 
-    _autodist = AutoDist(verbose=os.environ.get("STRATAGEM_VERBOSE", "1") != "0")
+    _autodist = AutoDist(verbose=sg_env.verbose())
     _state.restore_point()  # collective on first use: choose it here, on every replica at once
 
 
 def _join(backend: str, rank: int, world: int) -> None:
-    if os.environ.get("ADAPTDL_MASTER_ADDR") or os.environ.get("ADAPTDL_MASTER_PORT"):
+    """Through Stratagem's one process-group set-up (timeout: STRATAGEM_PG_TIMEOUT_S)."""
+    if sg_env.adaptdl_rendezvous():
         method = f"tcp://{env.master_addr()}:{env.master_port()}"
-        dist.init_process_group(backend, init_method=method, rank=rank, world_size=world,
-                                timeout=_timeout())
+        process_group.init_process_group(backend, init_method=method, rank=rank, world_size=world)
     elif world == 1 and not os.environ.get("MASTER_ADDR"):
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        process_group.init_single_process_group(backend)
     else:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout())
-    atexit.register(_destroy)
-
-
-def _destroy() -> None:
-    if dist.is_initialized():  # before interpreter teardown (gloo threads; see autodist.py)
-        dist.destroy_process_group()
+        process_group.init_process_group(backend, rank=rank, world_size=world)
 
 
 def autodist() -> Any:
@@ -84,19 +74,19 @@ def register_model(model: Any) -> None:
 
 def register_loader(loader: Any) -> None:
     _loaders.add(loader)
-    loader._attach(autodist())
+    loader.attach_autodist(autodist())
 
 
 def attach_loaders() -> None:
     """After the model is distributed: hand every loader to its adaptive loop."""
     for loader in list(_loaders):
-        loader._attach(autodist())
+        loader.attach_autodist(autodist())
 
 
 def set_grad_weight(weight: float) -> None:
     """Loader hook: this rank's share of the global batch, for every adaptive model."""
     for model in list(_models):
-        model._set_grad_weight(weight)
+        model.set_grad_weight(weight)
 
 
 def reset() -> None:

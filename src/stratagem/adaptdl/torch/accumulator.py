@@ -21,10 +21,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stratagem.adapt._wire import all_gather_bytes
-from stratagem.adapt.epoch import current_epoch
-from stratagem.adapt.state import State, load_state
 from stratagem.adaptdl.torch.data import current_dataloader
+from stratagem.elastic.epoch import current_epoch
+from stratagem.elastic.state import State, load_state
+from stratagem.elastic.wire import all_gather_bytes
 
 _init_count: collections.Counter[int | None] = collections.Counter()
 

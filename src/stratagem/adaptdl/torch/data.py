@@ -14,10 +14,10 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from stratagem.adapt.epoch import current_epoch
-from stratagem.adapt.state import ObjectState, load_state
 from stratagem.adaptdl.torch import _runtime
 from stratagem.data import DistributedDataLoader, split_evenly
+from stratagem.elastic.epoch import current_epoch
+from stratagem.elastic.state import ObjectState, load_state
 
 LOG = logging.getLogger(__name__)
 _init_count: Counter[int | None] = Counter()
@@ -26,6 +26,11 @@ _init_count: Counter[int | None] = Counter()
 def current_dataloader() -> AdaptiveDataLoader | None:
     """The AdaptiveDataLoader being iterated, or None."""
     return AdaptiveDataLoader._current
+
+
+def training_dataloader() -> AdaptiveDataLoader | None:
+    """The loader that called ``autoscale_batch_size`` (the training loader), or None."""
+    return AdaptiveDataLoader._training
 
 
 class AdaptiveDataLoader:
@@ -98,12 +103,12 @@ class AdaptiveDataLoader:
         self._gradient_accumulation = gradient_accumulation
         AdaptiveDataLoader._training = self
         self._pending_autoscale = (max_batch_size, local_bsz_bounds, gradient_accumulation)
-        self._attach(_runtime.autodist())
+        self.attach_autodist(_runtime.autodist())
 
-    def _attach(self, ad: Any) -> None:
+    def attach_autodist(self, ad: Any) -> None:
         """Join the adaptive loop of the distributed model (AdaptDL scripts build loaders
         before the model); a pending ``autoscale_batch_size`` takes effect then."""
-        hooks = getattr(ad, "adaptive", None)
+        hooks = ad.adaptive
         if hooks is None:
             return
         self._loader.hooks = hooks

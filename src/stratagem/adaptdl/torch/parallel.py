@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.adapt.state import State, load_state, register_state
 from stratagem.adaptdl.torch import _runtime
 from stratagem.adaptdl.torch.scaling_rules import AdaScale
+from stratagem.elastic.state import State, load_state, register_state
 
 
 class _Stats(State):
@@ -66,7 +66,7 @@ class AdaptiveDataParallel(nn.Module):
         self.scaling_rule = scaling_rule if scaling_rule is not None else AdaScale()
         object.__setattr__(self, "_dist", _distribute(ad, model, optimizer,
                                                       self.scaling_rule))
-        self._trainer = getattr(ad, "adaptive", None)  # the adaptive loop, when available
+        self._trainer = ad.adaptive  # the adaptive loop (None without an optimizer)
         _runtime.attach_loaders()
         if lr_scheduler is not None:
             register_state(f"{name}-lr_scheduler", lr_scheduler)
@@ -79,7 +79,8 @@ class AdaptiveDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._dist(*args, **kwargs)
 
-    def _set_grad_weight(self, weight: float) -> None:
+    def set_grad_weight(self, weight: float) -> None:
+        """This replica's share of the global batch (the loader's hook)."""
         self._dist.grad_weight = weight
 
     @contextlib.contextmanager

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stratagem.adapt.gns import GradientNoiseScale
+from stratagem.adapt import GradientNoiseScale
 from stratagem.adapt.scaling_rules import LEGW, AdamScale, AdaScale, LinearScale, SqrtScale
 from stratagem.adapt.scaling_rules import ScalingRule as ScalingRuleBase
 
@@ -22,9 +22,9 @@ class LEGWScale(LEGW):
 
     def lr_factors(self, scale: float, gns: GradientNoiseScale | None = None,
                    progress: float = 0.0, num_groups: int = 1) -> np.ndarray:
-        from stratagem.adaptdl.torch.data import AdaptiveDataLoader
+        from stratagem.adaptdl.torch.data import current_dataloader, training_dataloader
 
-        loader = AdaptiveDataLoader._training or AdaptiveDataLoader._current
+        loader = training_dataloader() or current_dataloader()
         if loader is not None:
             self.base_batch_size = loader.batch_size
         return super().lr_factors(scale, gns, progress, num_groups)
