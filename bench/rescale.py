@@ -44,7 +44,7 @@ def worker(out: Path, width: int, leave_at: int, step_sleep: float) -> None:
     from torch.utils.data import TensorDataset
 
     import stratagem as sg
-    from stratagem.adapt import rescale
+    from stratagem.elastic import rescale
 
     ad = sg.AutoDist(verbose=False)
     torch.manual_seed(0)
@@ -127,7 +127,7 @@ def worker_cmd(out: Path, args: argparse.Namespace, leave_at: int = 0) -> list[s
 
 # -- in-process -----------------------------------------------------------------------------------
 def in_process(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
-    from stratagem.adapt.rescale import host_store
+    from stratagem.elastic.rescale import host_store
 
     out = tmp / "inproc"
     out.mkdir()

@@ -11,6 +11,12 @@ def mlp() -> nn.Module:
                          nn.Linear(128, 1))
 
 
+def small_mlp() -> nn.Module:
+    """The model of the hand-written strategies/mlp-mixed.yaml: parameters 0.weight [64, 32],
+    0.bias [64], 2.weight [10, 64], 2.bias [10]."""
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
 class Recommender(nn.Module):
     """A sparse embedding plus a dense tower: what Parallax is for."""
 

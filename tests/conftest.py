@@ -5,9 +5,12 @@ tests that build virtual clusters."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from stratagem.elastic import JobContext, job_context
 
 TESTS = Path(__file__).resolve().parent
 for path in (TESTS, TESTS.parent / "tools"):
@@ -15,6 +18,14 @@ for path in (TESTS, TESTS.parent / "tools"):
         sys.path.insert(0, str(path))
 
 import vcluster  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_job_context() -> Iterator[JobContext]:
+    """Every test runs in a job context of its own (no states, no SIGTERM request, no
+    rescale group), dropped when it ends; ``drop_job()`` inside a test models a restart."""
+    with job_context() as ctx:
+        yield ctx
 
 
 @pytest.fixture

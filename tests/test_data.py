@@ -176,12 +176,8 @@ def test_changed_dataset_restarts_the_epoch_with_a_warning() -> None:
 
 
 def test_follows_the_epoch_loop() -> None:
-    from stratagem.adapt import remaining_epochs_until, reset_states
+    from stratagem.adapt import remaining_epochs_until
 
-    reset_states()
     loader = _loaders(20, 8, 1)[0]
-    try:
-        firsts = [next(iter(loader))[0].tolist() for _ in remaining_epochs_until(3)]
-    finally:
-        reset_states()
+    firsts = [next(iter(loader))[0].tolist() for _ in remaining_epochs_until(3)]
     assert firsts == [epoch_permutation(20, e, 3, True)[:8] for e in range(3)]

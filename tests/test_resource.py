@@ -440,3 +440,102 @@ def test_reference_error_example_is_real() -> None:
         ResourceSpec.from_yaml("nodes:\n  - address: a\n    chief: true\n  - address: b\n"
                                "    gpu: [0]\n", source="cluster.yml")
     assert str(err.value) == text.strip()
+
+
+# ------------------------------------------------------------- hostile or sloppy input
+@pytest.mark.parametrize("address", ["-V", "-oProxyCommand=touch /tmp/x", "a b", "x;id",
+                                     "$(id)", "", "010.0.0.1", "10.0.0.256", "host/..",
+                                     "-host.example.com", "a..b"])
+def test_address_must_be_a_host_name_or_ip(address: str) -> None:
+    with pytest.raises(ResourceSpecError) as err:
+        ResourceSpec.from_dict({"nodes": [{"address": address}]})
+    assert err.value.where == "<resource spec>: nodes[0].address"
+    assert "IP address" in (err.value.fix or "")
+
+
+@pytest.mark.parametrize(("raw", "canonical"), [
+    (" 10.0.0.1", "10.0.0.1"), ("10.0.0.1 ", "10.0.0.1"), ("0:0::1", "::1"),
+    ("node-1.example.com", "node-1.example.com"), ("worker_2", "worker_2")])
+def test_addresses_are_normalized(raw: str, canonical: str) -> None:
+    spec = ResourceSpec.from_dict({"nodes": [{"address": raw}]})
+    assert spec.nodes[0].address == canonical
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    ("10.0.0.1", " 10.0.0.1"), ("fe80::1", "FE80:0::1"), ("Node1.lan", "node1.lan")])
+def test_one_machine_written_two_ways_is_a_duplicate(first: str, second: str) -> None:
+    with pytest.raises(ResourceSpecError, match=r"duplicate address .* \(also nodes\[0\]\)"):
+        ResourceSpec.from_dict({"nodes": [{"address": first, "chief": True},
+                                          {"address": second}]})
+
+
+def test_username_cannot_be_an_ssh_option() -> None:
+    with pytest.raises(ResourceSpecError, match="invalid user name '-oProxyCommand=x'"):
+        ResourceSpec.from_dict({"nodes": [{"address": "10.0.0.1"}],
+                                "ssh": {"g": {"username": "-oProxyCommand=x"}}})
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("workers", 10**23, "workers on one node"),
+    ("cpus", [2**40], "device index 1099511627776 out of range"),
+    ("network_bandwidth", 1e30, "must be a positive number"),
+])
+def test_values_are_bounded(field: str, value: object, problem: str) -> None:
+    with pytest.raises(ResourceSpecError, match=problem) as err:
+        ResourceSpec.from_dict({"nodes": [{"address": "10.0.0.1", field: value}]})
+    assert err.value.fix
+
+
+def test_yaml_alias_bomb_is_refused_quickly() -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    bomb = "\n".join(["nodes:", "  - address: 10.0.0.1", "    ssh_config: g", "ssh:",
+                      "  g:", "    shared_envs:"] + ["      " + line for line in lines])
+    with pytest.raises(ResourceSpecError, match="alias \\*a0 is not allowed") as err:
+        ResourceSpec.from_yaml(bomb)
+    assert "aliases" in (err.value.fix or "")
+
+
+def test_shared_env_values_are_single_values() -> None:
+    with pytest.raises(ResourceSpecError, match="expected a single value, got list"):
+        ResourceSpec.from_dict({"nodes": [{"address": "10.0.0.1", "ssh_config": "g"}],
+                                "ssh": {"g": {"shared_envs": {"A": [1, 2]}}}})
+    with pytest.raises(ResourceSpecError, match="not an environment variable name"):
+        ResourceSpec.from_dict({"nodes": [{"address": "10.0.0.1"}],
+                                "ssh": {"g": {"shared_envs": {"A=B": "1"}}}})
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, "nodes:\n" + "  " * 1 + "- " * 50_000 + "x",
+                                  "x: " + "9" * 5000])
+def test_deep_or_huge_values_are_a_spec_error(text: str) -> None:
+    with pytest.raises(ResourceSpecError) as err:
+        ResourceSpec.from_yaml(text)
+    assert err.value.fix
+
+
+def test_binary_file_is_a_spec_error(tmp_path: Path) -> None:
+    path = tmp_path / "spec.yml"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ResourceSpecError, match="cannot read the file"):
+        ResourceSpec.from_file(path)
+
+
+def test_local_workers_override_keeps_gpus_only_when_enough() -> None:
+    spec = ResourceSpec.from_dict({"nodes": [{"address": "127.0.0.1", "gpus": [2, 3]}]})
+    assert spec.with_local_workers(2).nodes[0].gpus == (2, 3)
+    three = spec.with_local_workers(3)
+    assert three.nodes[0].gpus == () and three.num_workers == 3
+    with pytest.raises(ResourceSpecError, match="1025 worker processes on one node"):
+        spec.with_local_workers(1025)
+
+
+def test_gpu_for_maps_local_ranks_to_the_spec_gpus() -> None:
+    spec = ResourceSpec.from_dict({"nodes": [
+        {"address": "10.0.0.1", "gpus": [2, 3], "chief": True},
+        {"address": "10.0.0.2", "gpus": [0, 5], "workers": 1}]})
+    assert [spec.gpu_for("10.0.0.1", r) for r in (0, 1, 2)] == [2, 3, None]
+    assert [spec.gpu_for("10.0.0.2", r) for r in (0, 1)] == [0, None]
+    assert spec.gpu_for(None, 0) is None  # several nodes: which one is unknown
+    assert spec.gpu_for("-bad-", 0) is None and spec.gpu_for(" 10.0.0.2", 0) == 0
+    local = ResourceSpec.from_dict({"nodes": [{"address": "127.0.0.1", "gpus": [1]}]})
+    assert local.gpu_for(None, 0) == 1

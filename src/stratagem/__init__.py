@@ -32,7 +32,8 @@ _EXPORTS = {
     "CheckpointError": "stratagem.errors",
     "DistributedError": "stratagem.errors",
 }
-_SUBMODULES = ("adapt", "analysis", "checkpoint", "data", "runtime", "strategy")
+_SUBMODULES = ("adapt", "analysis", "checkpoint", "data", "elastic", "env", "runtime",
+               "strategy")
 
 __all__ = [
     "AutoDist",
@@ -51,6 +52,8 @@ __all__ = [
     "analyze",
     "checkpoint",
     "data",
+    "elastic",
+    "env",
     "runtime",
     "strategy",
 ]
@@ -72,7 +75,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from stratagem import adapt, analysis, checkpoint, data, runtime, strategy
+    from stratagem import adapt, analysis, checkpoint, data, elastic, env, runtime, strategy
     from stratagem.analysis import ModelProfile, analyze
     from stratagem.autodist import AutoDist
     from stratagem.data import DistributedDataLoader

@@ -7,7 +7,6 @@ for this rank and wraps the model. With one process it does no communication at 
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 import warnings
@@ -19,48 +18,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stratagem import checkpoint as _checkpoint
-from stratagem.adapt import epoch as _epoch
-from stratagem.adapt import state as _state
+from stratagem import checkpoint, elastic, env
+from stratagem.adapt.loop import AdaptiveTrainer, TrainerConfig
 from stratagem.analysis import ModelProfile, analyze
 from stratagem.data import DistributedDataLoader
-from stratagem.errors import StratagemError, StrategyError, install_excepthook
+from stratagem.errors import StratagemError, install_excepthook
+from stratagem.launch.env import nproc_override
+from stratagem.process_group import default_backend, init_process_group
 from stratagem.resource import ResourceSpec
-from stratagem.strategy import AllReduce, Strategy, StrategyBuilder, builder_from_name, validate
+from stratagem.runtime import DistributedModel, compile_plan
+from stratagem.runtime.ps import Cluster, join_cluster, run_server
+from stratagem.strategy import Strategy, StrategyBuilder, resolve_builder, validate
 from stratagem.strategy.validate import server_devices
 
-ENV_SPEC = "STRATAGEM_RESOURCE_SPEC"
-ENV_STRATEGY = "STRATAGEM_STRATEGY"
+ENV_SPEC = env.RESOURCE_SPEC
+ENV_STRATEGY = env.STRATEGY
+
+__all__ = ["AutoDist", "resolve_builder"]
 
 
 def _env_int(name: str, default: int) -> int:
+    """torch elastic's RANK/WORLD_SIZE/LOCAL_RANK (not Stratagem's own variables)."""
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
-
-
-def _shutdown_process_group() -> None:
-    """Destroy the process group we created before the interpreter tears down.
-
-    Left to interpreter exit, gloo's threads can be destroyed while joinable, which aborts
-    the process ("terminate called without an active exception") after a successful run.
-    """
-    if dist.is_initialized():  # no barrier: a rank exiting on an error must not block here
-        dist.destroy_process_group()
-
-
-def resolve_builder(value: StrategyBuilder | Strategy | str | None) -> StrategyBuilder:
-    """A builder from an object, a registered name or a strategy file path."""
-    if value is None:
-        return AllReduce()
-    if isinstance(value, str):
-        if Path(value).suffix in (".json", ".yml", ".yaml") or Path(value).is_file():
-            return Strategy.load(value)
-        return builder_from_name(value)
-    if not hasattr(value, "build"):
-        raise StrategyError(f"{value!r} is not a strategy builder",
-                            fix="pass a builder such as sg.strategy.AllReduce(), a Strategy, "
-                                "a builder name or a strategy file path")
-    return value
 
 
 class AutoDist:
@@ -76,34 +56,40 @@ class AutoDist:
                  resource_spec: ResourceSpec | None = None, seed: int = 0,
                  verbose: bool = True) -> None:
         install_excepthook()
-        from stratagem.adapt import rescale
-
         # In-process elastic jobs (STRATAGEM_RESCALE_STORE): join the group, set RANK etc.
-        self.elastic_group = rescale.begin(self)
+        self.elastic_group: elastic.ElasticGroup | None = elastic.join_job()
         self.rank = _env_int("RANK", 0)
         self.world_size = _env_int("WORLD_SIZE", 1)
         self.local_rank = _env_int("LOCAL_RANK", 0)
         self.seed = seed
         self.verbose = verbose
         self.resource_spec = self._load_spec(resource_spec_file, resource_spec)
-        override = os.environ.get(ENV_STRATEGY)
+        override = env.strategy_override()
         if override and strategy_builder is not None and self.rank == 0 and verbose:
             print(f"stratagem: --strategy {override} overrides the script's strategy",
                   file=sys.stderr)
         self._builder = resolve_builder(override or strategy_builder)
         self.device = self._pick_device()
+        self.cluster: Cluster | None = None  # parameter-server layout, when the job has servers
+        self.role = "worker"
         self._init_process_group()
         self.rank_devices = self._discover_rank_devices()
         self.strategy: Strategy | None = None
         self.profile: ModelProfile | None = None
-        self.model: nn.Module | None = None
-        self.optimizer: Any = None
+        self.model: DistributedModel | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.adaptive: AdaptiveTrainer | None = None  # the adaptive loop, once distributed
+        # Fully built: follow in-process rescales (the lifecycle calls back, see below).
+        elastic.current_job().add_participant(self)
 
     # -- set-up -------------------------------------------------------------------------
     def _load_spec(self, path: Any, spec: ResourceSpec | None) -> ResourceSpec:
         if spec is None:
-            path = path or os.environ.get(ENV_SPEC) or None
+            path = path or env.resource_spec_path()
             spec = ResourceSpec.from_file(path) if path else ResourceSpec.local(self.world_size)
+            nproc = nproc_override()  # `stratagem run --nproc N` with a single-node spec
+            if path and nproc is not None and spec.is_local:
+                spec = spec.with_local_workers(nproc)
         if server_devices(spec) and self.world_size == spec.num_workers + len(
                 server_devices(spec)):
             return spec  # the spec's dedicated parameter servers run in this job too
@@ -122,9 +108,13 @@ class AutoDist:
         return spec
 
     def _pick_device(self) -> torch.device:
+        """This worker's spec GPU (``gpus: [2, 3]``: local rank 1 -> ``cuda:3``), else CPU."""
         if self.resource_spec.uses_gpus and torch.cuda.is_available():
-            torch.cuda.set_device(self.local_rank)
-            return torch.device("cuda", self.local_rank)
+            gpu = self.resource_spec.gpu_for(env.node_address(),
+                                             self.local_rank)
+            index = self.local_rank if gpu is None else gpu  # unknown node: torchrun's way
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
         return torch.device("cpu")
 
     def _discover_rank_devices(self) -> list[str]:
@@ -139,7 +129,7 @@ class AutoDist:
         if self.world_size == 1:
             return spec.replicas[:1]
         addresses = [n.address for n in spec.nodes]
-        mine = os.environ.get("STRATAGEM_NODE_ADDRESS")
+        mine = env.node_address()
         node = addresses.index(mine) if mine in addresses else (0 if spec.is_local else -1)
         local = torch.tensor([node, self.local_rank], dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
@@ -160,33 +150,23 @@ class AutoDist:
             ) from None
 
     def _init_process_group(self) -> None:
-        self.cluster: Any = None  # parameter-server layout, when the job has servers
-        self.role = "worker"
         servers = server_devices(self.resource_spec)
         if servers and self.world_size == self.resource_spec.num_workers + len(servers):
             # Workers and dedicated servers: each process learns its role and logical rank;
             # the default group then holds the workers only (see runtime/ps/cluster.py).
-            from stratagem.runtime.ps import join_cluster
-
             self.cluster = join_cluster(self.resource_spec.replicas, servers)
             self.rank, self.role = self.cluster.rank, self.cluster.role
             self.world_size = self.resource_spec.num_workers
             if self.role == "server":
                 self.device = torch.device("cpu")
-            else:
-                atexit.register(_shutdown_process_group)
             return
         if self.world_size == 1 or dist.is_initialized():
             return
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
         if "MASTER_ADDR" not in os.environ:
             raise StratagemError(
                 f"WORLD_SIZE={self.world_size} but no MASTER_ADDR in the environment",
                 fix="start the script with `stratagem run` or torchrun, not by hand")
-        from stratagem.runtime.ps.cluster import data_timeout
-
-        dist.init_process_group(backend=backend, timeout=data_timeout())
-        atexit.register(_shutdown_process_group)
+        init_process_group(default_backend(self.device))
 
     def log(self, message: str) -> None:
         if self.verbose and self.rank == 0:
@@ -204,13 +184,15 @@ class AutoDist:
         return validate(strategy, self.profile, self.resource_spec)
 
     def distribute(self, model: nn.Module, optimizer: Any = None, *,
-                   scaling_rule: Any = None) -> tuple[nn.Module, Any]:
+                   scaling_rule: Any = None, scaler: Any = None,
+                   adaptive: TrainerConfig | None = None) -> tuple[nn.Module, Any]:
         """Return (distributed model, optimizer); the optimizer object is the same, its
         ``step``/``zero_grad`` wrapped by the adaptive loop (``stratagem.adapt.loop``): LR
         scaled by ``scaling_rule`` (default by optimizer type) when the batch size changes,
-        gradient accumulation over the loader's micro-batches."""
-        from stratagem.runtime import DistributedModel, compile_plan
-
+        gradient accumulation over the loader's micro-batches. ``scaler``: a
+        ``torch.amp.GradScaler`` for mixed precision (``DistributedModel.attach_scaler``).
+        ``adaptive`` tunes the adaptive loop (:class:`stratagem.adapt.TrainerConfig`:
+        decision interval, smoothing, preconditioner refresh)."""
         if not isinstance(model, nn.Module):
             raise StratagemError(f"expected a torch.nn.Module, got {type(model).__name__}",
                                  where="AutoDist.distribute", fix="pass the model object")
@@ -225,17 +207,18 @@ class AutoDist:
         if self.role == "server":
             self._serve(model, optimizer, plan)  # exits the process
         self.model = DistributedModel(model, plan, optimizer=optimizer, cluster=self.cluster)
+        if scaler is not None:
+            self.model.attach_scaler(scaler)
         self.optimizer = optimizer
         # Job state for checkpoint-restart (restored here when a checkpoint exists).
-        if _state.track_model(self.model, optimizer):
-            self.log(f"resumed from checkpoint {_state.restore_point()}")
+        if elastic.track_model(self.model, optimizer):
+            self.log(f"resumed from checkpoint {elastic.restore_point()}")
         if optimizer is not None:
-            from stratagem.adapt.loop import AdaptiveTrainer
-
             self.adaptive = AdaptiveTrainer(
                 self.model, optimizer, scaling_rule=scaling_rule, rank=self.rank,
                 world_size=self.world_size, log=self.log,
-                num_nodes=sum(1 for n in self.resource_spec.nodes if n.workers > 0) or 1)
+                num_nodes=sum(1 for n in self.resource_spec.nodes if n.workers > 0) or 1,
+                config=adaptive or TrainerConfig())
         return self.model, optimizer
 
     def _servers_for(self, strategy: Strategy) -> list[str]:
@@ -258,8 +241,6 @@ class AutoDist:
         """A dedicated parameter server: serve until the workers finish, then exit(0), so
         the rest of the training script never runs here."""
         if plan.ps is not None:
-            from stratagem.runtime.ps import run_server
-
             stats = run_server(model, plan, optimizer, self.cluster)
             if self.verbose:
                 print(f"stratagem: server {self.cluster.device(self.rank)} done: "
@@ -292,13 +273,13 @@ class AutoDist:
                                        world_size=self.world_size, shuffle=shuffle,
                                        seed=kwargs.pop("seed", self.seed),
                                        on_batch=self._set_grad_weight, elastic=True, **kwargs)
-        _state.track_loader(loader)
-        loader.hooks = getattr(self, "adaptive", None)  # the adaptive loop, once distributed
+        elastic.track_loader(loader)
+        loader.hooks = self.adaptive  # the adaptive loop, once distributed
         return loader
 
     def remaining_epochs_until(self, epoch: int) -> Iterator[int]:
         """The epochs left until ``epoch``, resuming at the checkpointed one after a restart."""
-        return _epoch.remaining_epochs_until(epoch)
+        return elastic.remaining_epochs_until(epoch)
 
     def _set_grad_weight(self, weight: float) -> None:
         if self.model is not None:
@@ -307,16 +288,35 @@ class AutoDist:
     def save_checkpoint(self, path: str | os.PathLike[str], **metadata: Any) -> Path:
         """Collectively save the distributed model and optimizer (all ranks call this)."""
         self._require_distributed("save_checkpoint")
-        return _checkpoint.save(path, self.model, self.optimizer,
+        return checkpoint.save(path, self.model, self.optimizer,
                                 strategy_id=self.strategy.id if self.strategy else None,
                                 metadata=metadata)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore model and optimizer saved by :meth:`save_checkpoint`; returns metadata."""
         self._require_distributed("load_checkpoint")
-        return _checkpoint.load(path, self.model, self.optimizer, map_location=self.device)
+        return checkpoint.load(path, self.model, self.optimizer, map_location=self.device)
 
     def _require_distributed(self, what: str) -> None:
         if self.model is None:
             raise StratagemError(f"{what} before distribute()", where=f"AutoDist.{what}",
                                  fix="call ad.distribute(model, optimizer) first")
+
+    # -- the job lifecycle (stratagem.elastic.Participant) ----------------------------------
+    def before_membership_change(self) -> None:
+        """Nothing to flush before an in-process rescale (the model's state is its tensors,
+        broadcast afterwards)."""
+
+    def on_membership_change(self, change: elastic.MembershipChange) -> None:
+        """An in-process rescale formed a new group: this machine's ``world_size`` workers
+        now; rebuild the strategy and plan for it, and re-bind the distributed model
+        (broadcasting rank 0's tensors when someone joined)."""
+        self.rank, self.world_size = change.rank, change.world_size
+        self.resource_spec = ResourceSpec.local(change.world_size)
+        self.rank_devices = list(self.resource_spec.replicas)
+        if self.model is None:
+            return
+        self.strategy = self.build_strategy(self.model.module)
+        plan = compile_plan(self.strategy, self.profile, rank=change.rank,
+                            world_size=change.world_size, device=self.device)
+        self.model.regroup(plan, broadcast=change.joiners)

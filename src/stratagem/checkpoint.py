@@ -15,6 +15,7 @@ the previous one with a warning.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -30,16 +31,12 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.errors import CheckpointError
+from stratagem.process_group import rank_world as _rank_world
+from stratagem.safeload import load_json
 
 META = "meta.json"
 PREFIX = "ckpt-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _barrier() -> None:
@@ -131,12 +128,17 @@ def write_collectively(final: Path, write: Callable[[Path], None], meta: dict[st
 
 
 def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, *,
-         strategy_id: str | None = None, metadata: dict[str, Any] | None = None) -> Path:
+         strategy_id: str | None = None, metadata: dict[str, Any] | None = None,
+         scaler: Any = None) -> Path:
     """Collectively save ``model`` (plain or distributed) and ``optimizer`` to ``path``.
 
-    Every rank must call it. ``metadata`` must be JSON-serializable.
+    Every rank must call it. ``metadata`` must be JSON-serializable. ``scaler`` (a
+    ``torch.amp.GradScaler``; default: the one attached to ``model``) goes to
+    ``scaler.pt``.
     """
     rank, _ = _rank_world()
+    if scaler is None:
+        scaler = getattr(model, "scaler", None)
     prepare = getattr(model, "before_checkpoint", None)
     if prepare is not None:  # collective: e.g. gather parameter-server shards on rank 0
         prepare()
@@ -149,69 +151,158 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, 
             _save_file(_inner(model).state_dict(), tmp / "model.pt")
             if optimizer is not None:
                 _save_file(optimizer.state_dict(), tmp / "optimizer.pt")
+            if scaler is not None:
+                _save_file(scaler.state_dict(), tmp / "scaler.pt")
 
     meta = {"strategy_id": strategy_id, "metadata": metadata or {}}
     return write_collectively(Path(path), write, meta, replace=True)
 
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _plain_file_name(name: str) -> bool:
+    """A name inside the checkpoint directory (job-state names may hold any character but
+    '/'), never a path out of it."""
+    return (0 < len(name.encode("utf-8", "surrogatepass")) <= 255 and "/" not in name
+            and "\0" not in name and name not in (".", "..", META))
+
+
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checkpoint's ``meta.json``, checked for shape: a mapping with a ``sha256`` table
+    of plain file names to hex digests and a positive ``world_size``."""
     p = Path(path)
     if not (p / META).is_file():
         raise CheckpointError("not a checkpoint (no meta.json)", where=str(p),
                               fix="pass a directory written by stratagem checkpoint save")
+    fix = "the checkpoint is damaged; use an earlier one or restore it from a backup"
     try:
-        meta = json.loads((p / META).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"meta.json is corrupt: {exc}", where=str(p),
-                              fix="restore the checkpoint from a backup") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("sha256"), dict):
-        raise CheckpointError("meta.json is corrupt: no checksums", where=str(p),
-                              fix="restore the checkpoint from a backup")
+        raw = (p / META).read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read meta.json: {exc}", where=str(p), fix=fix) from None
+    meta = load_json(raw, f"{p / META}", CheckpointError, fix)
+    sums = meta.get("sha256") if isinstance(meta, dict) else None
+    if not isinstance(sums, dict):
+        raise CheckpointError("meta.json is corrupt: no checksums", where=str(p), fix=fix)
+    for name, digest in sums.items():
+        if (not _plain_file_name(name) or not isinstance(digest, str)
+                or not _HEX64.fullmatch(digest)):
+            raise CheckpointError(f"meta.json is corrupt: bad checksum entry {name!r}"[:300],
+                                  where=str(p), fix=fix)
+    world = meta.get("world_size")
+    if not isinstance(world, int) or isinstance(world, bool) or not 0 < world < 1 << 31:
+        raise CheckpointError(f"meta.json is corrupt: world_size {world!r}"[:300],
+                              where=str(p), fix=fix)
+    for key, kind in (("states", dict), ("metadata", dict)):
+        if key in meta and not isinstance(meta[key], kind):
+            raise CheckpointError(f"meta.json is corrupt: {key} is not a {kind.__name__}",
+                                  where=str(p), fix=fix)
     return meta
 
 
 def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Check every file of checkpoint ``path`` against its checksum; returns the metadata."""
+    """Check that checkpoint ``path`` holds exactly the files its ``meta.json`` lists, each
+    matching its checksum; returns the metadata.
+
+    A file that meta.json does not list fails too: a damaged meta.json that lost an entry
+    must not let a damaged file through unchecked.
+    """
     p = Path(path)
     meta = read_meta(p)
-    for name, digest in meta["sha256"].items():
-        f = p / name
-        if not f.is_file():
-            raise CheckpointError(f"missing {name}", where=str(p),
-                                  fix="the checkpoint is incomplete; use an earlier one")
-        if _sha256(f) != digest:
-            raise CheckpointError(f"checksum mismatch in {name}", where=str(p),
-                                  fix="the file is corrupt; use an earlier checkpoint")
+    present = sorted(f.name for f in p.iterdir() if f.name != META)
+    unlisted = [name for name in present if name not in meta["sha256"]]
+    if unlisted:
+        raise CheckpointError(f"{unlisted[0]} is not listed in meta.json", where=str(p),
+                              fix="meta.json or the directory is damaged; use an earlier "
+                                  "checkpoint")
+    for name in meta["sha256"]:
+        _check_file(p, meta, name)
     return meta
+
+
+def _check_file(p: Path, meta: dict[str, Any], name: str) -> Path:
+    f = p / name
+    if not f.is_file():
+        raise CheckpointError(f"missing {name}", where=str(p),
+                              fix="the checkpoint is incomplete; use an earlier one")
+    digest = meta["sha256"].get(name)
+    if digest is None:
+        raise CheckpointError(f"{name} is not listed in meta.json", where=str(p),
+                              fix="meta.json is damaged; use an earlier checkpoint")
+    if _sha256(f) != digest:
+        raise CheckpointError(f"checksum mismatch in {name}", where=str(p),
+                              fix="the file is corrupt; use an earlier checkpoint")
+    return f
+
+
+def read_verified(path: str | os.PathLike[str], name: str) -> io.BytesIO:
+    """The bytes of file ``name`` of checkpoint ``path``, after checking them against
+    meta.json (read once, so the file cannot change between the check and the use)."""
+    p = Path(path)
+    meta = read_meta(p)
+    f = _check_file(p, meta, name)
+    data = f.read_bytes()
+    if hashlib.sha256(data).hexdigest() != meta["sha256"][name]:
+        raise CheckpointError(f"checksum mismatch in {name}", where=str(p),
+                              fix="the file is corrupt; use an earlier checkpoint")
+    return io.BytesIO(data)
 
 
 def load_file(path: str | os.PathLike[str], name: str, map_location: Any = "cpu",
               verify: bool = True) -> Any:
     """Load one file of a checkpoint with ``weights_only=True``, checking its checksum."""
     p = Path(path)
-    meta = read_meta(p)
-    f = p / name
-    if not f.is_file():
-        raise CheckpointError(f"missing {name}", where=str(p),
-                              fix="the checkpoint is incomplete; use an earlier one")
-    if verify and meta["sha256"].get(name) != _sha256(f):
-        raise CheckpointError(f"checksum mismatch in {name}", where=str(p),
-                              fix="the file is corrupt; use an earlier checkpoint")
-    return torch.load(f, map_location=map_location, weights_only=True)
+    if verify:
+        source: Any = read_verified(p, name)
+    else:
+        source = p / name
+        if not source.is_file():
+            raise CheckpointError(f"missing {name}", where=str(p),
+                                  fix="the checkpoint is incomplete; use an earlier one")
+    try:
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is one clear error
+        raise CheckpointError(f"cannot read {name}: {type(exc).__name__}: {exc}"[:500],
+                              where=str(p), fix="use an earlier checkpoint") from None
+
+
+def check_model_state(state: Any, model: nn.Module, where: str) -> None:
+    """Raise a CheckpointError naming the parameters and buffers in which the checkpoint's
+    ``state`` and ``model`` differ (missing, unexpected, or of another shape)."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"model.pt holds a {type(state).__name__}, not a state dict",
+                              where=where, fix="use a checkpoint written by checkpoint.save")
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    reshaped = [f"{k} {list(state[k].shape)} vs {list(own[k].shape)}" for k in own
+                if k in state and isinstance(state[k], torch.Tensor)
+                and state[k].shape != own[k].shape]
+    parts = [f"{label}: {', '.join(map(str, names[:8]))}{' ...' * (len(names) > 8)}"
+             for label, names in (("not in the checkpoint", missing),
+                                  ("only in the checkpoint", unexpected),
+                                  ("shape differs (checkpoint vs model)", reshaped)) if names]
+    if parts:
+        raise CheckpointError("the checkpoint is from a different model; "
+                              + "; ".join(parts), where=where,
+                              fix="build the same model architecture before loading")
 
 
 def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer: Any = None,
-         *, map_location: Any = "cpu") -> dict[str, Any]:
-    """Restore ``model``/``optimizer`` from ``path``; returns the metadata.
+         *, map_location: Any = "cpu", scaler: Any = None) -> dict[str, Any]:
+    """Restore ``model``/``optimizer`` (and ``scaler``, default the one attached to
+    ``model``, when the checkpoint has one) from ``path``; returns the metadata.
 
     Works in a single process and in any world size. Per-rank synchronizer state is
     restored only when the world size matches; otherwise it restarts fresh (warned).
     """
     p = Path(path)
-    meta = read_meta(p)
+    meta = verify(p)
     if model is not None:
+        state = load_file(p, "model.pt", map_location)
+        check_model_state(state, _inner(model), str(p))
         try:
-            _inner(model).load_state_dict(load_file(p, "model.pt", map_location))
+            _inner(model).load_state_dict(state)
         except RuntimeError as exc:
             raise CheckpointError(f"model does not match: {exc}", where=str(p),
                                   fix="build the same model architecture before loading"
@@ -228,6 +319,10 @@ def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer
                               stacklevel=2)
     if optimizer is not None and (p / "optimizer.pt").is_file():
         optimizer.load_state_dict(load_file(p, "optimizer.pt", map_location))
+    if scaler is None:
+        scaler = getattr(model, "scaler", None)
+    if scaler is not None and (p / "scaler.pt").is_file():
+        scaler.load_state_dict(load_file(p, "scaler.pt", map_location))
     finish = getattr(model, "after_restore", None)
     if finish is not None:  # collective: e.g. hand parameter-server shards to their owners
         finish()

@@ -79,16 +79,20 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from stratagem.explain import explain
+    from stratagem.plan_command import explain
 
     print(explain(args.model, args.resource_spec, args.strategy, args.nproc, args.out,
                   args.show_plan))
     return 0
 
 
+# -- simulate (parser and handler in stratagem.sched.cli) -----------------------------------
+from stratagem.sched.cli import add_simulate_parser  # noqa: E402 - light: imports on use
+
 # -- dispatcher -----------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_run_parser,
-                                                                   add_plan_parser]
+                                                                   add_plan_parser,
+                                                                   add_simulate_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

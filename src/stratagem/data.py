@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from collections.abc import Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from stratagem.elastic import MembershipChange, current_epoch, current_job, exit_point
 from stratagem.errors import StratagemError
 
 
@@ -148,13 +148,10 @@ class GlobalBatchSampler:
         return iter([b.indices for b in self.batches])
 
 
-_elastic_loaders: weakref.WeakSet[DistributedDataLoader] = weakref.WeakSet()
-
-
 def elastic_loaders() -> list[DistributedDataLoader]:
     """The live loaders made with ``elastic=True`` (AutoDist's and AdaptDL's): the ones an
-    in-process rescale moves to the new world."""
-    return list(_elastic_loaders)
+    in-process rescale moves to the new world (participants of the job context)."""
+    return [p for p in current_job().participants() if isinstance(p, DistributedDataLoader)]
 
 
 class DistributedDataLoader:
@@ -167,11 +164,9 @@ class DistributedDataLoader:
     at the batch in hand (it is replayed). Inside ``remaining_epochs_until`` the loader follows
     that loop's epoch. ``on_batch`` (set by AutoDist) receives each batch's gradient
     weight. With ``elastic=True`` (AutoDist's loaders) a pending SIGTERM is acted on after
-    each step: the job state is saved and the process exits (see ``stratagem.adapt``), and
+    each step: the job state is saved and the process exits (see ``stratagem.elastic``), and
     an in-process rescale moves the loader to the new world (:meth:`on_rescale`).
     """
-
-    iterating: int = 0  # loader iterations in progress, all loaders (see adapt.Accumulator)
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False,
@@ -194,10 +189,17 @@ class DistributedDataLoader:
         self._on_batch = on_batch
         self._loader = DataLoader(dataset, batch_sampler=self.sampler, **loader_kwargs)
         if elastic:
-            _elastic_loaders.add(self)
+            current_job().add_participant(self)
+
+    def before_membership_change(self) -> None:
+        """Nothing to flush: the position is job state, handed over by the lifecycle."""
+
+    def on_membership_change(self, change: MembershipChange) -> None:
+        """An in-process rescale happened: follow it (:meth:`on_rescale`)."""
+        self.on_rescale(change.rank, change.world_size)
 
     def on_rescale(self, rank: int, world_size: int) -> None:
-        """Follow an in-process rescale (:mod:`stratagem.adapt.rescale`): this replica's new
+        """Follow an in-process rescale (:mod:`stratagem.elastic.rescale`): this replica's new
         rank and the new number of replicas. A running iteration re-plans the epoch's
         remaining global batches from the current sample offset after the step in progress,
         so no sample is lost or repeated."""
@@ -280,8 +282,6 @@ class DistributedDataLoader:
         self.sampler.position = ShardPosition(epoch=epoch, offset=0)
 
     def _follow_epoch_loop(self) -> None:
-        from stratagem.adapt.epoch import current_epoch
-
         epoch = current_epoch()
         if epoch is not None and epoch != self.position.epoch:
             self.set_epoch(epoch)
@@ -293,13 +293,14 @@ class DistributedDataLoader:
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         self._follow_epoch_loop()
-        DistributedDataLoader.iterating += 1
+        job = current_job()
+        job.loader_iterations += 1  # (see adapt.Accumulator: syncs inside a loop)
         finished = False
         try:
             yield from self._iterate()
             finished = True
         finally:
-            DistributedDataLoader.iterating -= 1
+            job.loader_iterations -= 1
             if not finished:
                 self._end_pass()
 
@@ -309,8 +310,6 @@ class DistributedDataLoader:
         self.sampler.position = ShardPosition(epoch=self.position.epoch + 1, offset=0)
 
     def _iterate(self) -> Iterator[Any]:
-        from stratagem.adapt.elastic import exit_point
-
         hooks = self.hooks
         while True:
             if hooks is not None:

@@ -10,21 +10,30 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
-import math
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from stratagem.errors import ResourceSpecError
+from stratagem.safeload import MAX_BYTES, load_yaml
 
 NODE_FIELDS = ("address", "gpus", "cpus", "chief", "ssh_config", "network_bandwidth", "workers")
 SSH_FIELDS = ("username", "port", "key_file", "python_venv", "shared_envs")
 TOP_FIELDS = ("nodes", "ssh")
 DEFAULT_BANDWIDTH_GBPS = 1.0
+# Bounds: far above any real cluster, low enough that a typo cannot plan 1e23 processes.
+MAX_NODES = 4096
+MAX_WORKERS_PER_NODE = 1024
+MAX_DEVICE_INDEX = 65535
+MAX_BANDWIDTH_GBPS = 1e6
+# A host name (or container name, for --remote-shell templates): dot-separated labels of
+# letters, digits, '_' and '-', never starting with '-' (it would read as an ssh option).
+_HOST = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(\.(?!-)[A-Za-z0-9_-]{1,63})*\.?")
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
@@ -81,22 +90,19 @@ class ResourceSpec:
                 fix="pass the path of an existing YAML resource spec, or omit it to use this "
                 "machine",
             )
-        return cls.from_yaml(p.read_text(), source=str(p))
+        if p.stat().st_size > MAX_BYTES:
+            raise ResourceSpecError(f"file too large ({p.stat().st_size} bytes)", where=str(p),
+                                    fix="pass a YAML resource spec (a few kB)")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ResourceSpecError(f"cannot read the file: {exc}", where=str(p),
+                                    fix="pass a readable UTF-8 YAML resource spec") from None
+        return cls.from_yaml(text, source=str(p))
 
     @classmethod
     def from_yaml(cls, text: str, source: str = "<resource spec>") -> ResourceSpec:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc)
-            raise ResourceSpecError(
-                f"malformed YAML{at}: {problem}",
-                where=source,
-                fix="check indentation and that every list item starts with '- '",
-            ) from None
-        return cls.from_dict(data, source=source)
+        return cls.from_dict(load_yaml(text, source, ResourceSpecError), source=source)
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<resource spec>") -> ResourceSpec:
@@ -113,17 +119,18 @@ class ResourceSpec:
                 gpus = tuple(range(torch.cuda.device_count()))
         except ImportError:  # pragma: no cover - torch is a dependency
             pass
-        workers = num_workers if num_workers is not None else (len(gpus) or 1)
-        if gpus and workers > len(gpus):
-            gpus = ()  # more workers than GPUs: train on CPU rather than share devices
-        node = Node(
-            address="127.0.0.1",
-            gpus=gpus,
-            cpus=tuple(range(os.cpu_count() or 1)),
-            chief=True,
-            workers=workers,
-        )
-        return cls(nodes=(node,), source="<this machine>")
+        node = Node(address="127.0.0.1", gpus=gpus, cpus=tuple(range(os.cpu_count() or 1)),
+                    chief=True, workers=len(gpus) or 1)
+        spec = cls(nodes=(node,), source="<this machine>")
+        return spec if num_workers is None else spec.with_local_workers(num_workers)
+
+    def with_local_workers(self, workers: int) -> ResourceSpec:
+        """This single-node spec running ``workers`` processes (``--nproc``); on CPU when
+        the node has fewer GPUs than that, rather than two workers sharing a device."""
+        check_worker_count(workers, where=f"{self.source}: --nproc")
+        node = self.nodes[0]
+        gpus = node.gpus if len(node.gpus) >= workers else ()
+        return replace(self, nodes=(replace(node, workers=workers, gpus=gpus),))
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -158,6 +165,23 @@ class ResourceSpec:
             fix=f"use one of {[n.address for n in self.nodes]}",
         )
 
+    def gpu_for(self, address: str | None, local_rank: int) -> int | None:
+        """The spec GPU index of the worker with ``local_rank`` on the node at ``address``
+        (the only node when ``address`` is None and the spec is single-node); None when that
+        worker runs on CPU. ``gpus: [2, 3]``: local rank 1 trains on GPU 3."""
+        if address is None and not self.is_local:
+            return None
+        try:
+            wanted = None if address is None else normalize_address(address)
+        except ValueError:
+            return None
+        node = self.nodes[0] if wanted is None else next(
+            (n for n in self.nodes if n.address == wanted), None)
+        if node is None or not node.gpus or not 0 <= local_rank < min(node.workers,
+                                                                       len(node.gpus)):
+            return None
+        return node.gpus[local_rank]
+
     def ssh_for(self, node: Node) -> SSHConfig:
         return self.ssh.get(node.ssh_config or "", SSHConfig())
 
@@ -187,6 +211,33 @@ class ResourceSpec:
                 for k, v in self.ssh.items()
             }
         return out
+
+
+def check_worker_count(workers: int, where: str) -> None:
+    """Raise unless ``workers`` is within 1..MAX_WORKERS_PER_NODE."""
+    if not 1 <= workers <= MAX_WORKERS_PER_NODE:
+        raise ResourceSpecError(f"{workers} worker processes on one node", where=where,
+                                fix=f"use 1 to {MAX_WORKERS_PER_NODE}")
+
+
+def normalize_address(raw: str) -> str:
+    """``raw`` as a canonical IP literal or a host name; raises ValueError saying why not.
+
+    Surrounding spaces are dropped and IPs are written canonically (``::0:1`` -> ``::1``),
+    so one machine written two ways is seen as a duplicate. Dotted numbers that are not a
+    plain IPv4 address (``010.0.0.1``: octal to some tools, decimal to others) are refused.
+    """
+    text = raw.strip()
+    try:
+        return ipaddress.ip_address(text).compressed
+    except ValueError:
+        pass
+    if text and all(part.isdigit() for part in text.rstrip(".").split(".")):
+        raise ValueError(f"{raw!r} is not a valid IPv4 address (leading zeros or a number "
+                         "above 255 are ambiguous)")
+    if len(text) > 253 or not _HOST.fullmatch(text):
+        raise ValueError(f"{raw!r} is neither an IP address nor a host name")
+    return text
 
 
 def is_loopback_address(address: str) -> bool:
@@ -235,6 +286,9 @@ class _Parser:
             if v < 0:
                 raise self.fail(f"{where}[{i}]", f"negative device index {v}",
                                 "device indices start at 0")
+            if v > MAX_DEVICE_INDEX:
+                raise self.fail(f"{where}[{i}]", f"device index {v} out of range",
+                                f"device indices run from 0 to at most {MAX_DEVICE_INDEX}")
             out.append(v)
         if len(set(out)) != len(out):
             raise self.fail(where, f"duplicate device index in {out}", "list each device once")
@@ -255,6 +309,8 @@ class _Parser:
         self.typed("nodes", raw_nodes, list, "a list of nodes")
         if not raw_nodes:
             raise self.fail("nodes", "empty", "list at least one node")
+        if len(raw_nodes) > MAX_NODES:
+            raise self.fail("nodes", f"{len(raw_nodes)} nodes", f"list at most {MAX_NODES}")
         # `gpus: 0` (a lone index) is a GPU too, so test presence, not truthiness.
         any_gpu = any(isinstance(n, dict) and n.get("gpus") not in (None, [])
                       for n in raw_nodes)
@@ -276,27 +332,59 @@ class _Parser:
             strs = {}
             for key in ("username", "key_file", "python_venv"):
                 if cfg.get(key) is not None:
-                    strs[key] = str(self.typed(f"{where}.{key}", cfg[key], str, "a string"))
-            groups[str(name)] = SSHConfig(
-                port=port, shared_envs={str(k): str(v) for k, v in envs.items()}, **strs
-            )
+                    strs[key] = self.text(f"{where}.{key}", cfg[key])
+            user = strs.get("username")
+            if user is not None and not _USER.fullmatch(user):
+                raise self.fail(f"{where}.username", f"invalid user name {user!r}",
+                                "use letters, digits, '_', '.' and '-', not starting with "
+                                "'-' or '.'")
+            groups[str(name)] = SSHConfig(port=port, shared_envs=self.envs(
+                f"{where}.shared_envs", envs), **strs)
         return groups
+
+    def text(self, where: str, value: Any) -> str:
+        self.typed(where, value, str, "a string")
+        if "\0" in value:
+            raise self.fail(where, "contains a NUL character", "remove it")
+        return value
+
+    def envs(self, where: str, raw: dict) -> dict[str, str]:
+        """``shared_envs``: NAME: scalar value, as strings."""
+        out = {}
+        for key, value in raw.items():
+            if not isinstance(key, str) or not _ENV_NAME.fullmatch(key):
+                raise self.fail(f"{where}.{key}", "not an environment variable name",
+                                "use letters, digits and '_', not starting with a digit")
+            if not isinstance(value, (str, int, float, bool)):
+                raise self.fail(f"{where}.{key}",
+                                f"expected a single value, got {type(value).__name__}",
+                                "write the variable's value as one string")
+            out[key] = self.text(f"{where}.{key}", str(value))
+        return out
 
     def node(self, where: str, raw: Any, ssh: dict[str, SSHConfig], any_gpu: bool) -> Node:
         self.typed(where, raw, dict, "a mapping with at least 'address'")
         self.check_keys(where, raw, NODE_FIELDS)
         if "address" not in raw:
             raise self.fail(f"{where}.address", "missing", "give each node an IP address or host")
-        address = str(self.typed(f"{where}.address", raw["address"], str, "a host or IP string"))
+        try:
+            address = normalize_address(
+                self.typed(f"{where}.address", raw["address"], str, "a host or IP string"))
+        except ValueError as exc:
+            raise self.fail(f"{where}.address", str(exc),
+                            "write an IP address such as 10.0.0.1 or a host name such as "
+                            "node1.example.com") from None
         gpus = self.int_list(f"{where}.gpus", raw.get("gpus", []))
         cpus = self.int_list(f"{where}.cpus", raw.get("cpus", [0]))
         chief = self.typed(f"{where}.chief", raw.get("chief", False), bool, "true or false")
         bw = self.typed(f"{where}.network_bandwidth",
                         raw.get("network_bandwidth", DEFAULT_BANDWIDTH_GBPS), (int, float),
                         "a number of Gbit/s")
-        if not 0 < bw < math.inf:  # also rejects .nan and .inf
-            raise self.fail(f"{where}.network_bandwidth", f"must be a positive number, got {bw}",
-                            "give the link speed in Gbit/s, e.g. 1 or 25")
+        if not 0 < bw <= MAX_BANDWIDTH_GBPS:  # also rejects .nan and .inf
+            raise self.fail(f"{where}.network_bandwidth",
+                            f"must be a positive number, got {bw}",
+                            f"give the link speed in Gbit/s (at most {MAX_BANDWIDTH_GBPS:g}), "
+                            "e.g. 1 or 25")
         ssh_name = raw.get("ssh_config")
         if ssh_name is not None:
             self.typed(f"{where}.ssh_config", ssh_name, str, "the name of an ssh group")
@@ -309,6 +397,9 @@ class _Parser:
         if workers < 0:
             raise self.fail(f"{where}.workers", f"negative worker count {workers}",
                             "use 0 for a server-only node")
+        if workers > MAX_WORKERS_PER_NODE:
+            raise self.fail(f"{where}.workers", f"{workers} workers on one node",
+                            f"use at most {MAX_WORKERS_PER_NODE}")
         if gpus and workers > len(gpus):
             raise self.fail(f"{where}.workers", f"{workers} workers but {len(gpus)} GPUs",
                             "use at most one worker per GPU")
@@ -318,12 +409,13 @@ class _Parser:
     def cross_check(self, nodes: list[Node], ssh: dict[str, SSHConfig]) -> ResourceSpec:
         seen: dict[str, int] = {}
         for i, n in enumerate(nodes):
-            if n.address in seen:
+            key = n.address.lower().rstrip(".")  # host names are case-insensitive
+            if key in seen:
                 raise self.fail(f"nodes[{i}].address",
-                                f"duplicate address {n.address!r} (also nodes[{seen[n.address]}])",
+                                f"duplicate address {n.address!r} (also nodes[{seen[key]}])",
                                 "list each machine once; use 'gpus' or 'workers' for more "
                                 "processes on it")
-            seen[n.address] = i
+            seen[key] = i
         chiefs = [i for i, n in enumerate(nodes) if n.chief]
         if len(chiefs) > 1:
             raise self.fail("nodes", f"{len(chiefs)} chiefs (nodes {chiefs})",

@@ -11,6 +11,7 @@ average carries that scatter. Observed: medians 4-8%, p90 11-27%, rank correlati
 from __future__ import annotations
 
 import csv
+import os
 import time
 from pathlib import Path
 
@@ -19,7 +20,9 @@ import pytest
 
 from stratagem.adapt import ProfileRecord, fit_throughput, predict_step_time
 
-ROOT = Path("/work/shared/data/pollux/profiles")
+# The data set beside the repository (as CI checks it out), or $STRATAGEM_POLLUX_DATA.
+ROOT = Path(os.environ.get("STRATAGEM_POLLUX_DATA")
+            or Path(__file__).resolve().parents[3] / "shared" / "data" / "pollux") / "profiles"
 APPS = ["bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3"]
 
 pytestmark = pytest.mark.skipif(not ROOT.is_dir(), reason="Pollux profiles not available")

@@ -15,8 +15,6 @@ from integration_workers import (
     train_worker,
 )
 
-from stratagem.adapt import state
-
 # 1000 samples, batch 97 in 4 micro-batches: micro-batches of 25/24/24/24 and a last global
 # batch of 30 (8/8/7/7), so per-rank micro-batch sizes differ (the rescaling path).
 N, BATCH, ACCUM = 1000, 97, 3
@@ -28,9 +26,7 @@ def fresh_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
                 "STRATAGEM_CHECKPOINT_DIR", "ADAPTDL_CHECKPOINT_PATH",
                 "STRATAGEM_RESOURCE_SPEC", "STRATAGEM_STRATEGY", "STRATAGEM_HINTS_PORT"):
         monkeypatch.delenv(var, raising=False)
-    state.reset_states()
     yield
-    state.reset_states()
 
 
 def assert_params_close(got: dict, want: dict) -> None:

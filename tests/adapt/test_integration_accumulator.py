@@ -9,7 +9,7 @@ import pytest
 from integration_workers import accumulator_worker, spawn
 
 import stratagem as sg
-from stratagem.adapt import state
+from stratagem.elastic import drop_job, state
 
 
 @pytest.fixture(autouse=True)
@@ -18,9 +18,7 @@ def fresh_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
                 "ADAPTDL_CHECKPOINT_PATH"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(state.ENV_CHECKPOINT_DIR, str(tmp_path / "ckpt"))
-    state.reset_states()
     yield tmp_path / "ckpt"
-    state.reset_states()
 
 
 def test_accumulation_mode_reads_as_empty_and_sums_on_sync() -> None:
@@ -46,7 +44,7 @@ def test_values_survive_a_restart(fresh_job: Path) -> None:
     stats = sg.adapt.Accumulator()
     stats["seen"] += 5
     sg.adapt.save_all_states()  # syncs pending updates first
-    state.reset_states()
+    drop_job()
     again = sg.adapt.Accumulator()
     with again.synchronized():
         assert again["seen"] == 5

@@ -9,7 +9,7 @@ import pytest
 import torch
 from integration_workers import regression_data, spawn, train, train_worker
 
-from stratagem.adapt import Autoscaler, BatchConfig, GradientNoiseScale, ThroughputParams, state
+from stratagem.adapt import Autoscaler, BatchConfig, GradientNoiseScale, ThroughputParams
 
 PARAMS = ThroughputParams(alpha_c=0.02, beta_c=0.0005, alpha_r=0.01, beta_r=0.0,
                           alpha_n=0.02, beta_n=0.0, gamma=1.5)
@@ -32,9 +32,7 @@ def fresh_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "STRATAGEM_CHECKPOINT_DIR", "ADAPTDL_CHECKPOINT_PATH"):
         monkeypatch.delenv(var, raising=False)
-    state.reset_states()
     yield
-    state.reset_states()
 
 
 def test_large_noise_scale_picks_a_larger_batch() -> None:

@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 from integration_workers import exact_noise, make_model, regression_data, spawn, train, train_worker
 
-from stratagem.adapt import state
-
 DATA = regression_data(2048, noise=6.0)  # noise-dominated: a well-conditioned estimate
 SQR, VAR = exact_noise(make_model(0), DATA)
 
@@ -25,9 +23,7 @@ def fresh_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "STRATAGEM_CHECKPOINT_DIR", "ADAPTDL_CHECKPOINT_PATH"):
         monkeypatch.delenv(var, raising=False)
-    state.reset_states()
     yield
-    state.reset_states()
 
 
 def check(result: dict, biased: bool) -> None:

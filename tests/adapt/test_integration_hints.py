@@ -13,8 +13,9 @@ from integration_workers import regression_data, train
 from torch import nn
 
 import stratagem as sg
-from stratagem.adapt import HintsPublisher, state
+from stratagem.adapt import HintsPublisher
 from stratagem.adapt.hints import ENV_HINTS_FILE, ENV_HINTS_PORT
+from stratagem.elastic import drop_job, state
 
 
 @pytest.fixture(autouse=True)
@@ -23,9 +24,7 @@ def fresh_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
                 "STRATAGEM_CHECKPOINT_DIR", "ADAPTDL_CHECKPOINT_PATH", ENV_HINTS_PORT,
                 ENV_HINTS_FILE):
         monkeypatch.delenv(var, raising=False)
-    state.reset_states()
     yield
-    state.reset_states()
 
 
 def get(url: str) -> dict:
@@ -102,7 +101,7 @@ def test_adaptive_state_survives_a_restart(tmp_path: Path,
     train(None, batch_size=32, data=regression_data(1024, noise=5.0), autoscale=auto)
     ad_state = state.registered_states()["adapt"].state_dict()
     sg.adapt.save_all_states()
-    state.reset_states()
+    drop_job()
     resumed = train(0, batch_size=32, data=regression_data(1024, noise=5.0), autoscale=auto,
                     epochs=1)
     assert resumed["steps"] == ad_state["steps"]

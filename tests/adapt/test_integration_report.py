@@ -10,7 +10,7 @@ from integration_workers import make_model, regression_data
 from torch import nn
 
 import stratagem as sg
-from stratagem.adapt import EpochReport, state
+from stratagem.adapt import EpochReport
 
 
 class FakeWriter:
@@ -26,9 +26,7 @@ def fresh_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "STRATAGEM_CHECKPOINT_DIR", "ADAPTDL_CHECKPOINT_PATH"):
         monkeypatch.delenv(var, raising=False)
-    state.reset_states()
     yield
-    state.reset_states()
 
 
 def test_line_is_readable() -> None:

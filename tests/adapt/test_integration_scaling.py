@@ -10,7 +10,7 @@ from integration_workers import make_model, regression_data
 from torch import nn
 
 import stratagem as sg
-from stratagem.adapt import state
+from stratagem.elastic import drop_job
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -30,9 +30,7 @@ def fresh_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "STRATAGEM_CHECKPOINT_DIR", "ADAPTDL_CHECKPOINT_PATH"):
         monkeypatch.delenv(var, raising=False)
-    state.reset_states()
     yield
-    state.reset_states()
 
 
 def setup(rule=None, optimizer=RecordingSGD, lr=0.1, batch_size=16, n=256):
@@ -76,7 +74,7 @@ def test_default_rule_by_optimizer_type() -> None:
     ad, *_ = setup(optimizer=torch.optim.Adam)
     assert isinstance(ad.adaptive.rule, sg.adapt.AdamScale)
     assert ad.adaptive.gns is None or ad.adaptive.gns.preconditioned
-    state.reset_states()
+    drop_job()
     ad, *_ = setup(optimizer=torch.optim.SGD)
     assert isinstance(ad.adaptive.rule, sg.adapt.AdaScale)
 

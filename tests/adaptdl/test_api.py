@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stratagem.adapt import state as sg_state
+from stratagem.elastic import drop_job
 
 NAMES = {
     "stratagem.adaptdl.torch": [
@@ -46,9 +46,7 @@ def fresh_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     for var in [v for v in __import__("os").environ if v.startswith("ADAPTDL_")]:
         monkeypatch.delenv(var)
     monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "ckpt"))
-    sg_state.reset_states()
     yield
-    sg_state.reset_states()
 
 
 @pytest.mark.parametrize("module", sorted(NAMES))
@@ -123,7 +121,7 @@ def test_checkpoint_state_roundtrip_and_unique_names() -> None:
         State("counter")
     c.n = 7
     assert save_all_states() is not None
-    sg_state.reset_states()
+    drop_job()
     again = Counter()
     assert load_state(again) is True and again.n == 7
 
@@ -148,7 +146,7 @@ def test_accumulator_modes_and_restore() -> None:
 
     acc["n"] += 1  # pending: summed in by the save
     save_all_states()
-    sg_state.reset_states()
+    drop_job()
     from stratagem.adaptdl.torch import accumulator
 
     accumulator._init_count.clear()

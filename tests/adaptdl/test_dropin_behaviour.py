@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from _spawn import Setup, run
 
-from stratagem.adapt import state as sg_state
+from stratagem.elastic import state as sg_state
 from stratagem.errors import StratagemError
 
 UNSET = ("ADAPTDL_MASTER_ADDR", "ADAPTDL_MASTER_PORT", "ADAPTDL_NUM_REPLICAS",
@@ -164,7 +164,7 @@ def test_elastic_sampler_covers_the_rest_of_the_epoch() -> None:
 
 
 def test_adaptdl_style_rules_and_their_factors() -> None:
-    from stratagem.adapt.gns import GradientNoiseScale as CoreGNS
+    from stratagem.adapt.noise_scale import GradientNoiseScale as CoreGNS
     from stratagem.adaptdl.torch import scaling_rules as sr
 
     class Halve(sr.ScalingRuleBase):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stratagem.adapt import state
+from stratagem.elastic import state
 
 
 @pytest.fixture(autouse=True)
@@ -18,6 +18,4 @@ def job_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
         monkeypatch.delenv(var, raising=False)
     ckpt = tmp_path / "ckpt"
     monkeypatch.setenv(state.ENV_CHECKPOINT_DIR, str(ckpt))
-    state.reset_states()
     yield ckpt
-    state.reset_states()

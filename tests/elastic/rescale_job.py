@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import stratagem as sg
-from stratagem.adapt import rescale
 from stratagem.data import epoch_permutation
+from stratagem.elastic import rescale
 
 N, EPOCHS, BATCH, SEED = 48, 3, 8, 0
 

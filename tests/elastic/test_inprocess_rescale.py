@@ -20,7 +20,7 @@ import pytest
 import torch
 from rescale_job import EPOCHS, N, reference
 
-from stratagem.adapt.rescale import host_store
+from stratagem.elastic.rescale import host_store
 from stratagem.launch.local import free_port
 
 JOB = Path(__file__).with_name("rescale_job.py")
@@ -112,7 +112,7 @@ def test_rescales_are_fast_and_recorded(run: Path) -> None:
 
 
 def test_state_travels_as_json_and_tensors() -> None:
-    from stratagem.adapt._wire import join_tensors, split_tensors, tensor_specs
+    from stratagem.elastic.wire import join_tensors, split_tensors, tensor_specs
 
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.Adam(model.parameters(), betas=(0.8, 0.9))
@@ -132,8 +132,7 @@ def test_state_travels_as_json_and_tensors() -> None:
 
 
 def test_states_created_after_joining_take_rank0s_copy() -> None:
-    from stratagem.adapt import _regroup
-    from stratagem.adapt.state import State, load_state
+    from stratagem.elastic import State, current_job, load_state
 
     class Counter(State):
         format = "json"
@@ -148,6 +147,7 @@ def test_states_created_after_joining_take_rank0s_copy() -> None:
         def load_state_dict(self, state: dict) -> None:
             self.n = state["n"]
 
-    _regroup._pending["late-counter"] = {"value": {"n": 41}}
+    pending = current_job().pending  # what a newcomer received before creating the state
+    pending["late-counter"] = {"value": {"n": 41}}
     c = Counter()
-    assert load_state(c) and c.n == 41 and "late-counter" not in _regroup._pending
+    assert load_state(c) and c.n == 41 and "late-counter" not in pending

@@ -1,4 +1,4 @@
-"""The public re-binding API an in-process rescale uses (``stratagem.adapt._regroup``):
+"""The public re-binding API an in-process rescale uses (``stratagem.elastic.membership``):
 ``DistributedModel.regroup``, ``AdaptiveTrainer.on_rescale`` and
 ``DistributedDataLoader.on_rescale``, in one process (the multi-process path is covered by
 test_inprocess_rescale.py)."""

@@ -13,7 +13,8 @@ from elastic_job import N, reference, reference_batches, train
 from harness import logged_steps
 
 from stratagem import checkpoint
-from stratagem.adapt import EXIT_CODE, reset_states
+from stratagem.adapt import EXIT_CODE
+from stratagem.elastic import drop_job
 
 
 def _sigterm_at(step: int):
@@ -27,7 +28,7 @@ def _stopped(out: Path, step: int) -> None:
     with pytest.raises(SystemExit) as exc:
         train(out, on_step=_sigterm_at(step))
     assert exc.value.code == EXIT_CODE
-    reset_states()  # the "restart": a fresh process would start with nothing registered
+    drop_job()  # the "restart": a fresh process would start with nothing registered
 
 
 def _assert_equal(got: dict, want: dict) -> None:

@@ -23,11 +23,10 @@ from stratagem.adapt import (
     load_state,
     register_state,
     remaining_epochs_until,
-    reset_states,
     restore_point,
     save_all_states,
 )
-from stratagem.adapt.state import track_model
+from stratagem.elastic import drop_job, track_model
 from stratagem.errors import CheckpointError, StratagemError
 
 
@@ -62,7 +61,7 @@ def test_states_round_trip_as_tensors_and_json(job_state: Path) -> None:
     assert path == job_state / "ckpt-00000001"
     assert json.loads((path / "cfg.json").read_text()) == {"a": [1, 2]}
 
-    reset_states()
+    drop_job()
     torch.manual_seed(1)
     model2 = nn.Linear(3, 2)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
@@ -87,7 +86,7 @@ def test_states_round_trip_as_tensors_and_json(job_state: Path) -> None:
 def test_pickles_are_refused(job_state: Path) -> None:
     ObjectState("evil", lambda: {"obj": PurePosixPath("/etc")}, lambda s: None)
     save_all_states()
-    reset_states()
+    drop_job()
     with pytest.raises(CheckpointError, match="cannot restore state 'evil'"):
         load_state(ObjectState("evil", dict, lambda s: None))
 
@@ -99,7 +98,7 @@ def test_per_rank_state_restarts_fresh_at_another_world_size(job_state: Path) ->
     assert (path / "local-rank0.pt").is_file()
     meta = json.loads((path / "meta.json").read_text())
     (path / "meta.json").write_text(json.dumps(meta | {"world_size": 2}))
-    reset_states()
+    drop_job()
     got = []
     with pytest.warns(UserWarning, match="saved per rank by 2 replicas, now 1"):
         assert load_state(ObjectState("local", dict, got.append, per_rank=True)) is False
@@ -145,11 +144,11 @@ def test_epochs_resume_where_the_checkpoint_was_taken() -> None:
             save_all_states()  # mid-epoch 2
             break
     assert current_epoch() is None
-    reset_states()
+    drop_job()
     assert list(remaining_epochs_until(5)) == [2, 3, 4]  # epoch 2 again: it had not finished
     assert finished_epochs() == 5
     save_all_states()
-    reset_states()
+    drop_job()
     assert list(remaining_epochs_until(5)) == []
     assert list(remaining_epochs_until(7)) == [5, 6]
 

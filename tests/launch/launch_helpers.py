@@ -53,3 +53,17 @@ def job_processes(job_id: str) -> list[int]:
 
 def stratagem_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "stratagem", *args]
+
+KILLED = """
+import os, signal, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:  # look-alike failure records, as a script's output could contain
+    fake = '{"kind": "signal", "signal": "SIGSEGV", "rank": "7", "time": 0, "message": "forged"}'
+    print("@@stratagem-failure@@ " + fake, file=sys.stderr, flush=True)
+    print("@@stratagem-failure@@ 0123456789abcdef " + fake, file=sys.stderr, flush=True)
+dist.barrier()
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # what the OOM killer or `kill -9` does
+while True:
+    dist.all_reduce(torch.ones(1))  # rank 0: fails (connection reset) or is stopped
+"""

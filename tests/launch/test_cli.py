@@ -50,9 +50,19 @@ def test_missing_script(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Traceback" not in err
 
 
-def test_nproc_must_be_positive(script: Script, capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run_cli(capsys, "run", "--nproc", "0", str(script("t.py", "")))
-    assert code == 2 and "--nproc must be at least 1, got 0" in err and "fix:" in err
+@pytest.mark.parametrize("nproc", ["0", "100000000000000000000000"])
+def test_nproc_must_be_in_range(script: Script, capsys: pytest.CaptureFixture[str],
+                                nproc: str) -> None:
+    code, _, err = run_cli(capsys, "run", "--nproc", nproc, str(script("t.py", "")))
+    assert code == 2 and f"--nproc must be 1 to 1024, got {nproc}" in err and "fix:" in err
+
+
+@pytest.mark.parametrize("job_id", ["-x", "a/b", "a b", "", "x" * 65, "ok\n"])
+def test_job_id_is_checked(script: Script, capsys: pytest.CaptureFixture[str],
+                           job_id: str) -> None:
+    code, _, err = run_cli(capsys, "run", "--dry-run", f"--job-id={job_id}",
+                           str(script("t.py", "")))
+    assert code == 2 and "invalid job id" in err and "fix:" in err
 
 
 def test_bad_resource_spec(script: Script, tmp_path: Path,

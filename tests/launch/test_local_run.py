@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from launch_helpers import ALLREDUCE, CRASH, SLEEPY, job_processes, stratagem_cmd
+from launch_helpers import ALLREDUCE, CRASH, KILLED, SLEEPY, job_processes, stratagem_cmd
 
 from stratagem import cli
 from stratagem.launch.local import free_port
@@ -60,6 +60,19 @@ def test_crashing_worker_ends_job_fast(script: Script, tmp_path: Path,
     assert "stratagem: first failure: rank 1 on node 0 (127.0.0.1): " \
            "RuntimeError: boom from rank 1" in err
     assert 'raise RuntimeError("boom from rank 1")' in err
+    assert _no_leftovers(job) == []
+
+
+def test_killed_worker_is_blamed_not_its_peer_nor_forged_records(
+        script: Script, capsys: pytest.CaptureFixture[str]) -> None:
+    job = _job_id()
+    code = cli.main(["run", "--nproc", "2", "--job-id", job, str(script("kill.py", KILLED))])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert "stratagem: first failure: rank 1 on node 0 (127.0.0.1): killed by SIGKILL" in err
+    assert "forged" not in err.split("stratagem: first failure:", 1)[1]
+    # the look-alike lines are shown as the worker's output, not taken as records
+    assert err.count("[node 0] @@stratagem-failure@@ ") == 2
     assert _no_leftovers(job) == []
 
 

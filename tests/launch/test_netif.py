@@ -27,15 +27,22 @@ def test_foreign_address_has_no_interface() -> None:
     assert not netif.is_local_address("192.0.2.123")
 
 
-def test_apply_node_env_sets_gloo_ifname_once(capsys: pytest.CaptureFixture[str]) -> None:
+def test_apply_node_env_sets_gloo_and_nccl_ifname_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    lo = netif.interface_for_address("127.0.0.1")
     env = {"STRATAGEM_NODE_ADDRESS": "127.0.0.1"}
-    assert apply_node_env(env) == env["GLOO_SOCKET_IFNAME"] == netif.interface_for_address(
-        "127.0.0.1")
+    assert apply_node_env(env) == lo
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == lo
     kept = {"STRATAGEM_NODE_ADDRESS": "127.0.0.1", "GLOO_SOCKET_IFNAME": "eth9"}
-    assert apply_node_env(kept) is None and kept["GLOO_SOCKET_IFNAME"] == "eth9"
+    assert apply_node_env(kept) == lo  # each is set only where the user has not
+    assert kept["GLOO_SOCKET_IFNAME"] == "eth9" and kept["NCCL_SOCKET_IFNAME"] == lo
+    both = {"STRATAGEM_NODE_ADDRESS": "127.0.0.1", "GLOO_SOCKET_IFNAME": "eth9",
+            "NCCL_SOCKET_IFNAME": "ib0"}
+    assert apply_node_env(both) is None and both["NCCL_SOCKET_IFNAME"] == "ib0"
     assert apply_node_env({}) is None
     unknown = {"STRATAGEM_NODE_ADDRESS": "192.0.2.123"}
     assert apply_node_env(unknown) is None and "GLOO_SOCKET_IFNAME" not in unknown
+    assert "NCCL_SOCKET_IFNAME" not in unknown
     assert "no local interface has address 192.0.2.123" in capsys.readouterr().err
 
 

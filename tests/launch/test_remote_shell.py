@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from stratagem.errors import LaunchError
 from stratagem.launch import JobOptions, multinode, plan_job
-from stratagem.launch.remote_shell import activate_command, remote_command, template_argv
+from stratagem.launch.remote_shell import (
+    activate_command,
+    remote_command,
+    ssh_argv,
+    template_argv,
+)
+from stratagem.resource import Node, SSHConfig
 
 SPEC = """
 nodes:
@@ -88,8 +95,8 @@ def test_plan_local_chief_and_ssh_worker(plan_for: Callable[..., object],
     assert ssh[:8] == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
                        "-p", "2222", "-i"]
     assert ssh[8].endswith("/.ssh/id_sg") and not ssh[8].startswith("~")
-    assert ssh[9] == "alice@10.0.0.2" and len(ssh) == 11
-    line = ssh[10]
+    assert ssh[9:11] == ["--", "alice@10.0.0.2"] and len(ssh) == 12  # -- ends options
+    line = ssh[11]
     assert line.startswith(f"cd {shlex.quote(str(tmp_path))} && . /opt/venv/bin/activate && ")
     exports, agent = line.split(" && exec ")
     assert "STRATAGEM_NODE_ADDRESS=10.0.0.2" in exports and "STRATAGEM_JOB_ID=job7" in exports
@@ -152,5 +159,13 @@ def test_activate_command(venv: str, line: str) -> None:
 def test_remote_command_quotes() -> None:
     line = remote_command("/my dir", {"A": "x y"}, ["python", "-c", "print('hi')"])
     assert line == "cd '/my dir' && export 'A=x y' && exec python -c 'print('\"'\"'hi'\"'\"')'"
-    assert template_argv("ip netns exec ns-{address}", "1", "true") == \
-        ["ip", "netns", "exec", "ns-1", "/bin/sh", "-c", "true"]
+    assert template_argv("ip netns exec ns-{address}", "n1", "true") == \
+        ["ip", "netns", "exec", "ns-n1", "/bin/sh", "-c", "true"]
+
+
+@pytest.mark.parametrize("address", ["-V", "-oProxyCommand=sh -c id", "a;id", " 10.0.0.1"])
+def test_addresses_that_are_not_hosts_never_reach_a_command_line(address: str) -> None:
+    with pytest.raises(LaunchError, match="is not a host name or IP address"):
+        template_argv("ssh {address}", address, "true")
+    with pytest.raises(LaunchError, match="is not a host name or IP address"):
+        ssh_argv(Node(address=address), SSHConfig(), "true")

@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import io
+import json
+import logging
+import os
+import signal
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from stratagem.launch.agent import (
+    FAILURE_MARKER,
+    TORCH_PCONTEXT_LOGGER,
+    StoppedPids,
+    read_key,
+    untraced_failures,
+)
 from stratagem.launch.job import AgentLaunch, LaunchPlan
 from stratagem.launch.supervisor import Supervisor, _Agent
 from stratagem.resource import Node
@@ -28,15 +43,16 @@ def _exc(rank: int, t: float, msg: str) -> dict[str, Any]:
             "traceback": f"Traceback (most recent call last):\n{msg}\n"}
 
 
-def _sig(rank: int, t: float, sig: str) -> dict[str, Any]:
-    return {"kind": "signal", "signal": sig, "rank": str(rank), "time": t,
+def _sig(rank: int, t: float, sig: str, kind: str = "signal") -> dict[str, Any]:
+    return {"kind": kind, "signal": sig, "rank": str(rank), "time": t,
             "message": f"killed by {sig}", "traceback": ""}
 
 
 def test_earliest_exception_across_nodes_wins() -> None:
     victim = _exc(0, 2.5, "RuntimeError: Connection closed by peer")
     culprit = _exc(3, 2.1, "ValueError: bad batch")
-    sup, agents = _supervisor([victim, _sig(1, 2.0, "SIGTERM")], [culprit])
+    stopped = _sig(1, 2.0, "SIGKILL", kind="stopped")  # torchrun's own shutdown
+    sup, agents = _supervisor([victim, stopped], [culprit])
     text = sup.failure_summary(agents[0])  # node 0's agent happened to exit first
     assert "job j failed and stopped the other nodes" in text
     assert "first failure: rank 3 on node 1 (10.0.0.2): ValueError: bad batch" in text
@@ -51,8 +67,81 @@ def test_crash_signal_beats_the_exceptions_it_causes() -> None:
     assert "no Python traceback; see the [node 0] output above" in text
 
 
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM", "SIGSEGV"])
+def test_any_signal_death_torchrun_did_not_send_is_the_cause(sig: str) -> None:
+    peer = _exc(0, 1.0, "RuntimeError: Connection reset by peer")  # recorded earlier
+    sup, agents = _supervisor([peer, _sig(1, 5.0, sig)])
+    assert f"first failure: rank 1 on node 0 (10.0.0.1): killed by {sig}" in \
+        sup.failure_summary(agents[0])
+
+
+def test_records_need_the_jobs_key() -> None:
+    sup, _ = _supervisor([])
+    record = '{"kind": "signal", "rank": "7", "time": 0}'
+    assert sup._record(f"{sup._key} {record}") == json.loads(record)
+    assert sup._record(record) is None  # no key: a worker's line
+    assert sup._record(f"{'0' * len(sup._key)} {record}") is None
+    assert sup._record(f"{sup._key} not json") is None
+    other, _ = _supervisor([])
+    assert other._key != sup._key  # fresh per launcher
+
+
+def test_forged_record_lines_are_shown_as_output() -> None:
+    sup, agents = _supervisor([])
+    agents[0].failures = []
+    err = io.StringIO()
+    sup.err = err
+    genuine = f'{FAILURE_MARKER}{sup._key} {{"kind": "exit", "rank": "1"}}\n'
+    forged = f'{FAILURE_MARKER}deadbeef {{"kind": "signal", "rank": "7"}}\n'
+    sup._pump(agents[0], io.BytesIO((forged + genuine).encode()), err, True)
+    assert agents[0].failures == [{"kind": "exit", "rank": "1"}]
+    assert err.getvalue() == "[node 0] " + forged
+
+
+def test_agent_tells_stopped_workers_from_killed_ones() -> None:
+    stopped = StoppedPids().install()
+    try:
+        logging.getLogger(TORCH_PCONTEXT_LOGGER).warning(
+            "Sending process %s closing signal %s", 4242, "SIGTERM")
+    finally:
+        logging.getLogger(TORCH_PCONTEXT_LOGGER).removeHandler(stopped)
+    assert stopped.pids == {4242}
+
+    def failure(pid: int, rank: int, code: int) -> SimpleNamespace:
+        return SimpleNamespace(error_file="", exitcode=code, pid=pid, timestamp=7,
+                               local_rank=rank, signal_name=lambda: signal.Signals(-code).name)
+
+    exc = SimpleNamespace(failures={0: failure(4242, 0, -signal.SIGKILL),
+                                    1: failure(5151, 1, -signal.SIGKILL),
+                                    2: failure(6161, 2, 3),
+                                    3: failure(7373, 3, 143)})  # handled SIGTERM, exited
+    records = untraced_failures(exc, stopped.pids | {7373})
+    assert [(r["rank"], r["kind"]) for r in records] == [
+        ("0", "stopped"), ("1", "signal"), ("2", "exit"), ("3", "stopped")]
+    assert records[1]["message"] == "killed by SIGKILL"
+
+
 def test_no_records_names_the_agent_and_shows_its_output() -> None:
     sup, agents = _supervisor([], [], code=255)
     text = sup.failure_summary(agents[1])
     assert "first failure: node 1 (10.0.0.2): agent exited with code 255" in text
     assert "No route to host" in text
+
+
+def test_agent_reads_only_the_key_line_from_stdin() -> None:
+    read, write = os.pipe()
+    os.write(write, b"abc123\nrest of stdin")
+    os.close(write)
+    try:
+        assert read_key(read) == "abc123"
+        assert os.read(read, 100) == b"rest of stdin"  # left for the stdin watcher
+    finally:
+        os.close(read)
+    for raw in (b"", b"not a key!\n", b"x" * 300):
+        read, write = os.pipe()
+        os.write(write, raw)
+        os.close(write)
+        try:
+            assert read_key(read) == ""
+        finally:
+            os.close(read)

@@ -97,6 +97,22 @@ def reference(opt: str, steps: int = STEPS, sparse: bool = True, bag: bool = Tru
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
+def train_slices(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                 world: int, fail_at: int | None = None) -> None:
+    """A user's loop (ps_script.py, ps_idiom.py): STEPS steps on this worker's slice of
+    each global batch; ``fail_at``: raise after that step's forward (a bug in user code)."""
+    per = BATCH // world
+    sl = slice(rank * per, (rank + 1) * per)
+    for step in range(STEPS):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        out = model(x[sl])
+        if step == fail_at:
+            raise RuntimeError(f"user code failed at step {step}")
+        loss_fn(out, y[sl]).backward()
+        optimizer.step()
+
+
 def spec_for(workers: int, servers: int) -> ResourceSpec:
     """One worker node (``workers`` CPU workers) plus ``servers`` server-only nodes."""
     nodes = [{"address": "10.0.0.1", "chief": True, "workers": workers, "cpus": [0]}]
@@ -141,13 +157,20 @@ def _script_entry(index: int, world: int, port: int, roles: list[str], script: s
     _spawn.leave(hard=False)  # as the script's process would end: its atexit handlers run
 
 
-def run_script(script: Path, roles: list[str], out: Path, env: dict[str, str]) -> list[str]:
+def run_script(script: Path, roles: list[str], out: Path, env: dict[str, str],
+               failing: bool = False) -> list[str]:
     """Run ``script`` as a torchrun-like job (one process per role, launcher rank = index);
-    returns each process's exit code (repr) or traceback."""
+    returns each process's exit code (repr) or traceback. ``failing``: the script is
+    expected to fail, so a process that dies after recording its result (gloo's teardown
+    aborts a process with work in flight now and then) neither fails the run nor gets its
+    peers terminated."""
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_script_entry, args=(len(roles), _spawn.free_port(), roles, str(script),
-                                            env, str(out)),
-                       nprocs=len(roles), start_method="spawn", join=True)
+    ctx = mp.start_processes(_script_entry, args=(len(roles), _spawn.free_port(), roles,
+                                                  str(script), env, str(out)),
+                             nprocs=len(roles), start_method="spawn", join=not failing)
+    if failing:
+        for proc in ctx.processes:
+            proc.join(300)
     return [(out / f"exit{i}.txt").read_text() for i in range(len(roles))]
 
 

@@ -13,7 +13,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # ps_common, and tests/ for its _spawn
-from ps_common import BATCH, STEPS, batch, loss_fn, make_model  # noqa: E402
+from ps_common import make_model, train_slices  # noqa: E402
 
 import stratagem as sg  # noqa: E402
 
@@ -25,13 +25,7 @@ optimizer = torch.optim.Adagrad(model.parameters(), lr=0.2)
 model, optimizer = ad.distribute(model, optimizer)
 
 assert ad.role == "worker", "servers never get past distribute()"
-per = BATCH // ad.world_size
-sl = slice(ad.rank * per, (ad.rank + 1) * per)
-for step in range(STEPS):
-    x, y = batch(step)
-    optimizer.zero_grad()
-    loss_fn(model(x[sl]), y[sl]).backward()
-    optimizer.step()
+train_slices(model, optimizer, ad.rank, ad.world_size)
 model.refresh_parameters()
 torch.save({"state": model.state_dict(), "rank": ad.rank, "world": ad.world_size,
             "plan": model.plan.summary()}, OUT / f"worker{ad.rank}.pt")

@@ -159,6 +159,57 @@ def test_autodist_script_with_dedicated_servers(tmp_path_factory: pytest.TempPat
         assert_close(res["state"], want)
 
 
+@pytest.mark.parametrize(("builder", "servers", "reader"), [
+    ("Parallax", 0, 0), ("PartitionedPS", 2, 0), ("PartitionedPS", 0, 1), ("Parallax", 2, 1)])
+def test_one_rank_reads_current_values_while_the_others_leave(
+        builder: str, servers: int, reader: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Issue 10 section 1: after training, one worker saves ``model.state_dict()`` (and the
+    module's, the original module's) and evaluates while the other worker has left the
+    loop and exits -- no refresh_parameters(). Everything equals single-process training
+    (embedding rows this worker never pulled included), colocated and dedicated servers,
+    the chief or another worker reading."""
+    import yaml
+    from ps_common import STEPS, batch, make_model, run_script, spec_for
+
+    out = tmp_path_factory.mktemp("idiom")
+    spec = out / "spec.yml"
+    spec.write_text(yaml.safe_dump(spec_for(2, servers).to_dict()))
+    roles = ["worker", "worker"] + ["server"] * servers
+    codes = run_script(Path(__file__).with_name("ps_idiom.py"), roles, out,
+                       {"PS_SPEC": str(spec), "PS_BUILDER": builder, "PS_READER": str(reader)})
+    assert codes == ["0"] * len(roles), codes
+    got = torch.load(out / f"reader{reader}.pt", weights_only=False)
+    want = ref("adagrad")
+    for key in ("state", "module", "original"):
+        assert_close(got[key], want)
+    m = make_model(0)
+    m.load_state_dict(want)
+    x, _ = batch(STEPS)
+    with torch.no_grad():
+        torch.testing.assert_close(got["eval"], m(x), rtol=RTOL, atol=1e-9)
+        torch.testing.assert_close(got["eval_grad"], m(x[:2]), rtol=RTOL, atol=1e-9)
+
+
+def test_a_worker_failing_mid_step_does_not_linger(tmp_path_factory: pytest.TempPathFactory
+                                                   ) -> None:
+    """Lingering at exit (to serve peers' reads) happens between steps only: a worker whose
+    user code raises after a training forward leaves at once, so its peer fails on the
+    closed connection instead of waiting for its timeout (60 s here; gloo says which)."""
+    import yaml
+    from ps_common import run_script, spec_for
+
+    out = tmp_path_factory.mktemp("fail")
+    spec = out / "spec.yml"
+    spec.write_text(yaml.safe_dump(spec_for(2, 0).to_dict()))
+    codes = run_script(Path(__file__).with_name("ps_idiom.py"), ["worker", "worker"], out,
+                       {"PS_SPEC": str(spec), "PS_BUILDER": "Parallax", "PS_FAIL_AT": "3",
+                        "STRATAGEM_PS_TIMEOUT": "60"}, failing=True)
+    assert "user code failed at step 3" in codes[1], codes[1]
+    assert "Traceback" in codes[0], codes[0]
+    assert "Timed out" not in codes[0] and "timed out" not in codes[0], codes[0]
+
+
 def test_killed_server_fails_the_job_fast(tmp_path_factory: pytest.TempPathFactory) -> None:
     """SIGKILL one of two servers mid-training: every survivor raises a DistributedError
     naming it within seconds (no collective timeout)."""

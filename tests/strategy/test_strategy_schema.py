@@ -26,12 +26,12 @@ from stratagem.strategy import (
     Strategy,
     StrategyBuilder,
 )
-from stratagem.strategy.schema import COMPRESSORS
+from stratagem.strategy.compressors import compressor_names
 
 MIXED = Path(__file__).resolve().parents[2] / "examples" / "strategies" / "mlp-mixed.yaml"
 
 BUILDERS = {
-    **{f"AllReduce-{c}": AllReduce(compressor=c) for c in COMPRESSORS},
+    **{f"AllReduce-{c}": AllReduce(compressor=c) for c in compressor_names()},
     "AllReduce-chunk2-gloo": AllReduce(chunk_size=2, all_reduce_spec="gloo"),
     "AllReduce-powersgd-rank4": AllReduce(compressor="powersgd", powersgd_rank=4),
     "AllReduce-fp16-rank4": AllReduce(compressor="fp16", powersgd_rank=4),
@@ -139,10 +139,14 @@ def test_example_file_matches_its_comments() -> None:
     w = s.config_for("0.weight")
     assert w.partitioner == Partitioner((2, 1), sizes=(40, 24))
     assert [p.var_name for p in w.leaves()] == ["0.weight/part_0", "0.weight/part_1"]
+    assert [p.synchronizer for p in w.leaves()] == [
+        PSSynchronizer("192.168.1.10:CPU:0", staleness=1),
+        PSSynchronizer("192.168.1.11:CPU:0", staleness=1)]
+    assert s.config_for("0.bias").synchronizer == AllReduceSynchronizer(compressor="fp16",
+                                                                        group=1)
     assert s.config_for("2.weight").synchronizer == PSSynchronizer(
-        "192.168.1.10:CPU:0", sync=True, staleness=2)
-    assert s.config_for("2.bias").synchronizer == PSSynchronizer("192.168.1.10:CPU:1",
-                                                                 sync=False)
+        "192.168.1.10:CPU:1", sync=True, staleness=1)
+    assert s.config_for("2.bias").synchronizer == AllReduceSynchronizer()
 
 
 def test_minimal_hand_written_strategy_gets_defaults() -> None:
@@ -362,7 +366,7 @@ def test_load_malformed_file(tmp_path: Path) -> None:
     path.write_text('{"version": 1, "node_config": [')
     with pytest.raises(StrategyError) as err:
         Strategy.load(path)
-    assert str(err.value).startswith(f"{path}: malformed file")
+    assert str(err.value).startswith(f"{path}: malformed YAML")
     assert "fix:" in str(err.value)
 
 
@@ -371,4 +375,52 @@ def test_load_reports_the_file_and_field(tmp_path: Path) -> None:
     path.write_text("node_config:\n  - var_name: w\n    synchronizer: {type: Ring}\n")
     with pytest.raises(StrategyError, match=rf"^{path}: node_config\[0\]\.synchronizer\.type: "
                        "unknown synchronizer type 'Ring'"):
+        Strategy.load(path)
+
+
+# -- hostile input: bounded values, depth and size -------------------------------------
+def _ps(**fields: Any) -> dict[str, Any]:
+    return {"node_config": [{"var_name": "w", "synchronizer": {"type": "PS", **fields}}]}
+
+
+@pytest.mark.parametrize(("fields", "problem"), [
+    ({"staleness": 10**30}, "staleness 1000000000000000000000000000000 is too large"),
+])
+def test_integer_fields_are_bounded(fields: dict[str, Any], problem: str) -> None:
+    with pytest.raises(StrategyError, match=problem) as err:
+        Strategy.from_dict(_ps(**fields))
+    assert "at most 1000000" in (err.value.fix or "")
+
+
+def test_all_reduce_group_and_rank_are_bounded() -> None:
+    for key, value in (("group", 10**7), ("powersgd_rank", 10**5)):
+        data = {"node_config": [{"var_name": "w", "synchronizer": {
+            "type": "AllReduce", key: value}}]}
+        with pytest.raises(StrategyError, match=f"{key} {value} is too large"):
+            Strategy.from_dict(data)
+
+
+def test_deeply_nested_part_config_is_refused_without_recursion() -> None:
+    node: dict[str, Any] = {"var_name": "w", "synchronizer": {"type": "AllReduce"}}
+    for _ in range(100_000):
+        node = {"var_name": "w", "partitioner": "2", "part_config": [node]}
+    with pytest.raises(StrategyError, match="nested partitioning"):
+        Strategy.from_dict({"node_config": [node]})
+
+
+@pytest.mark.parametrize("text", ['{"node_config": ' + "[" * 100_000,
+                                  "node_config:\n  - " + "{a: " * 100_000])
+def test_deeply_nested_file_is_a_strategy_error(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text(text)
+    with pytest.raises(StrategyError, match="nested deeper than 64 levels") as err:
+        Strategy.load(path)
+    assert err.value.fix
+
+
+def test_aliases_are_refused_in_strategy_files(tmp_path: Path) -> None:
+    path = tmp_path / "alias.yaml"
+    path.write_text("node_config:\n  - &n {var_name: w, synchronizer: {type: AllReduce}}\n"
+                    "  - *n\n")
+    with pytest.raises(StrategyError, match="alias"):
         Strategy.load(path)

@@ -163,7 +163,7 @@ BAD: dict[str, tuple[Mutation, str, str]] = {
         lambda d: sync(d, "0.bias").update(compressor="zstd"),
         "unknown compressor 'zstd'", "use one of none, fp16, bf16, powersgd"),
     "unknown-spec": (
-        lambda d: part(d, 0)["synchronizer"].update(spec="mpi"),
+        lambda d: sync(d, "2.bias").update(spec="mpi"),
         "unknown all-reduce spec 'mpi'", "use one of auto, nccl, gloo"),
     "negative-group": (
         lambda d: sync(d, "0.bias").update(group=-1),
@@ -185,7 +185,7 @@ BAD: dict[str, tuple[Mutation, str, str]] = {
         lambda d: sync(d, "2.weight").update(staleness=-1),
         "negative staleness -1", "use 0 for bulk-synchronous"),
     "async-with-staleness": (
-        lambda d: sync(d, "2.bias").update(staleness=3),
+        lambda d: sync(d, "2.weight").update(sync=False, staleness=3),
         "staleness applies only to synchronous PS", "staleness: 0"),
     "replicas-reordered": (
         lambda d: d["graph_config"]["replicas"].reverse(),
@@ -264,3 +264,20 @@ def test_part_config_without_partitioner_built_in_python(mlp_profile: ModelProfi
                  s.graph_config)
     with pytest.raises(StrategyError, match="part_config without a partitioner"):
         validate(s, mlp_profile, two_node)
+
+
+@pytest.mark.parametrize(("name", "sync", "problem"), [
+    ("2.weight", PSSynchronizer("192.168.1.10:CPU:1", staleness=10**30),
+     "staleness 1000000000000000000000000000000 is too large"),
+    ("2.bias", AllReduceSynchronizer(group=10**12), "group 1000000000000 or powersgd_rank 1"),
+])
+def test_bounds_hold_for_strategies_built_in_python(
+        example: dict, mlp_profile: ModelProfile, two_node: ResourceSpec, name: str,
+        sync: PSSynchronizer | AllReduceSynchronizer, problem: str) -> None:
+    """A builder's Strategy never went through the file parser's bounds: validate checks."""
+    s = Strategy.from_dict(example)
+    s = Strategy(tuple(NodeConfig(name, sync) if n.var_name == name else n
+                       for n in s.node_config), s.graph_config)
+    with pytest.raises(StrategyError, match=problem) as err:
+        validate(s, mlp_profile, two_node)
+    assert "at most" in (err.value.fix or "") or "up to" in (err.value.fix or "")

@@ -1,27 +1,20 @@
 """Adaptive batch size and learning rate: throughput model, gradient noise scale, goodput.
 
-Pure math here (numpy, plus torch for optimizer-facing helpers); the data loader, elastic
-restarts and engine integration build on it. See ``docs/concepts/goodput.md``.
+The models (``throughput``, ``noise_scale``, ``goodput``, ``scaling_rules``, ``autoscale``:
+numpy, plus torch for optimizer-facing helpers) and what measures their inputs while
+training (``step_profiler``: step times; ``gradient_stats``: gradient norms per step). See
+``docs/concepts/goodput.md``.
 
 The adaptive training loop that AutoDist attaches (``loop``: profiling, gradient statistics,
 batch-size decisions, LR scaling, hints, per-epoch progress) and the ``Accumulator`` of
 metrics: see ``docs/how-to/adaptive-batch-size.md``.
 
-Job state and elastic restarts (``state``, ``epoch``, ``elastic``): see
-``docs/how-to/elastic-training.md``.
+Job state and elastic restarts live in :mod:`stratagem.elastic` (re-exported here under
+their documented names): see ``docs/how-to/elastic-training.md``.
 """
 
 from stratagem.adapt.accumulator import Accumulator
 from stratagem.adapt.autoscale import Autoscaler, BatchConfig
-from stratagem.adapt.elastic import (
-    EXIT_CODE,
-    exit_point,
-    exit_requested,
-    hold_exit,
-    request_exit,
-)
-from stratagem.adapt.epoch import current_epoch, finished_epochs, remaining_epochs_until
-from stratagem.adapt.gns import GNSEstimate, GradientNoiseScale, unbiased_estimates
 from stratagem.adapt.goodput import (
     DEFAULT_SWITCH_THRESHOLD,
     BatchChoice,
@@ -30,16 +23,16 @@ from stratagem.adapt.goodput import (
     choose_with_hysteresis,
     should_switch,
 )
-from stratagem.adapt.grad_norms import (
+from stratagem.adapt.gradient_stats import (
     ConsecutiveGradients,
+    GradStats,
     adam_preconditioner,
     group_sqr_norms,
     param_group_grads,
 )
-from stratagem.adapt.gradstats import GradStats
 from stratagem.adapt.hints import HintsPublisher
-from stratagem.adapt.loop import AdaptiveTrainer
-from stratagem.adapt.metrics import StepProfiler
+from stratagem.adapt.loop import AdaptiveTrainer, TrainerConfig
+from stratagem.adapt.noise_scale import GNSEstimate, GradientNoiseScale, unbiased_estimates
 from stratagem.adapt.progress import ProgressTracker
 from stratagem.adapt.progress_report import EpochReport
 from stratagem.adapt.scaling_rules import (
@@ -53,18 +46,7 @@ from stratagem.adapt.scaling_rules import (
     scaled_lr,
     scaled_step,
 )
-from stratagem.adapt.state import (
-    ENV_ADAPTDL_CHECKPOINT,
-    ENV_CHECKPOINT_DIR,
-    ObjectState,
-    State,
-    checkpoint_root,
-    load_state,
-    register_state,
-    reset_states,
-    restore_point,
-    save_all_states,
-)
+from stratagem.adapt.step_profiler import StepProfiler
 from stratagem.adapt.throughput import (
     ProfileRecord,
     ThroughputParams,
@@ -73,6 +55,26 @@ from stratagem.adapt.throughput import (
     predict_step_time,
     predict_sync_time,
     predict_throughput,
+)
+from stratagem.elastic import (  # the job lifecycle, documented under sg.adapt too
+    ENV_ADAPTDL_CHECKPOINT,
+    ENV_CHECKPOINT_DIR,
+    EXIT_CODE,
+    ObjectState,
+    State,
+    checkpoint_root,
+    current_epoch,
+    exit_point,
+    exit_requested,
+    finished_epochs,
+    hold_exit,
+    load_state,
+    register_state,
+    remaining_epochs_until,
+    request_exit,
+    reset_states,
+    restore_point,
+    save_all_states,
 )
 
 __all__ = [
@@ -84,6 +86,7 @@ __all__ = [
     "GradStats",
     "HintsPublisher",
     "StepProfiler",
+    "TrainerConfig",
     "DEFAULT_SWITCH_THRESHOLD",
     "ENV_ADAPTDL_CHECKPOINT",
     "ENV_CHECKPOINT_DIR",
@@ -133,3 +136,13 @@ __all__ = [
     "should_switch",
     "unbiased_estimates",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``sg.adapt.rescale``: the in-process rescale API under its earlier name, imported on
+    first use (so ``python -m stratagem.adapt.rescale`` runs it cleanly)."""
+    if name == "rescale":
+        import importlib
+
+        return importlib.import_module("stratagem.adapt.rescale")
+    raise AttributeError(f"module 'stratagem.adapt' has no attribute {name!r}")

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.adapt.epoch import current_epoch
-from stratagem.adapt.state import State, load_state, unique_name
+from stratagem.elastic import State, current_epoch, current_job, load_state, unique_name
+from stratagem.elastic.wire import all_gather_bytes
 
 Number = int | float
 
@@ -56,19 +56,15 @@ def _add_into(a: dict[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
 def _allreduce_dict(updates: dict[str, Any]) -> dict[str, Any]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return dict(updates)
-    from stratagem.adapt._wire import all_gather_bytes
-    from stratagem.adapt.elastic import _control_group
-
     out: dict[str, Any] = {}  # JSON bytes, never pickles; rank order: the same sum everywhere
-    for data in all_gather_bytes(json.dumps(updates).encode(), group=_control_group()):
+    group = current_job().control_group()
+    for data in all_gather_bytes(json.dumps(updates).encode(), group=group):
         _add_into(out, json.loads(data.decode()))
     return out
 
 
 def _in_loader() -> bool:
-    from stratagem.data import DistributedDataLoader
-
-    return DistributedDataLoader.iterating > 0
+    return current_job().loader_iterations > 0
 
 
 class _AccumulatorState(State):

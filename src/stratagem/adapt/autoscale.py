@@ -11,13 +11,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from stratagem.adapt.gns import GradientNoiseScale
 from stratagem.adapt.goodput import (
     DEFAULT_SWITCH_THRESHOLD,
     BatchChoice,
     GoodputFunction,
     choose_with_hysteresis,
 )
+from stratagem.adapt.noise_scale import GradientNoiseScale
 from stratagem.adapt.throughput import ThroughputParams
 
 

@@ -2,7 +2,7 @@
 
 ``goodput(N, R, b, a) = R*b*(a+1) / T_step(N, R, b, a) * E(R*b*(a+1))`` for ``N`` nodes,
 ``R`` replicas, micro-batch ``b`` per replica and ``a`` extra accumulation micro-steps
-(see :mod:`stratagem.adapt.throughput` and :mod:`stratagem.adapt.gns`).
+(see :mod:`stratagem.adapt.throughput` and :mod:`stratagem.adapt.noise_scale`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from stratagem.adapt.gns import GNSEstimate, GradientNoiseScale
+from stratagem.adapt.noise_scale import GNSEstimate, GradientNoiseScale
 from stratagem.adapt.throughput import ThroughputParams, predict_step_time
 
 DEFAULT_SWITCH_THRESHOLD = 0.05

@@ -5,35 +5,45 @@ Rank 0 publishes one JSON document (schema: ``docs/reference/hints.md``) to
 * a file, ``$STRATAGEM_HINTS_FILE`` or ``hints.json`` in the checkpoint directory, replaced
   atomically (write, fsync, rename) so a reader never sees half of it;
 * an HTTP endpoint, when ``$STRATAGEM_HINTS_PORT`` is set (0: any free port): ``GET /hints``
-  on ``$STRATAGEM_HINTS_ADDR`` (default 127.0.0.1, this machine only), served by a daemon
-  thread of the standard library's ``http.server``; :meth:`HintsPublisher.close` (also run at
-  interpreter exit) stops it.
+  on ``$STRATAGEM_HINTS_ADDR`` (default 127.0.0.1, this machine only), served by one daemon
+  thread (:class:`_HintsServer`: bounded connections, idle timeout, no busy loop when file
+  descriptors run out); :meth:`HintsPublisher.close` (also run at interpreter exit) stops it.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import json
 import os
+import selectors
+import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
 from pathlib import Path
 from typing import Any
 
-ENV_HINTS_FILE = "STRATAGEM_HINTS_FILE"
-ENV_HINTS_PORT = "STRATAGEM_HINTS_PORT"
-ENV_HINTS_ADDR = "STRATAGEM_HINTS_ADDR"
+from stratagem import env
+from stratagem.errors import StratagemError
+
+ENV_HINTS_FILE = env.HINTS_FILE
+ENV_HINTS_PORT = env.HINTS_PORT
+ENV_HINTS_ADDR = env.HINTS_ADDR
 SCHEMA_VERSION = 1
+MAX_CONNECTIONS = 64
+IDLE_TIMEOUT_S = 5.0
+MAX_REQUEST_BYTES = 8192
+BACKLOG = 128
+FD_BACKOFF_S = 0.5
 
 
 def default_hints_path() -> Path | None:
     """``$STRATAGEM_HINTS_FILE``, else ``<checkpoint dir>/hints.json``, else None."""
-    from stratagem.adapt.state import checkpoint_root
-
-    value = os.environ.get(ENV_HINTS_FILE)
+    value = env.hints_file()
     if value:
         return Path(value)
-    root = checkpoint_root()
+    root = env.checkpoint_dir()
     return root / "hints.json" if root is not None else None
 
 
@@ -49,32 +59,48 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _HintsServer
+class _Conn:
+    """One client connection: its request bytes so far, then the response left to send."""
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        if self.path.split("?")[0].rstrip("/") not in ("/hints", ""):
-            self.send_error(404, "try GET /hints")
-            return
-        body = self.server.body()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(body)
+    __slots__ = ("sock", "inbox", "outbox", "deadline")
 
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
-        return
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.inbox = b""
+        self.outbox = b""
+        self.deadline = deadline
 
 
-class _HintsServer(ThreadingHTTPServer):
-    daemon_threads = True
+class _HintsServer:
+    """``GET /hints`` served by one thread from a selector loop over non-blocking sockets.
 
-    def __init__(self, address: tuple[str, int]) -> None:
-        super().__init__(address, _Handler)
+    Bounded whatever clients do: one thread in all; at most :attr:`max_connections` open
+    connections (when full, the longest-idle one is closed to make room, so idle or
+    half-sent requests cannot lock real clients out); each connection is closed after
+    :attr:`idle_timeout` seconds or :data:`MAX_REQUEST_BYTES` of request; the listen backlog
+    is :data:`BACKLOG`. When the process runs out of descriptors, ``accept`` fails: the
+    loop then closes its longest-idle connection, or with none stops listening for
+    :data:`FD_BACKOFF_S`, instead of spinning on a listener that stays readable.
+    """
+
+    def __init__(self, address: tuple[str, int], max_connections: int = MAX_CONNECTIONS,
+                 idle_timeout: float = IDLE_TIMEOUT_S) -> None:
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self._listener = socket.create_server(address, family=family, backlog=BACKLOG)
+        self._listener.setblocking(False)
+        self.server_address = self._listener.getsockname()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ)
+        self._sel.register(self._wake_r, selectors.EVENT_READ)
+        self._conns: dict[socket.socket, _Conn] = {}  # oldest activity first
+        self._listening_again = 0.0  # monotonic time to resume accepting (0: listening)
+        self._stop = False
         self._body = b"{}\n"
         self._lock = threading.Lock()
+        self.accept_errors = 0  # descriptor exhaustion seen (for tests and debugging)
 
     def set(self, body: bytes) -> None:
         with self._lock:
@@ -83,6 +109,121 @@ class _HintsServer(ThreadingHTTPServer):
     def body(self) -> bytes:
         with self._lock:
             return self._body
+
+    # -- the loop ---------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        while not self._stop:
+            now = time.monotonic()
+            if self._listening_again and now >= self._listening_again:
+                self._listening_again = 0.0
+                self._sel.register(self._listener, selectors.EVENT_READ)
+            wait = min([c.deadline for c in self._conns.values()]
+                       + [self._listening_again or now + 1.0]) - now
+            for key, mask in self._sel.select(timeout=max(0.0, wait)):
+                if key.fileobj is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(64)
+                elif key.fileobj is self._listener:
+                    self._accept()
+                elif key.fileobj in self._conns:
+                    self._service(self._conns[key.fileobj], mask)  # type: ignore[index]
+            now = time.monotonic()
+            for conn in [c for c in self._conns.values() if c.deadline <= now]:
+                self._drop(conn)
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            self.accept_errors += 1
+            if self._conns:  # free a descriptor: the longest-idle client goes
+                self._drop(next(iter(self._conns.values())))
+            else:  # descriptors held elsewhere in the process: wait instead of spinning
+                self._sel.unregister(self._listener)
+                self._listening_again = time.monotonic() + FD_BACKOFF_S
+            return
+        if len(self._conns) >= self.max_connections:
+            self._drop(next(iter(self._conns.values())))
+        sock.setblocking(False)
+        conn = _Conn(sock, time.monotonic() + self.idle_timeout)
+        self._conns[sock] = conn
+        self._sel.register(sock, selectors.EVENT_READ)
+
+    def _service(self, conn: _Conn, mask: int) -> None:
+        try:
+            if mask & selectors.EVENT_READ and not conn.outbox:
+                data = conn.sock.recv(4096)
+                if not data:
+                    self._drop(conn)
+                    return
+                conn.inbox += data
+                if b"\r\n\r\n" in conn.inbox or b"\n\n" in conn.inbox:
+                    conn.outbox = self._respond(conn.inbox)
+                elif len(conn.inbox) > MAX_REQUEST_BYTES:
+                    conn.outbox = _response(431, b"request too large\n", "text/plain")
+                else:
+                    return
+                self._sel.modify(conn.sock, selectors.EVENT_WRITE)
+            if conn.outbox:
+                sent = conn.sock.send(conn.outbox)
+                conn.outbox = conn.outbox[sent:]
+                if not conn.outbox:
+                    self._drop(conn)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+
+    def _respond(self, request: bytes) -> bytes:
+        line = request.split(b"\n", 1)[0].decode("latin-1").split()
+        method, path = (line + ["", ""])[:2]
+        if method not in ("GET", "HEAD"):
+            return _response(405, b"only GET /hints\n", "text/plain")
+        if path.split("?")[0].rstrip("/") not in ("/hints", ""):
+            return _response(404, b"try GET /hints\n", "text/plain")
+        body = self.body()
+        return _response(200, body, "application/json", head_only=method == "HEAD")
+
+    def _drop(self, conn: _Conn) -> None:
+        self._conns.pop(conn.sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+
+    def connections(self) -> int:
+        return len(self._conns)
+
+    # -- stopping -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Make :meth:`serve_forever` return (from another thread)."""
+        self._stop = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def server_close(self) -> None:
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                sock.close()
+        with contextlib.suppress(OSError, ValueError):
+            self._sel.close()
+
+
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large"}
+
+
+def _response(status: int, body: bytes, kind: str, head_only: bool = False) -> bytes:
+    head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {kind}\r\n"
+            f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\n"
+            "Connection: close\r\n\r\n").encode()
+    return head if head_only else head + body
 
 
 class HintsPublisher:
@@ -96,9 +237,9 @@ class HintsPublisher:
                  host: str | None = None, *, enabled: bool = True) -> None:
         self.enabled = enabled
         self.path = Path(path) if path is not None else default_hints_path()
-        if port is None and os.environ.get(ENV_HINTS_PORT, "") != "":
-            port = int(os.environ[ENV_HINTS_PORT])
-        self.host = host or os.environ.get(ENV_HINTS_ADDR) or "127.0.0.1"
+        if port is None:
+            port = env.hints_port()
+        self.host = host or env.hints_addr()
         self._server: _HintsServer | None = None
         self._thread: threading.Thread | None = None
         self.latest: dict[str, Any] | None = None
@@ -106,9 +247,14 @@ class HintsPublisher:
             self._start(int(port))
 
     def _start(self, port: int) -> None:
-        self._server = _HintsServer((self.host, port))
+        try:
+            self._server = _HintsServer((self.host, port))
+        except (OSError, OverflowError, ValueError) as exc:
+            raise StratagemError(f"cannot serve hints on {self.host}:{port}: {exc}",
+                                 where=f"{ENV_HINTS_ADDR}/{ENV_HINTS_PORT}",
+                                 fix="pick a free port (or 0 for any) on an address of this "
+                                     "machine") from None
         self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.2},
                                         name="stratagem-hints", daemon=True)
         self._thread.start()
         atexit.register(self.close)

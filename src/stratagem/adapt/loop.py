@@ -26,19 +26,18 @@ import math
 import time
 import types
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from stratagem.adapt import elastic
 from stratagem.adapt.autoscale import Autoscaler, BatchConfig
-from stratagem.adapt.gns import GradientNoiseScale
 from stratagem.adapt.goodput import BatchChoice, GoodputFunction
-from stratagem.adapt.gradstats import GradStats
+from stratagem.adapt.gradient_stats import GradStats
 from stratagem.adapt.hints import SCHEMA_VERSION, HintsPublisher
-from stratagem.adapt.metrics import StepProfiler
+from stratagem.adapt.noise_scale import GradientNoiseScale
 from stratagem.adapt.progress import ProgressTracker
 from stratagem.adapt.progress_report import EpochReport, to_tensorboard
 from stratagem.adapt.scaling_rules import (
@@ -50,8 +49,17 @@ from stratagem.adapt.scaling_rules import (
     default_rule_for,
     scaled_lr,
 )
-from stratagem.adapt.state import ObjectState, load_state, unique_name
+from stratagem.adapt.step_profiler import StepProfiler
 from stratagem.data import DistributedDataLoader, GlobalBatch, split_evenly
+from stratagem.elastic import (
+    MembershipChange,
+    ObjectState,
+    current_job,
+    hold_exit,
+    load_state,
+    unique_name,
+)
+from stratagem.errors import StratagemError
 
 MIN_INTERVAL = 10  # steps between batch-size decisions, at least
 MAX_INTERVAL = 1000
@@ -61,21 +69,67 @@ MAX_STATS_EVERY = 32
 _CACHEABLE = (AdaScale, AdamScale, LinearScale, SqrtScale)
 
 
+@dataclass
+class StepClock:
+    """Timing of the step in progress: a step runs from the end of the previous one (its
+    data loading included) to its optimizer step; communication wait is subtracted."""
+
+    started: float | None = None  # when the step being timed began
+    wait_at_start: float = 0.0  # the model's cumulative comm wait then
+    last_end: float | None = None  # end of the previous step of this loader iteration
+
+
+@dataclass
+class EpochTally:
+    """What the epoch so far did, for its report line."""
+
+    started: float | None = None
+    steps: int = 0
+    samples: int = 0
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Settings of the adaptive loop (``ad.distribute(model, opt, adaptive=...)``).
+
+    ``decision_interval``: steps between batch-size decisions (None: adaptive, so that
+    fitting and deciding take at most 2% of the time, at least every 10 steps);
+    ``smoothing``: the noise estimate's EMA factor per base batch of samples;
+    ``precond_every``: steps between refreshes of the Adam preconditioner used for the
+    gradient statistics.
+    """
+
+    decision_interval: int | None = None
+    smoothing: float = 0.999
+    precond_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.decision_interval is not None and self.decision_interval < 1:
+            raise StratagemError(f"decision_interval must be >= 1, got "
+                                 f"{self.decision_interval}", where="TrainerConfig",
+                                 fix="use None for the adaptive interval, or a step count")
+        if not 0.0 < self.smoothing < 1.0:
+            raise StratagemError(f"smoothing must be in (0, 1), got {self.smoothing}",
+                                 where="TrainerConfig", fix="e.g. 0.999 (the default)")
+        if self.precond_every < 1:
+            raise StratagemError(f"precond_every must be >= 1, got {self.precond_every}",
+                                 where="TrainerConfig", fix="e.g. 10 (the default)")
+
+
 class AdaptiveTrainer:
     """Adaptive batch size and learning rate for one model and optimizer (module doc).
 
-    ``scaling_rule``: default by optimizer type (:func:`default_rule_for`);
-    ``decision_interval``: steps between decisions (default: adaptive, so that fitting and
-    deciding take at most 2% of the time, at least every 10 steps); ``smoothing``: the noise
-    estimate's EMA factor per base batch of samples; ``precond_every``: steps between
-    refreshes of the Adam preconditioner used for the statistics.
+    ``scaling_rule``: default by optimizer type (:func:`default_rule_for`); ``config``: the
+    loop's settings (:class:`TrainerConfig`).
     """
 
     def __init__(self, model: Any, optimizer: torch.optim.Optimizer, *,
                  scaling_rule: ScalingRule | None = None, rank: int = 0, world_size: int = 1,
                  num_nodes: int = 1, log: Callable[[str], None] | None = None,
-                 decision_interval: int | None = None, smoothing: float = 0.999,
-                 precond_every: int = 10, hints: HintsPublisher | None = None) -> None:
+                 config: TrainerConfig | None = None,
+                 hints: HintsPublisher | None = None) -> None:
+        config = config if config is not None else TrainerConfig()
+        self.config = config
         self.model = model
         self.optimizer = optimizer
         self.rule = scaling_rule if scaling_rule is not None else default_rule_for(optimizer)
@@ -85,9 +139,9 @@ class AdaptiveTrainer:
         self.preconditioned = isinstance(default_rule_for(optimizer), AdamScale)
         self.rank, self.world_size, self.num_nodes = rank, world_size, num_nodes
         self.log = log or (lambda message: None)
-        self.decision_interval = decision_interval
-        self.smoothing = smoothing
-        self.precond_every = precond_every
+        self.decision_interval = config.decision_interval
+        self.smoothing = config.smoothing
+        self.precond_every = config.precond_every
         self._hints = hints
         self.profiler = StepProfiler()
         self.loader: DistributedDataLoader | None = None
@@ -111,18 +165,15 @@ class AdaptiveTrainer:
         self._decided = False  # in this process
         self._micro: GlobalBatch | None = None
         self._made_step = True
-        self._t0: float | None = None  # when the step being timed began
-        self._wait0 = 0.0
-        self._last_end: float | None = None  # end of the previous step of this iteration
+        self._clock = StepClock()
         self._collecting = False
-        self._epoch_t0: float | None = None
-        self._epoch_steps = 0
-        self._epoch_samples = 0
+        self._epoch = EpochTally()
         self._pending_state: dict[str, Any] | None = None
         self._factor_key: tuple[float, int] | None = None
         self._factor_value: tuple[np.ndarray, float] = (np.ones(1), 1.0)
         self._wrap_optimizer()
         self._state: ObjectState | None = None
+        current_job().add_participant(self)  # follows in-process rescales
         if self.explicit_rule:
             self._register_state()
 
@@ -183,8 +234,8 @@ class AdaptiveTrainer:
                 self.stats.after_step(collecting)
             self._profile(info)
         self.steps += 1
-        self._epoch_steps += 1
-        self._epoch_samples += size
+        self._epoch.steps += 1
+        self._epoch.samples += size
         if self.autoscaler is not None and self.steps >= self.next_decision:
             self._decide()
         return loss
@@ -205,16 +256,17 @@ class AdaptiveTrainer:
         return [n for _, n in split_evenly(size, self.world_size)]
 
     def _profile(self, info: GlobalBatch) -> None:
-        if self._t0 is None or info.size != self.loader.batch_size:
+        clock = self._clock
+        if clock.started is None or info.size != self.loader.batch_size:
             return  # not timed, or the epoch's last (smaller) batch
-        elapsed = time.perf_counter() - self._t0
-        wait = self._comm_wait() - self._wait0
+        elapsed = time.perf_counter() - clock.started
+        wait = self._comm_wait() - clock.wait_at_start
         local = -(-info.size // (self.world_size * info.micros))
         self.profiler.record(self.num_nodes, self.world_size, local, info.micros - 1,
                              elapsed, wait)
-        self._t0 = None
-        self._last_end = time.perf_counter()
-        self._wait0 = self._comm_wait()
+        clock.started = None
+        clock.last_end = time.perf_counter()
+        clock.wait_at_start = self._comm_wait()
 
     def _comm_wait(self) -> float:
         stats = getattr(self.model, "comm_stats", None)
@@ -245,8 +297,19 @@ class AdaptiveTrainer:
         self.stats = GradStats(self.model, self.optimizer, self.gns, world_size=self.world_size,
                                precond_every=self.precond_every)
 
+    def before_membership_change(self) -> None:
+        """In the old group, before an in-process rescale: apply the queued gradient
+        statistics (collective)."""
+        if self.stats is not None:
+            self.stats.flush()
+
+    def on_membership_change(self, change: MembershipChange) -> None:
+        """An in-process rescale happened (after AutoDist re-bound the model, which
+        registered first): follow it (:meth:`on_rescale`)."""
+        self.on_rescale(change.rank, change.world_size)
+
     def on_rescale(self, rank: int, world_size: int) -> None:
-        """Follow an in-process rescale (:mod:`stratagem.adapt.rescale`), after the model
+        """Follow an in-process rescale (:mod:`stratagem.elastic.rescale`), after the model
         was re-bound to the new group: take the new rank and world size, restart the
         gradient statistics (they depend on the replica count and observe the new
         synchronizers), and decide the batch configuration again at the next loader start
@@ -270,10 +333,9 @@ class AdaptiveTrainer:
             self.attach(loader)
         if loader is not self.loader:
             return
-        self._last_end = None  # (re)planned: the first step's loading is not typical
-        if self._epoch_t0 is None:
-            self._epoch_t0 = time.perf_counter()
-            self._epoch_steps = self._epoch_samples = 0
+        self._clock.last_end = None  # (re)planned: the first step's loading is not typical
+        if self._epoch.started is None:
+            self._epoch = EpochTally(started=time.perf_counter())
         # Decide when a loader iteration starts (epochs, restarts) if this process has not
         # decided yet or a decision is due; otherwise the interval keeps its budget.
         if self.autoscaler is not None and (not self._decided
@@ -287,9 +349,11 @@ class AdaptiveTrainer:
             return
         if info.micro == 0:
             # A step runs from the end of the previous one (loading its data included).
-            self._t0 = self._last_end if self._last_end is not None else time.perf_counter()
-            if self._last_end is None:
-                self._wait0 = self._comm_wait()
+            clock = self._clock
+            clock.started = (clock.last_end if clock.last_end is not None
+                             else time.perf_counter())
+            if clock.last_end is None:
+                clock.wait_at_start = self._comm_wait()
             wanted = self.autoscaler is not None or self.collect_stats or (
                 self.explicit_rule and loader.batch_size != self.base_batch_size)
             # Statistics on every stats_every-th step (pairs of steps for the consecutive
@@ -302,7 +366,7 @@ class AdaptiveTrainer:
             if not info.final:
                 if hasattr(self.model, "no_sync"):
                     stack.enter_context(self.model.no_sync())
-                stack.enter_context(elastic.hold_exit())
+                stack.enter_context(hold_exit())
             self._micro = info
             try:
                 yield
@@ -333,7 +397,7 @@ class AdaptiveTrainer:
         if self.stats is not None:
             self.stats.flush()
         report = self.report()
-        self._epoch_t0 = None
+        self._epoch.started = None
         if report is None:
             return
         self.last_report = report
@@ -379,7 +443,7 @@ class AdaptiveTrainer:
             payload[:] = torch.tensor([config.global_bsz, config.accum_steps, self._interval(),
                                        self._stats_every()])
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.broadcast(payload, src=0, group=elastic._control_group())
+            dist.broadcast(payload, src=0, group=current_job().control_group())
         global_bsz, accum, interval, self.stats_every = (int(v) for v in payload.tolist())
         loader = self.loader
         if (global_bsz, accum) != (loader.batch_size, loader.accum_steps):
@@ -416,18 +480,19 @@ class AdaptiveTrainer:
 
     def report(self) -> EpochReport | None:
         """The current configuration and how the epoch so far went (None before a step)."""
-        if self.loader is None or self.tracker is None or not self._epoch_steps:
+        tally = self._epoch
+        if self.loader is None or self.tracker is None or not tally.steps:
             return None
         config = self.current_config()
-        elapsed = time.perf_counter() - self._epoch_t0 if self._epoch_t0 else 0.0
+        elapsed = time.perf_counter() - tally.started if tally.started else 0.0
         fn = self.goodput_function() if self.rank == 0 else None
         now = fn.describe(self.num_nodes, self.world_size, config.local_bsz,
                           config.accum_steps) if fn is not None else None
         return EpochReport(
-            epoch=self.loader.epoch, steps=self._epoch_steps, global_bsz=config.global_bsz,
+            epoch=self.loader.epoch, steps=tally.steps, global_bsz=config.global_bsz,
             num_replicas=self.world_size, local_bsz=config.local_bsz,
             accum_steps=config.accum_steps, lr_factor=self.lr_factor, gain=self.gain,
-            throughput=self._epoch_samples / elapsed if elapsed > 0 else None,
+            throughput=tally.samples / elapsed if elapsed > 0 else None,
             goodput=now.goodput if now else None, efficiency=now.efficiency if now else None,
             noise_scale=self.gns.noise_scale if self.gns is not None else None,
             progress=self.tracker.progress)

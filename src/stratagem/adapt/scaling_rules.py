@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from stratagem.adapt.gns import GradientNoiseScale
+from stratagem.adapt.noise_scale import GradientNoiseScale
 from stratagem.adapt.progress import ProgressTracker
 
 _ADAPTIVE = (

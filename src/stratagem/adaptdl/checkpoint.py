@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import BinaryIO
 
-from stratagem.adapt import state as job_state
+from stratagem.elastic import state as job_state
 
 
 class State(job_state.State):

@@ -17,13 +17,14 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from stratagem import env as sg_env
+from stratagem import process_group
 from stratagem.adaptdl import env
 
 __all__ = ["allreduce", "allreduce_async", "broadcast", "initialize", "is_initialized"]
@@ -92,33 +93,29 @@ def _from_bytes(buf: torch.Tensor) -> Any:
 
 
 # -- process group --------------------------------------------------------------------------
-def _timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("STRATAGEM_PG_TIMEOUT_S") or 1800))
-
-
 def join_process_group(backend: str, master_addr: str | None = None,
                        master_port: int | None = None, replica_rank: int | None = None,
                        num_replicas: int | None = None) -> None:
-    """Create the default process group (no-op when one exists). AdaptDL's rendezvous
-    (``tcp://master_addr:master_port``, given or from ``ADAPTDL_MASTER_ADDR``/``_PORT``)
-    when set; else one replica alone, or torch elastic's ``env://`` (``torchrun``,
-    ``stratagem run``). Rank and world size default to :mod:`stratagem.adaptdl.env`."""
+    """Create the default process group (no-op when one exists) through Stratagem's one
+    set-up (:mod:`stratagem.process_group`, timeout ``STRATAGEM_PG_TIMEOUT_S``). AdaptDL's
+    rendezvous (``tcp://master_addr:master_port``, given or from ``ADAPTDL_MASTER_ADDR``/
+    ``_PORT``) when set; else one replica alone, or torch elastic's ``env://``
+    (``torchrun``, ``stratagem run``). Rank and world size default to
+    :mod:`stratagem.adaptdl.env`."""
     if dist.is_initialized():
         return
-    atexit.register(destroy_process_group)
     rank = env.replica_rank() if replica_rank is None else int(replica_rank)
     world = env.num_replicas() if num_replicas is None else int(num_replicas)
-    adaptdl_rendezvous = (master_port is not None or os.environ.get("ADAPTDL_MASTER_ADDR")
-                          or os.environ.get("ADAPTDL_MASTER_PORT"))
-    if adaptdl_rendezvous:
+    if master_port is not None or sg_env.adaptdl_rendezvous():
         addr = master_addr or env.master_addr()
         port = env.master_port() if master_port is None else int(master_port)
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
-                                world_size=world, timeout=_timeout())
+        process_group.init_process_group(backend, init_method=f"tcp://{addr}:{port}",
+                                         rank=rank, world_size=world)
     elif world == 1 and not os.environ.get("MASTER_ADDR"):
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        process_group.init_single_process_group(backend)
     else:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=_timeout())
+        process_group.init_process_group(backend, rank=rank, world_size=world)
+    atexit.register(destroy_process_group)  # after the set-up's own hook: runs before it
 
 
 def destroy_process_group() -> None:

@@ -10,8 +10,17 @@ torchrun itself, run in-process, plus:
    the ssh connection, went away); torchrun then stops its workers;
 4. as a child subreaper, kills whatever torchrun leaves behind (torch elastic starts each
    worker in its own session, so a worker that outlives its shutdown would be orphaned);
-5. on failure, prints each worker error file as one ``FAILURE_MARKER`` JSON line on stderr
-   for the launcher's summary (the launcher may not share a file system with this node).
+5. on failure, prints each worker error file as one ``FAILURE_MARKER`` line on stderr for
+   the launcher's summary (the launcher may not share a file system with this node). With
+   ``--failure-key-stdin`` the first line of stdin is a secret key from the launcher, read
+   before any worker starts and put on every record line: workers never see it (it is in
+   no environment, argv or file), so nothing a training script prints can pass for a
+   failure record. Without a key, no records are printed.
+
+Which workers were the cause: a worker killed by a signal that torchrun did not send (the
+OOM killer's or a user's SIGKILL, a SIGSEGV) is recorded as ``kind: signal``; workers that
+torchrun itself stopped after the first failure (it logs each pid it signals) as
+``kind: stopped``, so the launcher never blames them.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import contextlib
 import ctypes
 import glob
 import json
+import logging
 import os
 import shutil
 import signal
@@ -29,11 +39,15 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Collection
 from typing import Any
 
+from stratagem import env
 from stratagem.launch.env import ENV_JOB_ID, apply_node_env
 
 FAILURE_MARKER = "@@stratagem-failure@@ "
+KEY_MAX_BYTES = 256
+TORCH_PCONTEXT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 GRACE_S = 4.0  # after a stop request, before the agent kills the workers itself
 SHUTDOWN_TIMEOUT_S = "3"  # torch elastic: SIGTERM -> SIGKILL for workers (default 30)
 PR_SET_CHILD_SUBREAPER = 36
@@ -106,7 +120,7 @@ def read_failures(workdir: str) -> list[dict[str, Any]]:
                 "time": float(ours.get("time") or extra.get("timestamp") or 0),
                 "rank": ours.get("rank"),
                 "local_rank": ours.get("local_rank"),
-                "node": ours.get("node") or os.environ.get("STRATAGEM_NODE_ADDRESS"),
+                "node": ours.get("node") or env.node_address(),
             }
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
@@ -117,23 +131,50 @@ def read_failures(workdir: str) -> list[dict[str, Any]]:
     return out
 
 
-def untraced_failures(exc: Any) -> list[dict[str, Any]]:
+class StoppedPids(logging.Handler):
+    """Collects the pids torch elastic signals while closing its workers (it logs "Sending
+    process PID closing signal SIG" and, on escalation, "Unable to shutdown process PID
+    ..."): their deaths are consequences of the first failure, never its cause."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.pids: set[int] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = str(record.msg)
+        if msg.startswith(("Sending process", "Unable to shutdown process")) and record.args:
+            with contextlib.suppress(TypeError, ValueError, IndexError, KeyError):
+                self.pids.add(int(record.args[0]))  # type: ignore[index]
+
+    def install(self) -> StoppedPids:
+        logger = logging.getLogger(TORCH_PCONTEXT_LOGGER)
+        if logger.getEffectiveLevel() > logging.WARNING:
+            logger.setLevel(logging.WARNING)  # the messages above are warnings
+        logger.addHandler(self)
+        return self
+
+
+def untraced_failures(exc: Any, stopped: Collection[int] = ()) -> list[dict[str, Any]]:
     """Records for the workers of a ChildFailedError that left no error file: killed by a
-    signal (segfault, OOM killer, our own shutdown) or exited without a Python exception."""
+    signal (segfault, OOM killer, ``kill -9``), stopped by torchrun itself (pid in
+    ``stopped``), or exited without a Python exception."""
     out = []
     for rank, failure in exc.failures.items():
         if failure.error_file and os.path.isfile(failure.error_file):
             continue
         sig = failure.signal_name() if failure.exitcode < 0 else None
+        kind = "stopped" if failure.pid in stopped else "signal" if sig else "exit"
         out.append({
-            "kind": "signal" if sig else "exit",
+            "kind": kind,
             "signal": sig,
-            "message": f"killed by {sig}" if sig else f"exited with code {failure.exitcode}",
+            "message": (f"stopped by torchrun ({sig or failure.exitcode})" if kind == "stopped"
+                        else f"killed by {sig}" if sig
+                        else f"exited with code {failure.exitcode}"),
             "traceback": "",
             "time": float(failure.timestamp),
             "rank": str(rank),
             "local_rank": str(failure.local_rank),
-            "node": os.environ.get("STRATAGEM_NODE_ADDRESS"),
+            "node": env.node_address(),
         })
     return out
 
@@ -155,6 +196,20 @@ def _watch_stdin() -> None:
     os._exit(128 + signal.SIGTERM)
 
 
+def read_key(fd: int = 0) -> str:
+    """The launcher's record key: stdin's first line, read byte by byte so nothing after it
+    is consumed ("" at end-of-file or when the line is not a short printable token)."""
+    data = b""
+    with contextlib.suppress(OSError):
+        while len(data) <= KEY_MAX_BYTES:
+            byte = os.read(fd, 1)
+            if byte in (b"", b"\n"):
+                break
+            data += byte
+    key = data.decode("ascii", "replace").strip()
+    return key if key.isalnum() and len(key) <= KEY_MAX_BYTES else ""
+
+
 def _run_torchrun(args: list[str], untraced: list[dict[str, Any]]) -> int:
     """torch.distributed.run's main in this process; its exit status. Failed workers without
     an error file are appended to ``untraced``."""
@@ -162,12 +217,13 @@ def _run_torchrun(args: list[str], untraced: list[dict[str, Any]]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    stopped = StoppedPids().install()
     try:
         torchrun_main(args)
         return 0
     except ChildFailedError as exc:  # torchrun has logged it; print its root-cause table
         print(exc.format_msg(), file=sys.stderr, flush=True)
-        untraced += untraced_failures(exc)
+        untraced += untraced_failures(exc, stopped.pids)
         return 1
     except SignalException as exc:
         return 128 + int(exc.sigval)
@@ -184,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stratagem.launch.agent")
     parser.add_argument("--watch-stdin", action="store_true",
                         help="stop the job when stdin reaches end-of-file")
+    parser.add_argument("--failure-key-stdin", action="store_true",
+                        help="read the launcher's failure-record key from stdin's first line")
     parser.add_argument("torchrun", nargs=argparse.REMAINDER, help="-- torchrun arguments")
     args = parser.parse_args(argv)
     torchrun = args.torchrun[1:] if args.torchrun[:1] == ["--"] else args.torchrun
@@ -194,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix=f"stratagem-{os.environ.get(ENV_JOB_ID, 'job')}-")
     code = 1
     untraced: list[dict[str, Any]] = []
+    # Before any worker exists; not from a terminal (a --dry-run line run by hand).
+    key = read_key() if args.failure_key_stdin and not os.isatty(0) else ""
     try:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, stop)  # until torchrun installs its own
@@ -210,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # finish the clean-up below
         kill_leftovers()
-        if code != 0:
+        if code != 0 and key:
             for record in read_failures(workdir) + untraced:
-                print(FAILURE_MARKER + json.dumps(record), file=sys.stderr, flush=True)
+                print(f"{FAILURE_MARKER}{key} {json.dumps(record)}", file=sys.stderr,
+                      flush=True)
         shutil.rmtree(workdir, ignore_errors=True)
     return code
 

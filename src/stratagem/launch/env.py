@@ -1,6 +1,8 @@
 """The environment contract between the launcher, the per-node agents and the workers.
 
-Every worker sees, besides torch elastic's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/...:
+This module *writes* the variables; their names, meanings and accessors are defined in
+:mod:`stratagem.env` (the one place that reads them). Every worker sees, besides torch
+elastic's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/...:
 
 ``STRATAGEM_RESOURCE_SPEC``  absolute path of the resource spec (unset: this machine alone)
 ``STRATAGEM_STRATEGY``       builder name or strategy file path from ``--strategy`` (or unset)
@@ -8,9 +10,15 @@ Every worker sees, besides torch elastic's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADD
 ``STRATAGEM_JOB_ID``         the job id; also torch elastic's rendezvous id
 ``STRATAGEM_ROLE``           ``server`` on nodes with ``workers: 0`` (dedicated parameter
                              servers, one process each); unset on worker nodes
+``STRATAGEM_NPROC``          ``--nproc`` given with a single-node spec: the worker count that
+                             replaces the spec's ``workers`` (read by :func:`nproc_override`)
+``CUDA_DEVICE_ORDER``        ``PCI_BUS_ID`` unless already set, so a spec's ``gpus: [2, 3]``
+                             are the GPUs ``nvidia-smi`` numbers 2 and 3; local rank ``i``
+                             trains on ``cuda:{gpus[i]}``
 
 On each node the agent calls :func:`apply_node_env` before starting torchrun: it sets
-``GLOO_SOCKET_IFNAME`` to the interface owning ``STRATAGEM_NODE_ADDRESS`` unless already set.
+``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` to the interface owning
+``STRATAGEM_NODE_ADDRESS``, each unless already set.
 """
 
 from __future__ import annotations
@@ -19,51 +27,76 @@ import os
 import sys
 from collections.abc import Mapping, MutableMapping
 
+from stratagem import env
+from stratagem.errors import LaunchError
 from stratagem.launch.netif import interface_for_address
-from stratagem.resource import Node
+from stratagem.resource import MAX_WORKERS_PER_NODE, Node
 
-ENV_SPEC = "STRATAGEM_RESOURCE_SPEC"
-ENV_STRATEGY = "STRATAGEM_STRATEGY"
-ENV_NODE_ADDRESS = "STRATAGEM_NODE_ADDRESS"
-ENV_JOB_ID = "STRATAGEM_JOB_ID"
-ENV_ROLE = "STRATAGEM_ROLE"
+ENV_SPEC = env.RESOURCE_SPEC
+ENV_STRATEGY = env.STRATEGY
+ENV_NODE_ADDRESS = env.NODE_ADDRESS
+ENV_JOB_ID = env.JOB_ID
+ENV_ROLE = env.ROLE
+ENV_NPROC = env.NPROC
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
+NCCL_IFNAME = "NCCL_SOCKET_IFNAME"
 
 
 def job_env(job_id: str, node: Node, spec_path: str | None, strategy: str | None,
-            inherited: Mapping[str, str] | None = None) -> dict[str, str]:
+            inherited: Mapping[str, str] | None = None,
+            nproc: int | None = None) -> dict[str, str]:
     """Variables the launcher hands to ``node``'s agent (on top of the shared_envs).
 
     ``OMP_NUM_THREADS`` defaults to the node's CPUs divided among its workers, unless
-    ``inherited`` (the launcher's environment) already sets it.
+    ``inherited`` (the launcher's environment) already sets it. ``nproc``: the ``--nproc``
+    that overrides the spec's worker count (single-node specs).
     """
     inherited = os.environ if inherited is None else inherited
-    env = {ENV_JOB_ID: job_id, ENV_NODE_ADDRESS: node.address, "PYTHONUNBUFFERED": "1"}
+    out = {ENV_JOB_ID: job_id, ENV_NODE_ADDRESS: node.address, "PYTHONUNBUFFERED": "1",
+           "CUDA_DEVICE_ORDER": inherited.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")}
     if spec_path:
-        env[ENV_SPEC] = spec_path
+        out[ENV_SPEC] = spec_path
+        if nproc is not None:
+            out[ENV_NPROC] = str(nproc)
     if strategy:
-        env[ENV_STRATEGY] = strategy
+        out[ENV_STRATEGY] = strategy
     if "OMP_NUM_THREADS" in inherited:
-        env["OMP_NUM_THREADS"] = inherited["OMP_NUM_THREADS"]
+        out["OMP_NUM_THREADS"] = inherited["OMP_NUM_THREADS"]
     else:
-        env["OMP_NUM_THREADS"] = str(max(1, len(node.cpus) // max(1, node.workers)))
-    return env
+        out["OMP_NUM_THREADS"] = str(max(1, len(node.cpus) // max(1, node.workers)))
+    return out
+
+
+def nproc_override(environ: Mapping[str, str] | None = None) -> int | None:
+    """``STRATAGEM_NPROC``: the worker count ``stratagem run --nproc`` gave a single-node
+    spec, so every worker applies the launcher's override to the spec it loads."""
+    value = (env.nproc() if environ is None else environ.get(ENV_NPROC)) or ""
+    if value == "":
+        return None
+    if not value.isdigit() or not 1 <= int(value) <= MAX_WORKERS_PER_NODE:
+        raise LaunchError(f"{ENV_NPROC}={value!r} is not a worker count", where=ENV_NPROC,
+                          fix=f"unset it, or give 1 to {MAX_WORKERS_PER_NODE}")
+    return int(value)
 
 
 def apply_node_env(environ: MutableMapping[str, str] | None = None) -> str | None:
-    """Agent-side set-up: bind gloo to the interface owning this node's spec address.
+    """Agent-side set-up: bind gloo and NCCL to the interface owning this node's address.
 
-    Sets ``GLOO_SOCKET_IFNAME`` when ``STRATAGEM_NODE_ADDRESS`` is set, ``GLOO_SOCKET_IFNAME``
-    is not, and a local interface owns the address; returns the interface chosen (or None).
+    When ``STRATAGEM_NODE_ADDRESS`` is set and a local interface owns the address, sets
+    ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` to it, each unless already set (a
+    user's or the spec's ``shared_envs`` choice wins); returns the interface (or None).
     """
     environ = os.environ if environ is None else environ
     address = environ.get(ENV_NODE_ADDRESS)
-    if not address or environ.get(GLOO_IFNAME):
+    wanted = [name for name in (GLOO_IFNAME, NCCL_IFNAME) if not environ.get(name)]
+    if not address or not wanted:
         return None
     ifname = interface_for_address(address)
     if ifname is None:
         print(f"stratagem: warning: no local interface has address {address} "
-              f"({ENV_NODE_ADDRESS}); gloo will pick an interface itself", file=sys.stderr)
+              f"({ENV_NODE_ADDRESS}); gloo and NCCL will pick an interface themselves",
+              file=sys.stderr)
         return None
-    environ[GLOO_IFNAME] = ifname
+    for name in wanted:
+        environ[name] = ifname
     return ifname

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import sys
-from dataclasses import replace
 from pathlib import Path
 
+from stratagem import env
 from stratagem.errors import LaunchError
 from stratagem.launch.job import JobOptions, LaunchPlan
 from stratagem.launch.local import plan_local
 from stratagem.launch.multinode import plan_multinode
-from stratagem.launch.remote_shell import REMOTE_SHELL_ENV
-from stratagem.resource import Node, ResourceSpec
+from stratagem.resource import MAX_WORKERS_PER_NODE, ResourceSpec
+from stratagem.strategy.resolve import is_strategy_path, resolve_builder
 
-STRATEGY_SUFFIXES = (".json", ".yml", ".yaml")
+# A job id names temporary directories and goes on every node's command line.
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def new_job_id() -> str:
@@ -23,31 +25,27 @@ def new_job_id() -> str:
 
 
 def resolve_strategy(value: str | None) -> str | None:
-    """A strategy file's absolute path, or a registered builder name; errors name the fix."""
+    """What the workers get as ``--strategy``: a strategy file's absolute path or a
+    builder name, checked here (:func:`stratagem.strategy.resolve_builder`) so that a bad
+    one fails once in the launcher, not in every worker."""
     if not value:
         return None
-    path = Path(value)
-    if path.is_file():
-        from stratagem.strategy import Strategy
-
-        Strategy.load(path)  # a malformed file fails here, not in every worker
-        return str(path.resolve())
-    if path.suffix in STRATEGY_SUFFIXES or os.sep in value:
-        raise LaunchError(f"strategy file {value!r} not found", where="--strategy",
-                          fix="pass an existing strategy file, or a builder name")
-    from stratagem.strategy import builder_from_name
-
-    builder_from_name(value)  # raises StrategyError listing the known names
-    return value
+    resolve_builder(value)
+    return str(Path(value).resolve()) if is_strategy_path(value) else value
 
 
 def check_options(opts: JobOptions) -> None:
-    if opts.nproc is not None and opts.nproc < 1:
-        raise LaunchError(f"--nproc must be at least 1, got {opts.nproc}", where="--nproc",
+    if opts.nproc is not None and not 1 <= opts.nproc <= MAX_WORKERS_PER_NODE:
+        raise LaunchError(f"--nproc must be 1 to {MAX_WORKERS_PER_NODE}, got {opts.nproc}",
+                          where="--nproc",
                           fix="pass the number of worker processes, e.g. --nproc 2")
     if opts.rdzv_port is not None and not 0 < opts.rdzv_port < 65536:
         raise LaunchError(f"--rdzv-port {opts.rdzv_port} out of range", where="--rdzv-port",
                           fix="use a free TCP port between 1 and 65535")
+    if opts.job_id is not None and not JOB_ID.fullmatch(opts.job_id):
+        raise LaunchError(f"invalid job id {opts.job_id!r}", where="--job-id",
+                          fix="use 1-64 letters, digits, '_', '.' or '-', starting with a "
+                              "letter or digit")
     if not Path(opts.script).is_file():
         raise LaunchError(f"training script {opts.script!r} not found",
                           fix=f"check the path (relative to {os.getcwd()})")
@@ -61,21 +59,14 @@ def plan_job(opts: JobOptions) -> LaunchPlan:
     strategy = resolve_strategy(opts.strategy)
     job_id = opts.job_id or new_job_id()
     if spec.is_local:
-        if opts.nproc is not None and spec_path:
-            spec = ResourceSpec(nodes=(_with_workers(spec.nodes[0], opts.nproc),),
-                                ssh=spec.ssh, source=spec.source)
+        if opts.nproc is not None and spec_path:  # the workers apply it too (STRATAGEM_NPROC)
+            spec = spec.with_local_workers(opts.nproc)
         return plan_local(opts, spec, job_id, spec_path, strategy)
     if opts.nproc is not None:
         raise LaunchError("--nproc only applies to single-node runs", where="--nproc",
                           fix=f"set 'workers' per node in {spec.source} instead")
-    shell = opts.remote_shell or os.environ.get(REMOTE_SHELL_ENV) or None
+    shell = opts.remote_shell or env.remote_shell()
     return plan_multinode(opts, spec, job_id, spec_path, strategy, remote_shell=shell)
-
-
-def _with_workers(node: Node, workers: int) -> Node:
-    """``node`` running ``workers`` processes (on CPU if it has fewer GPUs than that)."""
-    gpus = node.gpus if len(node.gpus) >= workers else ()
-    return replace(node, workers=workers, gpus=gpus)
 
 
 def run_job(opts: JobOptions) -> int:

@@ -25,7 +25,7 @@ def plan_local(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path: str
     endpoint = f"127.0.0.1:{opts.rdzv_port or free_port()}"
     torchrun = torchrun_args(nnodes=1, nproc=node.workers, endpoint=endpoint, job_id=job_id,
                              local_addr="127.0.0.1", is_host=True)
-    env = job_env(job_id, node, spec_path, strategy)
+    env = job_env(job_id, node, spec_path, strategy, nproc=opts.nproc)
     env.update(spec.ssh_for(node).shared_envs)
     agent = AgentLaunch(
         index=0, node=node,

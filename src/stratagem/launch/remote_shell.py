@@ -11,10 +11,11 @@ import shlex
 import shutil
 from collections.abc import Mapping, Sequence
 
+from stratagem import env
 from stratagem.errors import LaunchError
-from stratagem.resource import Node, SSHConfig
+from stratagem.resource import Node, SSHConfig, normalize_address
 
-REMOTE_SHELL_ENV = "STRATAGEM_REMOTE_SHELL"
+REMOTE_SHELL_ENV = env.REMOTE_SHELL
 
 
 def activate_command(python_venv: str) -> str:
@@ -44,14 +45,30 @@ def remote_command(cwd: str, env: Mapping[str, str], argv: Sequence[str],
 
 
 def ssh_argv(node: Node, ssh: SSHConfig, command: str) -> list[str]:
-    """``ssh`` invocation running ``command`` on ``node`` with its spec ssh group."""
+    """``ssh`` invocation running ``command`` on ``node`` with its spec ssh group.
+
+    ``--`` ends ssh's options, so the destination can never be read as one (the spec
+    parser already refuses addresses and user names that start with ``-``).
+    """
+    address = _checked_address(node.address)
     argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
             "-p", str(ssh.port)]
     if ssh.key_file:
         argv += ["-i", os.path.expanduser(ssh.key_file)]
-    argv.append(f"{ssh.username}@{node.address}" if ssh.username else node.address)
-    argv.append(command)
+    argv += ["--", f"{ssh.username}@{address}" if ssh.username else address, command]
     return argv
+
+
+def _checked_address(address: str) -> str:
+    """``address`` if it is a host name or IP literal (never an option), else LaunchError."""
+    try:
+        if normalize_address(address) == address:
+            return address
+    except ValueError:
+        pass
+    raise LaunchError(f"node address {address!r} is not a host name or IP address",
+                      fix="load the resource spec with ResourceSpec.from_file, which "
+                          "checks addresses")
 
 
 def template_argv(template: str, address: str, command: str) -> list[str]:
@@ -71,6 +88,7 @@ def template_argv(template: str, address: str, command: str) -> list[str]:
                           where="--remote-shell",
                           fix="put {address} where the node's address goes, e.g. "
                               "'ssh -p 2222 {address}'")
+    address = _checked_address(address)
     words = [w.replace("{address}", address) for w in words]
     if os.path.basename(words[0]) == "ssh":
         return [*words, command]

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,7 +26,6 @@ from stratagem.launch.job import AgentLaunch, LaunchPlan
 GRACE_S = 6.0  # after SIGTERM, before SIGKILL (longer than the agent's own grace)
 TAIL_LINES = 25
 POLL_S = 0.05
-BENIGN = ("SIGTERM", "SIGINT", "SIGKILL")  # how torchrun stops the survivors of a failure
 
 
 @dataclass
@@ -73,6 +74,9 @@ class Supervisor:
         self._lock = threading.Lock()
         self._signal: int | None = None
         self._hurry = False
+        # Authenticates the agents' failure records (see stratagem.launch.agent): sent on
+        # each agent's stdin, never in an environment, argv or file a worker could read.
+        self._key = secrets.token_hex(16)
 
     # -- output -----------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -86,9 +90,10 @@ class Supervisor:
         for raw in iter(stream.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
             if is_err and line.startswith(FAILURE_MARKER):
-                with contextlib.suppress(ValueError):
-                    agent.failures.append(json.loads(line[len(FAILURE_MARKER):]))
-                continue
+                record = self._record(line[len(FAILURE_MARKER):])
+                if record is not None:
+                    agent.failures.append(record)
+                    continue  # else: a worker's look-alike line, shown as output
             agent.tail.append(line)
             if agent.quiet:
                 agent.hidden += 1
@@ -97,6 +102,17 @@ class Supervisor:
                 sink.write(prefix + line + "\n")
                 sink.flush()
         stream.close()
+
+    def _record(self, text: str) -> dict[str, Any] | None:
+        """The failure record in ``KEY JSON``, or None unless KEY is this job's key."""
+        key, _, payload = text.partition(" ")
+        if not hmac.compare_digest(key.encode(), self._key.encode()):
+            return None
+        try:
+            record = json.loads(payload)
+        except ValueError:
+            return None
+        return record if isinstance(record, dict) else None
 
     # -- lifecycle --------------------------------------------------------------------
     def _start(self, launch: AgentLaunch) -> None:
@@ -110,7 +126,10 @@ class Supervisor:
                               fix="check the remote shell command: "
                                   f"{launch.command_line()[:200]}") from None
         agent = _Agent(launch, proc)
-        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        with contextlib.suppress(OSError):  # the agent's first stdin line: the record key
+            proc.stdin.write(f"{self._key}\n".encode())
+            proc.stdin.flush()
         for stream, sink, is_err in ((proc.stdout, self.out, False),
                                      (proc.stderr, self.err, True)):
             t = threading.Thread(target=self._pump, args=(agent, stream, sink, is_err),
@@ -205,9 +224,11 @@ class Supervisor:
     def failure_summary(self, first: _Agent) -> str:
         """Name the failing rank and node and show its error.
 
-        The culprit is, in order: a worker killed by a crash signal (SIGSEGV, SIGABRT, ...);
-        else the earliest Python exception across all nodes (the ranks that only lost their
-        peer fail later); else a worker that exited non-zero; else the first agent to fail.
+        The culprit is, in order: the earliest worker killed by a signal that its torchrun
+        did not send (``kill -9``, the OOM killer, SIGSEGV: its peers' connection errors
+        are consequences); else the earliest Python exception across all nodes (the ranks
+        that only lost their peer fail later); else a worker that exited non-zero; else the
+        first agent to fail. Workers that torchrun stopped (``kind: stopped``) are never it.
         """
         records = [(r, a) for a in self.agents for r in a.failures]
         others = " and stopped the other nodes" if len(self.agents) > 1 else ""
@@ -217,7 +238,7 @@ class Supervisor:
             found = [(r, a) for r, a in records if ok(r)]
             return min(found, key=lambda ra: ra[0].get("time") or 0) if found else None
 
-        lead = (pick(lambda r: r.get("kind") == "signal" and r.get("signal") not in BENIGN)
+        lead = (pick(lambda r: r.get("kind") == "signal")
                 or pick(lambda r: r.get("kind", "exception") == "exception")
                 or pick(lambda r: r.get("kind") == "exit"))
         if lead is None:

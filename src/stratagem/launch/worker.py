@@ -19,6 +19,7 @@ import time
 import traceback
 from types import TracebackType
 
+from stratagem import env
 from stratagem.errors import install_excepthook
 
 
@@ -35,7 +36,7 @@ def error_record(exc: BaseException, tb: TracebackType | None) -> dict:
                     "time": now,
                     "rank": os.environ.get("RANK"),
                     "local_rank": os.environ.get("LOCAL_RANK"),
-                    "node": os.environ.get("STRATAGEM_NODE_ADDRESS"),
+                    "node": env.node_address(),
                 },
             },
         }

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -105,7 +106,8 @@ class _MemberRT:
 
 
 class _GroupRT:
-    __slots__ = ("plan", "buffer", "members", "compressor", "comm", "pending", "launched")
+    __slots__ = ("plan", "buffer", "members", "compressor", "comm", "pending", "launched",
+                 "round", "wire", "work")
 
     def __init__(self, plan: GroupPlan, params: dict[str, nn.Parameter], comm: Comm,
                  device: torch.device) -> None:
@@ -116,6 +118,35 @@ class _GroupRT:
         self.comm = comm
         self.pending = len(self.members)
         self.launched = False
+        self.round = 0  # the compressor's round in flight
+        self.wire: torch.Tensor | None = None  # what that round sums
+        self.work: Any = None
+
+    def start_round(self, round: int) -> None:
+        """Compress and launch the all-reduce of ``round`` (this reducer owns the
+        collective; the compressor only shapes what is summed)."""
+        self.round = round
+        self.wire = self.compressor.compress(round)
+        self.work = self.comm.all_reduce(self.wire)
+
+    def end_round(self) -> None:
+        """Wait for the round in flight and hand its sum to the compressor."""
+        self.comm.wait(self.work)
+        self.work = None
+        self.compressor.decompress(self.round, self.wire, self.comm.world_size)
+
+    def advance(self) -> None:
+        """End of backward: the next round, if the compressor has one."""
+        if self.work is not None and self.round + 1 < self.compressor.rounds:
+            self.end_round()
+            self.start_round(self.round + 1)
+
+    def finish(self) -> None:
+        """Complete every round; the buffer then holds the averaged gradient."""
+        self.end_round()
+        while self.round + 1 < self.compressor.rounds:
+            self.start_round(self.round + 1)
+            self.end_round()
 
 
 class AllReduceReducer:
@@ -138,6 +169,7 @@ class AllReduceReducer:
         # Gradient observers (DistributedModel.add_grad_observer): called with each group's
         # buffer before its collective ("local") and after the average ("reduced").
         self.observers: list[GradObserver] = []
+        self.loss_scale = 1.0  # the gradients' factor from a GradScaler (runtime/amp.py)
         self._next = 0
         self._queued = False
         # Hooks of CPU and CUDA parameters may run on different autograd threads.
@@ -194,11 +226,11 @@ class AllReduceReducer:
 
     def _launch(self, g: _GroupRT) -> None:
         g.launched = True
-        if self.observers:
-            scale = self.grad_weight / self.world_size
+        if self.observers:  # (loss_scale: a GradScaler's, see runtime/amp.py)
+            scale = self.grad_weight / self.world_size * self.loss_scale
             for fn in self.observers:
                 fn("local", g.plan, g.buffer, scale)
-        g.compressor.start(g.comm)
+        g.start_round(0)
 
     def _finish(self) -> None:
         """End of backward: launch the rest, wait, write back, reset for the next step."""
@@ -211,13 +243,13 @@ class AllReduceReducer:
                 self._launch(g)
             self._next = len(self.groups)
             for g in self.groups:
-                g.compressor.advance(g.comm)
+                g.advance()
             finish_extra = self.before_wait() if self.before_wait is not None else None
             for g in self.groups:
-                g.compressor.finish(g.comm)
+                g.finish()
             for fn in self.observers:
                 for g in self.groups:
-                    fn("reduced", g.plan, g.buffer, 1.0)
+                    fn("reduced", g.plan, g.buffer, self.loss_scale)
             for g in self.groups:
                 for m in g.members:
                     m.write_back()
@@ -275,6 +307,7 @@ class LocalReducer:
         self.stats = stats
         self.require_sync = True
         self.grad_weight = 1.0
+        self.loss_scale = 1.0
         self.before_wait = None
         self._queued = False
         ref = weakref.ref(self)

@@ -1,15 +1,16 @@
-"""Gradient compressors: how one group's flat buffer is averaged across ranks.
+"""Gradient compressors: what one group's flat buffer looks like on the wire.
 
-Each compressor owns whatever extra buffers it needs (allocated once) and runs in up to
-three steps called by the reducer, always in the plan's launch order on every rank:
+A compressor compresses and decompresses; it does not communicate (as in Horovod's and
+torch's compression hooks). The all-reduce reducer owns the collective: for each of the
+compressor's ``rounds`` it sums ``compress(round)`` over the ranks and hands the sum back
+to ``decompress(round, summed, world_size)``, always in the plan's launch order on every
+rank. Round 0 starts as soon as the group's gradients are ready (during backward); a
+second round (PowerSGD) starts at the end of backward. The reducer has already scaled the
+buffer by ``grad_weight / world_size``, so a sum gives the (weighted) average; scaling
+before the sum (rather than dividing after) keeps fp16 sums from overflowing. After the
+last round the buffer holds the averaged gradient.
 
-``start``   launch the first collective (called as soon as the group's gradients are ready,
-            during backward); the reducer has already scaled the buffer by
-            ``grad_weight / world_size``, so a sum gives the (weighted) average;
-``advance`` optional second round (PowerSGD), called at the end of backward;
-``finish``  wait, and leave the averaged gradient in the buffer.
-
-Scaling before the sum (rather than dividing after) keeps fp16 sums from overflowing.
+Each compressor owns whatever extra buffers it needs (allocated once).
 """
 
 from __future__ import annotations
@@ -20,50 +21,58 @@ from typing import ClassVar
 import torch
 
 from stratagem.errors import CheckpointError
-from stratagem.runtime.comm import Comm
 from stratagem.runtime.plan import GroupPlan
+from stratagem.strategy.compressors import (
+    SettingsCheck,
+    compressor_names,
+    register_compressor_name,
+)
 
-_REGISTRY: dict[str, type[Compressor]] = {}
+__all__ = ["Compressor", "compressor_names", "make_compressor", "register_compressor"]
+
+_IMPLEMENTATIONS: dict[str, type[Compressor]] = {}  # names: stratagem.strategy.compressors
 
 
-def register_compressor(name: str) -> Callable[[type[Compressor]], type[Compressor]]:
-    """Class decorator: make a compressor usable as ``AllReduceSynchronizer.compressor``."""
+def register_compressor(name: str, check: SettingsCheck | None = None
+                        ) -> Callable[[type[Compressor]], type[Compressor]]:
+    """Class decorator: make a compressor usable as ``AllReduceSynchronizer.compressor``
+    (its name goes into the one registry that validation reads; ``check`` validates its
+    settings)."""
 
     def deco(cls: type[Compressor]) -> type[Compressor]:
+        register_compressor_name(name, check)
         cls.name = name
-        _REGISTRY[name] = cls
+        _IMPLEMENTATIONS[name] = cls
         return cls
 
     return deco
 
 
-def compressor_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
 def make_compressor(group: GroupPlan, buffer: torch.Tensor) -> Compressor:
-    return _REGISTRY[group.compressor](group, buffer)
+    return _IMPLEMENTATIONS[group.compressor](group, buffer)
 
 
 class Compressor:
-    """Lossless all-reduce of the flat buffer; subclasses change what goes on the wire."""
+    """No compression: the flat buffer itself is summed; subclasses change what goes on
+    the wire (see the module docstring)."""
 
     name: ClassVar[str] = ""
 
     def __init__(self, group: GroupPlan, buffer: torch.Tensor) -> None:
         self.group = group
         self.buffer = buffer
-        self.work = None
 
-    def start(self, comm: Comm) -> None:
-        self.work = comm.all_reduce(self.buffer)
+    @property
+    def rounds(self) -> int:
+        """How many all-reduces one step takes."""
+        return 1
 
-    def advance(self, comm: Comm) -> None:
-        """Second communication round, if any (called at the end of backward)."""
+    def compress(self, round: int) -> torch.Tensor:
+        """The tensor to sum over the ranks in ``round`` (summed in place)."""
+        return self.buffer
 
-    def finish(self, comm: Comm) -> None:
-        comm.wait(self.work)
-        self.work = None
+    def decompress(self, round: int, summed: torch.Tensor, world_size: int) -> None:
+        """Take ``round``'s sum; after the last round the buffer holds the average."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -92,15 +101,13 @@ class CastCompressor(Compressor):
         self.wire = (None if buffer.dtype == self.wire_dtype
                      else torch.empty_like(buffer, dtype=self.wire_dtype))
 
-    def start(self, comm: Comm) -> None:
+    def compress(self, round: int) -> torch.Tensor:
         if self.wire is None:
-            super().start(comm)
-            return
+            return self.buffer
         self.wire.copy_(self.buffer)
-        self.work = comm.all_reduce(self.wire)
+        return self.wire
 
-    def finish(self, comm: Comm) -> None:
-        super().finish(comm)
+    def decompress(self, round: int, summed: torch.Tensor, world_size: int) -> None:
         if self.wire is not None:
             self.buffer.copy_(self.wire)
 
@@ -124,7 +131,7 @@ class PowerSGDCompressor(Compressor):
     and matrices that would not shrink by ``MIN_COMPRESSION`` are sent whole, fused into the
     P round. So a group costs two all-reduces: [uncompressed | P], then Q.
 
-    M is the pre-scaled local gradient plus this rank's error E; the rounds give
+    M is the pre-scaled local gradient plus this rank's error E; the two rounds give
     approx = P Q^T ~= sum over ranks of M (the average gradient), and E becomes
     M - approx / N, so the errors sum to what the approximation missed. Q is kept (it is
     identical on all ranks) as the next step's starting point.
@@ -172,46 +179,43 @@ class PowerSGDCompressor(Compressor):
             pos += rows * r
             qpos += cols * r
             epos += rows * cols
-        self.work2 = None
 
     @property
     def compressed(self) -> int:
         """Number of members sent as low-rank factors."""
         return len(self.mats)
 
-    def start(self, comm: Comm) -> None:
-        for src, dst in self.plain:
-            dst.copy_(src)
-        for mat, err, p, q in self.mats:
-            mat.add_(err)
-            torch.matmul(mat, q, out=p)
-        self.work = comm.all_reduce(self.round1)
+    @property
+    def rounds(self) -> int:
+        """[uncompressed | P], then Q (only when some member is compressed)."""
+        return 2 if self.mats else 1
 
-    def advance(self, comm: Comm) -> None:
-        if self.work is None:
-            return
-        comm.wait(self.work)
-        self.work = None
-        for dst, src in self.plain:
-            dst.copy_(src)
-        if not self.mats:
-            return
-        for mat, _, p, q in self.mats:
-            _orthogonalize(p)
+    def compress(self, round: int) -> torch.Tensor:
+        if round == 0:
+            for src, dst in self.plain:
+                dst.copy_(src)
+            for mat, err, p, q in self.mats:
+                mat.add_(err)
+                torch.matmul(mat, q, out=p)
+            return self.round1
+        for mat, _, p, q in self.mats:  # P summed and orthogonalized: Q = M^T P
             torch.matmul(mat.t(), p, out=q)
-        self.work2 = comm.all_reduce(self.q)
+        return self.q
 
-    def finish(self, comm: Comm) -> None:
-        self.advance(comm)
-        if self.work2 is not None:
-            comm.wait(self.work2)
-            self.work2 = None
-            inv = 1.0 / comm.world_size
+    def decompress(self, round: int, summed: torch.Tensor, world_size: int) -> None:
+        if round == 0:
+            for dst, src in self.plain:
+                dst.copy_(src)
+            for _, _, p, _ in self.mats:
+                _orthogonalize(p)
+        else:
+            inv = 1.0 / world_size
             for mat, err, p, q in self.mats:
                 err.copy_(mat)
                 torch.matmul(p, q.t(), out=mat)
                 err.add_(mat, alpha=-inv)
-        self.step += 1
+        if round == self.rounds - 1:
+            self.step += 1
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"error": self.error.clone(), "q": self.q.clone(), "step": self.step.clone()}

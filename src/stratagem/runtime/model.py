@@ -61,6 +61,8 @@ class DistributedModel(nn.Module):
                                    self.comm_stats)
         # A PS engine broadcast everything already (servers included).
         self._install_synchronizers(params, process_group, broadcast=self._ps is None)
+        self._process_group = process_group
+        self._scaler_link: Any = None
         # The initial broadcast is not training traffic.
         self.comm_stats.reset()
 
@@ -113,6 +115,8 @@ class DistributedModel(nn.Module):
     # -- training ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._reducer.prepare_for_forward()
+        if self._scaler_link is not None:
+            self._scaler_link.before_forward()
         if self._ps is not None:
             self._ps.before_forward()
         if self._buffers_dirty:
@@ -179,6 +183,26 @@ class DistributedModel(nn.Module):
         if self._ps is not None:
             self._ps.grad_weight = value
 
+    # -- mixed precision -----------------------------------------------------------------
+    def attach_scaler(self, scaler: Any) -> None:
+        """Use ``scaler`` (a ``torch.amp.GradScaler``) with this model: its inf/NaN
+        decision becomes the same on every rank and parameter-server owner (a step skipped
+        on one is skipped on all), PS gradients and gradient statistics are unscaled, and
+        ``stratagem.checkpoint.save`` saves it. ``None`` detaches the current one. See
+        docs/how-to/mixed-precision.md and runtime/amp.py."""
+        from stratagem.runtime.amp import ScalerLink
+
+        if self._scaler_link is not None:
+            self._scaler_link.detach()
+            self._scaler_link = None
+        if scaler is not None:
+            self._scaler_link = ScalerLink(self, scaler, self._process_group)
+
+    @property
+    def scaler(self) -> Any:
+        """The attached GradScaler (None without one)."""
+        return self._scaler_link.scaler if self._scaler_link is not None else None
+
     # -- parameter servers ---------------------------------------------------------------
     def wait_for_values(self) -> None:
         """Wait for the parameter values the last update sends to this worker (the next
@@ -208,8 +232,10 @@ class DistributedModel(nn.Module):
             self._ps.after_restore()
 
     def close(self) -> None:
-        """Finish pending parameter-server traffic and release dedicated servers (the chief
-        sends them STOP; also done at interpreter exit). No-op without PS synchronizers."""
+        """Finish pending parameter-server traffic, make this worker's copy of the PS
+        parameters current and release the owners and dedicated servers (the chief sends
+        them STOP); an owning worker serves the others' reads until they are done too. Also
+        done at interpreter exit (without the copy). No-op without PS synchronizers."""
         if self._ps is not None:
             self._ps.close()
 
@@ -217,11 +243,9 @@ class DistributedModel(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The wrapped module's state dict (no ``module.`` prefix).
 
-        With PS synchronizers, pending pulls are finished first; on-demand sparse tables
-        are fresh only in the rows this worker pulled -- call :meth:`refresh_parameters`
-        (collective) first for the full current values."""
-        if self._ps is not None:
-            self._ps.finish_pulls()
+        With PS synchronizers the values are current on this rank alone (a state-dict
+        pre-hook on the module waits for pending values and fetches stale embedding rows
+        from their owners), also while the other workers have left the training loop."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,

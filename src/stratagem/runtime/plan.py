@@ -18,6 +18,7 @@ import torch
 from stratagem.analysis.profile import ModelProfile, ParamInfo
 from stratagem.errors import StrategyError
 from stratagem.runtime.ps.plan import PSPiece, PSPlan, make_buckets, owner_of, uses_sparse_path
+from stratagem.strategy.compressors import check_compressor
 from stratagem.strategy.schema import (
     ALL_REDUCE_SPECS,
     AllReduceSynchronizer,
@@ -197,10 +198,7 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
             if isinstance(sync, PSSynchronizer):
                 ps_leaves.append((sync, info, index, piece, nwhere))
                 continue
-            if info.sparse and sync.compressor == "powersgd":
-                raise StrategyError("powersgd cannot compress a sparse embedding gradient",
-                                    where=nwhere,
-                                    fix="use compressor none, or a PS synchronizer")
+            check_compressor(sync.compressor, sync.powersgd_rank, info.sparse, nwhere)
             pieces.setdefault(sync.group, []).append(
                 (sync, {"param": info.name, "index": index, **piece}))
 
@@ -312,14 +310,7 @@ def _check_sync(sync: object, where: str) -> AllReduceSynchronizer | PSSynchroni
                             fix="add one, e.g. {type: AllReduce}")
     if sync.group < 0:
         raise StrategyError(f"negative group {sync.group}", where=where, fix="use group >= 0")
-    if sync.compressor == "powersgd" and sync.powersgd_rank < 1:
-        raise StrategyError(f"powersgd_rank must be >= 1, got {sync.powersgd_rank}",
-                            where=where, fix="use a small positive rank such as 1 or 4")
-    from stratagem.runtime.compressors import compressor_names
-
-    if sync.compressor not in compressor_names():
-        raise StrategyError(f"unknown compressor {sync.compressor!r}", where=where,
-                            fix=f"use one of {', '.join(compressor_names())}")
+    check_compressor(sync.compressor, sync.powersgd_rank, where=where)
     return sync
 
 

@@ -13,6 +13,7 @@ from stratagem.strategy.builders import (
     builder_from_name,
     builder_names,
 )
+from stratagem.strategy.resolve import resolve_builder
 from stratagem.strategy.schema import (
     SCHEMA_VERSION,
     AllReduceSynchronizer,
@@ -38,6 +39,7 @@ __all__ = [
     "StrategyBuilder",
     "builder_from_name",
     "builder_names",
+    "resolve_builder",
     "validate",
     "PS",
     "PSLoadBalancing",

@@ -18,10 +18,15 @@ from typing import Any, ClassVar
 import yaml
 
 from stratagem.errors import StrategyError
+from stratagem.safeload import MAX_BYTES, load_yaml
 
 SCHEMA_VERSION = 1
-COMPRESSORS = ("none", "fp16", "bf16", "powersgd")
 ALL_REDUCE_SPECS = ("auto", "nccl", "gloo")
+# Upper bounds of the integer fields: far beyond any use, well inside int64.
+MAX_STALENESS = 1_000_000
+MAX_GROUP = 1_000_000
+MAX_POWERSGD_RANK = 4096
+MAX_PARTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,8 @@ class Partitioner:
     def parse(cls, text: str, sizes: list[int] | None = None, where: str = "partitioner"
               ) -> Partitioner:
         try:
+            if len(str(text)) > 200:
+                raise ValueError("too long")
             splits = tuple(int(s) for s in str(text).split(","))
         except ValueError:
             raise StrategyError(f"cannot parse {text!r}", where=where,
@@ -98,6 +105,9 @@ class Partitioner:
         if sum(s > 1 for s in splits) > 1:
             raise StrategyError(f"more than one axis is split in {text!r}", where=where,
                                 fix="split at most one axis")
+        if max(splits) > MAX_PARTS:
+            raise StrategyError(f"{max(splits)} parts in {text!r}", where=where,
+                                fix=f"split into at most {MAX_PARTS} parts")
         return cls(splits=splits, sizes=tuple(sizes) if sizes else None)
 
     @property
@@ -211,11 +221,15 @@ class Strategy:
         if not p.is_file():
             raise StrategyError("file not found", where=str(p),
                                 fix="pass the path of a strategy saved with Strategy.save")
+        fix = "fix the syntax or re-save it with Strategy.save"
+        if p.stat().st_size > MAX_BYTES:
+            raise StrategyError(f"file too large ({p.stat().st_size} bytes)", where=str(p),
+                                fix=fix)
         try:
-            data = yaml.safe_load(p.read_text())  # YAML is a superset of JSON
-        except yaml.YAMLError as exc:
-            raise StrategyError(f"malformed file: {exc}", where=str(p),
-                                fix="fix the syntax or re-save it with Strategy.save") from None
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StrategyError(f"cannot read the file: {exc}", where=str(p), fix=fix) from None
+        data = load_yaml(text, str(p), StrategyError, fix)  # YAML is a superset of JSON
         return cls.from_dict(data, source=str(p))
 
     def summary(self) -> str:
@@ -282,12 +296,16 @@ class _StrategyParser:
                             "add one entry per trainable parameter")
         nodes = tuple(self.node(f"node_config[{i}]", n) for i, n in enumerate(raw_nodes))
         kwargs: dict[str, Any] = {}
+        for key in ("id", "builder"):
+            if key in data and not isinstance(data[key], (str, int)):
+                raise self.fail(key, f"expected a string, got {type(data[key]).__name__}",
+                                f"write {key} as a short name")
         if "id" in data:
             kwargs["id"] = str(data["id"])
         return Strategy(node_config=nodes, graph_config=GraphConfig(tuple(replicas)),
                         builder=str(data.get("builder", "manual")), **kwargs)
 
-    def node(self, where: str, data: Any) -> NodeConfig:
+    def node(self, where: str, data: Any, in_part: bool = False) -> NodeConfig:
         data = self.mapping(where, data)
         self.keys(where, data, ("var_name", "synchronizer", "partitioner", "part_sizes",
                                 "part_config"))
@@ -300,6 +318,9 @@ class _StrategyParser:
         part = None
         parts: tuple[NodeConfig, ...] = ()
         if data.get("partitioner") is not None:
+            if in_part:  # refused here, not only by validate: nesting would recurse unbounded
+                raise self.fail(f"{where}.partitioner", "nested partitioning",
+                                "partition the parameter once")
             sizes = data.get("part_sizes")
             if sizes is not None and not (isinstance(sizes, list) and all(
                     isinstance(n, int) and not isinstance(n, bool) for n in sizes)):
@@ -311,7 +332,7 @@ class _StrategyParser:
             if not isinstance(raw_parts, list):
                 raise self.fail(f"{where}.part_config", "expected a list",
                                 "give one config per part")
-            parts = tuple(self.node(f"{where}.part_config[{i}]", p)
+            parts = tuple(self.node(f"{where}.part_config[{i}]", p, in_part=True)
                           for i, p in enumerate(raw_parts))
         elif data.get("part_config") is not None or data.get("part_sizes") is not None:
             key = "part_config" if data.get("part_config") is not None else "part_sizes"
@@ -325,7 +346,7 @@ class _StrategyParser:
     def synchronizer(self, where: str, data: Any) -> Synchronizer:
         data = self.mapping(where, data)
         kind = data.get("type")
-        if kind not in _SYNC_TYPES:
+        if not isinstance(kind, str) or kind not in _SYNC_TYPES:
             raise self.fail(f"{where}.type", f"unknown synchronizer type {kind!r}",
                             f"use one of {', '.join(_SYNC_TYPES)}")
         cls = _SYNC_TYPES[kind]
@@ -336,6 +357,14 @@ class _StrategyParser:
         for k, v in values.items():
             expected = type(getattr(defaults, k))
             if not isinstance(v, expected) or (expected is int and isinstance(v, bool)):
-                raise self.fail(f"{where}.{k}", f"expected {expected.__name__}, got {v!r}",
+                raise self.fail(f"{where}.{k}", f"expected {expected.__name__}, got {v!r}"[:200],
                                 f"write {k} as a {expected.__name__}")
+            limit = _INT_LIMITS.get(k)
+            if limit is not None and v > limit:
+                raise self.fail(f"{where}.{k}", f"{k} {v} is too large"[:200],
+                                f"use at most {limit}")
         return cls(**values)
+
+
+_INT_LIMITS = {"staleness": MAX_STALENESS, "group": MAX_GROUP,
+               "powersgd_rank": MAX_POWERSGD_RANK}

@@ -7,9 +7,12 @@ import difflib
 from stratagem.analysis.profile import ModelProfile, ParamInfo
 from stratagem.errors import StrategyError
 from stratagem.resource import ResourceSpec
+from stratagem.strategy.compressors import check_compressor
 from stratagem.strategy.schema import (
     ALL_REDUCE_SPECS,
-    COMPRESSORS,
+    MAX_GROUP,
+    MAX_POWERSGD_RANK,
+    MAX_STALENESS,
     AllReduceSynchronizer,
     NodeConfig,
     PSSynchronizer,
@@ -110,20 +113,16 @@ def _check_sync(nc: NodeConfig, info: ParamInfo, destinations: set[str], where: 
     if s is None:
         raise StrategyError("no synchronizer", where=where, fix="add one, e.g. {type: AllReduce}")
     if isinstance(s, AllReduceSynchronizer):
-        if s.compressor not in COMPRESSORS:
-            raise StrategyError(f"unknown compressor {s.compressor!r}", where=where,
-                                fix=f"use one of {', '.join(COMPRESSORS)}")
+        check_compressor(s.compressor, s.powersgd_rank, info.sparse, where)
         if s.spec not in ALL_REDUCE_SPECS:
             raise StrategyError(f"unknown all-reduce spec {s.spec!r}", where=where,
                                 fix=f"use one of {', '.join(ALL_REDUCE_SPECS)}")
         if s.group < 0:
             raise StrategyError(f"negative group {s.group}", where=where, fix="use group >= 0")
-        if s.compressor == "powersgd" and s.powersgd_rank < 1:
-            raise StrategyError(f"powersgd_rank must be >= 1, got {s.powersgd_rank}",
-                                where=where, fix="use a small positive rank such as 1 or 4")
-        if s.compressor == "powersgd" and info.sparse:
-            raise StrategyError("powersgd cannot compress a sparse embedding gradient",
-                                where=where, fix="use compressor none, or a PS synchronizer")
+        if s.group > MAX_GROUP or s.powersgd_rank > MAX_POWERSGD_RANK:
+            raise StrategyError(f"group {s.group} or powersgd_rank {s.powersgd_rank} too large",
+                                where=where, fix=f"use a group up to {MAX_GROUP} and a "
+                                                 f"powersgd_rank up to {MAX_POWERSGD_RANK}")
     elif isinstance(s, PSSynchronizer):
         if s.reduction_destination not in destinations:
             raise StrategyError(
@@ -133,6 +132,9 @@ def _check_sync(nc: NodeConfig, info: ParamInfo, destinations: set[str], where: 
         if s.staleness < 0:
             raise StrategyError(f"negative staleness {s.staleness}", where=where,
                                 fix="use 0 for bulk-synchronous training")
+        if s.staleness > MAX_STALENESS:
+            raise StrategyError(f"staleness {s.staleness} is too large", where=where,
+                                fix=f"use at most {MAX_STALENESS}")
         if not s.sync and s.staleness:
             raise StrategyError("staleness applies only to synchronous PS (sync: true)",
                                 where=where, fix="set staleness: 0 for asynchronous training")

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stratagem.adapt.epoch import current_epoch
-from stratagem.adapt.state import State, load_state
 from stratagem.adaptdl import collective, env
 from stratagem.adaptdl.torch.data import current_dataloader
+from stratagem.elastic.epoch import current_epoch
+from stratagem.elastic.state import State, load_state
 from stratagem.errors import StratagemError
 
 _init_count: collections.Counter[int | None] = collections.Counter()

@@ -25,12 +25,12 @@ from typing import Any, ClassVar
 
 from torch.utils.data import Sampler
 
-from stratagem.adapt.elastic import exit_point
-from stratagem.adapt.epoch import current_epoch
-from stratagem.adapt.state import State, load_state
 from stratagem.adaptdl import env
 from stratagem.adaptdl.torch import job
 from stratagem.data import DistributedDataLoader, epoch_permutation
+from stratagem.elastic.boundary import exit_point
+from stratagem.elastic.epoch import current_epoch
+from stratagem.elastic.state import State, load_state
 
 LOG = logging.getLogger(__name__)
 

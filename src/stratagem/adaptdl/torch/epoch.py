@@ -4,6 +4,6 @@ Code right before an epoch loop, and right before each data-loader loop inside i
 again after a restart: keep it idempotent (e.g. step LR schedulers at the end of the epoch).
 """
 
-from stratagem.adapt.epoch import current_epoch, finished_epochs, remaining_epochs_until
+from stratagem.elastic.epoch import current_epoch, finished_epochs, remaining_epochs_until
 
 __all__ = ["current_epoch", "finished_epochs", "remaining_epochs_until"]

@@ -6,7 +6,7 @@ parameter group, in AdaptDL's units (variance of a gradient at the scale ``accum
 one unit being the base batch). Several replicas (``num_replicas > 1``) or accumulation
 micro-steps give the unbiased two-estimator pair; a lone gradient is paired with the
 previous step's (biased, replaced as soon as real pairs exist). The one-step estimates are
-Stratagem's (:func:`stratagem.adapt.gns.unbiased_estimates`).
+Stratagem's (:func:`stratagem.adapt.noise_scale.unbiased_estimates`).
 
 Under ``AdaptiveDataParallel`` Stratagem's adaptive loop measures these statistics itself
 (``model.gns`` reads them); this class serves scripts that drive a scaling rule by hand
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from stratagem.adapt.gns import unbiased_estimates
+from stratagem.adapt.noise_scale import unbiased_estimates
 
 LOG = logging.getLogger(__name__)
 

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.adapt.state import restore_point
+from stratagem import env as sg_env
+from stratagem import process_group
 from stratagem.adaptdl import collective, env
+from stratagem.elastic.state import restore_point
 
 _autodist: Any = None
 _models: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -38,10 +40,10 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if _autodist is not None:
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if not dist.is_initialized() and not os.environ.get("STRATAGEM_RESCALE_STORE"):
+    if not dist.is_initialized() and not sg_env.rescale_store():
         # (in an in-process elastic job, AutoDist joins the job's group: adapt/rescale.py)
         if init_method is not None:
-            dist.init_process_group(
+            process_group.init_process_group(
                 backend, init_method=init_method,
                 world_size=env.num_replicas() if world_size is None else int(world_size),
                 rank=env.replica_rank() if rank is None else int(rank))
@@ -58,7 +60,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         os.environ["LOCAL_RANK"] = str(world_rank % gpus if gpus else 0)
     from stratagem.autodist import AutoDist
 
-    _autodist = AutoDist(verbose=os.environ.get("STRATAGEM_VERBOSE", "1") != "0")
+    _autodist = AutoDist(verbose=sg_env.verbose())
     if dist.is_initialized() and not collective.is_initialized():
         collective.initialize()
     restore_point()  # collective on first use: choose it here, on every replica at once

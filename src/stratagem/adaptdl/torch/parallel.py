@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratagem.adapt.state import State, load_state, register_state
 from stratagem.adaptdl.torch import job
 from stratagem.adaptdl.torch.scaling_rules import AdaScale, StatisticsView
+from stratagem.elastic.state import State, load_state, register_state
 
 
 class _Stats(State):

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from stratagem.adapt.gns import GradientNoiseScale as CoreGNS
+from stratagem.adapt.noise_scale import GradientNoiseScale as CoreGNS
 from stratagem.adapt.scaling_rules import ScalingRule
 from stratagem.adaptdl.torch.data import AdaptiveDataLoaderHelper, current_dataloader
 

@@ -51,6 +51,11 @@ class EngineBase:
             self.by_param.setdefault(p.param, []).append(p)
         self.grad_weight = 1.0
         self.require_sync = True
+        # A GradScaler (runtime/amp.py): gradients are divided by loss_scale as they are
+        # captured, and with check_finite a non-finite one sets nonfinite until the update.
+        self.loss_scale = 1.0
+        self.check_finite = False
+        self.nonfinite = False
         self._lock = threading.Lock()
         self._touched: dict[str, list[torch.Tensor]] = {}
         self._handles: list[Any] = []
@@ -64,6 +69,10 @@ class EngineBase:
         raise NotImplementedError
 
     def on_step(self) -> None:
+        raise NotImplementedError
+
+    def make_current(self) -> None:
+        """This worker's copy of every PS parameter becomes current (not collective)."""
         raise NotImplementedError
 
     def record_touched(self, name: str, module: nn.Module, flat: torch.Tensor) -> None:
@@ -148,6 +157,13 @@ class EngineBase:
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(
                 lambda *_a, ref=ref: ref() and ref().on_step()))
+        # state_dict() of the module or of any submodule holding a PS parameter reads
+        # current values (the user's original module is this module).
+        holders = {n.rpartition(".")[0] for n in self.by_param}
+        for prefix, mod in self.module.named_modules():
+            if any(h == prefix or h.startswith(prefix + ".") or not prefix for h in holders):
+                self._handles.append(mod.register_state_dict_pre_hook(
+                    lambda *_a, ref=ref: ref() and ref().make_current()))
 
     # -- checkpoints (see state.py) ------------------------------------------------------
     def _owned_payload(self, shards: dict[int, torch.Tensor], optimizer: Any,

@@ -34,19 +34,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from stratagem import env
 from stratagem.errors import DistributedError
+from stratagem.process_group import init_process_group
 
-ENV_ROLE = "STRATAGEM_ROLE"
-ENV_NODE_ADDRESS = "STRATAGEM_NODE_ADDRESS"
-ENV_TIMEOUT = "STRATAGEM_PS_TIMEOUT"
-DEFAULT_TIMEOUT_S = 300.0  # a data operation that takes longer than this is a hang
+ENV_ROLE = env.ROLE
+ENV_NODE_ADDRESS = env.NODE_ADDRESS
+ENV_TIMEOUT = env.PG_TIMEOUT  # (STRATAGEM_PS_TIMEOUT: its deprecated older name)
+DEFAULT_TIMEOUT_S = env.DEFAULT_PG_TIMEOUT_S  # a data operation that takes longer: a hang
 IDLE_TIMEOUT = timedelta(days=7)  # servers waiting for the next command
 HEARTBEAT_S = 1.0
 STALE_S = 3.0
 
 
 def data_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S))
+    """The job's one process-group timeout (:func:`stratagem.env.pg_timeout`)."""
+    return env.pg_timeout()
 
 
 @dataclass(frozen=True)
@@ -366,8 +369,8 @@ def join_cluster(replicas: Sequence[str], servers: Sequence[str], *,
     store, grank, world = next(dist.rendezvous("env://", timeout=timeout or data_timeout()))
     store.set_timeout(timeout or data_timeout())
     namespace = f"stratagem/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}"
-    mine = {"role": os.environ.get(ENV_ROLE, "worker"),
-            "address": os.environ.get(ENV_NODE_ADDRESS),
+    mine = {"role": env.role(),
+            "address": env.node_address(),
             "local_rank": int(os.environ.get("LOCAL_RANK") or 0), "rank": grank}
     if mine["role"] not in ("worker", "server"):
         raise DistributedError(f"{ENV_ROLE}={mine['role']!r}", where="parameter-server start-up",
@@ -379,9 +382,8 @@ def join_cluster(replicas: Sequence[str], servers: Sequence[str], *,
     if rank < len(replicas):
         os.environ["RANK"] = str(rank)
         os.environ["WORLD_SIZE"] = str(len(replicas))
-        dist.init_process_group(backend, store=dist.PrefixStore(f"{namespace}/workers/", store),
-                                rank=rank, world_size=len(replicas),
-                                timeout=timeout or data_timeout())
+        init_process_group(backend, store=dist.PrefixStore(f"{namespace}/workers/", store),
+                           rank=rank, world_size=len(replicas), timeout=timeout or data_timeout())
     cluster = Cluster(store, rank, replicas, servers, namespace)
     cluster.start_heartbeat()
     return cluster

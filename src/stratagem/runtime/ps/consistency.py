@@ -541,6 +541,11 @@ class AsyncEngine(EngineBase):
                     vals = r.take(getattr(torch, p.dtype), p.shape)
                     piece_view(self.params[p.param], p).copy_(vals)
 
+    def make_current(self) -> None:
+        """Before ``state_dict()``: :meth:`refresh` (point to point, not collective)."""
+        if not self._closed:
+            self.refresh()
+
     def before_checkpoint(self) -> None:
         """Collective: complete values on every worker, the full optimizer state in the
         chief's optimizer (each owner's state as of this moment; see state.py)."""

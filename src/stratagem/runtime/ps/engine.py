@@ -19,11 +19,18 @@ end of backward     the rest of the buckets, then the sparse push; the worker's 
 The chief (worker 0) tells dedicated servers which phase comes next with a small control
 broadcast (phase, step, the optimizers' current hyperparameters); a server runs the same
 engine in :meth:`serve`, taking part in every exchange with empty contributions.
+
+Reads on one rank (``state_dict()``, evaluation forwards) need no other worker: stale
+embedding rows come from the owners' fetch services (``fetch.py``), which every owner keeps
+serving until all workers are done (:meth:`PSEngine.close`, also at interpreter exit).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +43,7 @@ from stratagem.runtime.ps.background import Background
 from stratagem.runtime.ps.base import EngineBase
 from stratagem.runtime.ps.cluster import IDLE_TIMEOUT, Cluster, Group
 from stratagem.runtime.ps.dense import DenseBucket, piece_view
+from stratagem.runtime.ps.fetch import FetchClient, FetchService
 from stratagem.runtime.ps.optim import (
     ShardOptimizer,
     hparam_layout,
@@ -43,12 +51,12 @@ from stratagem.runtime.ps.optim import (
     unpack_hparams,
 )
 from stratagem.runtime.ps.plan import PSPiece
-from stratagem.runtime.ps.sparse import SparseExchange
+from stratagem.runtime.ps.sparse import SparseExchange, write_rows
 from stratagem.runtime.stats import CommStats
 
-PULL, PUSH, UPDATE, REFRESH, STOP, GATHER, SCATTER = 1, 2, 3, 4, 5, 6, 7
+PULL, PUSH, UPDATE, REFRESH, STOP, GATHER, SCATTER, DISCARD = 1, 2, 3, 4, 5, 6, 7, 8
 CMD_NAMES = {PULL: "pull", PUSH: "push", UPDATE: "update", REFRESH: "refresh", STOP: "stop",
-             GATHER: "gather", SCATTER: "scatter"}
+             GATHER: "gather", SCATTER: "scatter", DISCARD: "discard"}
 HEADER = 4  # cmd, step, arg, number of hyperparameter values
 
 
@@ -155,16 +163,34 @@ class PSEngine(EngineBase):
         self._closer = Background(f"stratagem-ps-pull-{self.rank}")
         self._closer_stats = CommStats()
 
+        # Single-rank reads (fetch.py): a group per owner of on-demand rows, its service.
+        fetch_groups: dict[int, Group] = {}
+        for o in sorted({p.owner for p in self.on_demand}):
+            g = cluster.make_group(f"{ns}/fetch{o}", [*range(self.W), o])
+            if g is not None:
+                fetch_groups[o] = g
+        self.version = 0  # value changes (updates, restores): the same count on every rank
+        self.fetch_service = (FetchService(
+            fetch_groups[self.rank], [p for p in self.on_demand if p.owner == self.rank],
+            self.sparse.pos, self.shards, self.W) if self.rank in fetch_groups else None)
+        self.fetcher = (FetchClient(fetch_groups, list(ps.sparse), self.rank,
+                                    self.sparse.row_bytes, self.sparse.dtypes)
+                        if fetch_groups and not self.is_server else None)
+        # piece position -> (version, the rows known current then; None: all of them)
+        self._fresh: dict[int, tuple[int, torch.Tensor | None]] = {
+            self.sparse.pos[p.id]: (0, None) for p in self.on_demand}
+        self._closed = False
+
         # Worker state.
         self._next = 0
         self._queued = False
         self._pushed = False  # a push happened since the last update
         self._push_open = False  # its reduces/all-to-alls may still be in flight
         self._pulling = False
+        self._in_step = False  # a training forward since the last update (or skip)
         if not self.is_server:
             self._install_hooks()
-            if self.is_chief and ps.servers:
-                atexit.register(self.stopper.stop)
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- set-up --------------------------------------------------------------------------
     # -- forward -------------------------------------------------------------------------
@@ -174,7 +200,8 @@ class PSEngine(EngineBase):
             self._reset_backward()
         self._finish_push()
         self.finish_pulls()
-        if torch.is_grad_enabled() and self.on_demand:
+        self._in_step = self._in_step or self._training_forward()
+        if self._training_forward() and self.on_demand:
             if self.ps.servers and self.is_chief:
                 self.stopper.send(PULL, self.step_count)
             self.sparse.begin_pulls()
@@ -204,14 +231,20 @@ class PSEngine(EngineBase):
             self.stats.add(self._closer_stats)
             self._closer_stats.reset()
 
+    def _training_forward(self) -> bool:
+        """A forward whose rows are pulled collectively: gradients on, training mode. Any
+        other (evaluation) forward fetches its stale rows on its own (:meth:`_fetch_rows`)."""
+        return torch.is_grad_enabled() and self.module.training
+
     def _on_embedding(self, name: str, module: nn.Module, ids: torch.Tensor) -> None:
-        if not torch.is_grad_enabled():
-            return
         flat = ids.reshape(-1)
-        pieces = self.by_param[name]
-        self.record_touched(name, module, flat)
+        if torch.is_grad_enabled():
+            self.record_touched(name, module, flat)
         if not self._pulling:
+            if not self._training_forward():
+                self._fetch_rows(name, flat)
             return
+        pieces = self.by_param[name]
         uniq = torch.unique(flat)
         requests = {}
         for p in pieces:
@@ -245,7 +278,11 @@ class PSEngine(EngineBase):
             pieces = self.by_param.get(name)
             if pieces is None:
                 return
-            factor = self.grad_weight / self.W
+            factor = self.grad_weight / self.W / self.loss_scale
+            if self.check_finite and param.grad is not None:
+                g = param.grad._values() if param.grad.is_sparse else param.grad
+                if not bool(torch.isfinite(g).all()):
+                    self.nonfinite = True
             self._capture(name, pieces, param.grad, factor)
             param.grad = None
             self._launch_ready()
@@ -339,6 +376,8 @@ class PSEngine(EngineBase):
         for b in self.buckets:  # receives first, before any owner sends (see dense.py)
             b.expect_values()
         self._pushed = False
+        self._in_step = False
+        self.nonfinite = False
         self.step_count += 1
         owned = [b for b in self.buckets if b.is_owner]
         for b in owned:
@@ -360,8 +399,97 @@ class PSEngine(EngineBase):
                     updated_sparse[self.sparse.pos[pid]] = self._updated_rows(pid)
             self.shard_optimizer.step(sparse=True)
         self.sparse.clear()
+        self._values_changed()
         if any(p.local_replication for p in self.ps.sparse):
             self.sparse.send_updates(updated_sparse)
+
+    def discard(self) -> None:
+        """A skipped step (a GradScaler found inf/NaN, on every rank alike): owners drop
+        the gradients pushed since the last update instead of applying them."""
+        self.nonfinite = False
+        if not self._pushed:
+            return
+        if self.is_chief and self.ps.servers:
+            self.stopper.send(DISCARD, self.step_count)
+        self._discard()
+
+    def _discard(self) -> None:
+        self._join_closer()
+        self._finish_push()
+        for b in self.buckets:
+            b.finish_push()
+            if b.acc is not None:
+                b.acc.zero_()
+                b.pushed = False
+        if self.sparse is not None:
+            self.sparse.clear()
+        self._pushed = False
+        self._in_step = False
+
+    def _values_changed(self) -> None:
+        """Every rank, after each update and restore: workers' copies of rows they did not
+        pull are stale from here on; the service answers fetches of this version."""
+        self.version += 1
+        if self.fetch_service is not None:
+            self.fetch_service.advance()
+
+    # -- single-rank reads ---------------------------------------------------------------
+    def make_current(self) -> None:
+        """This worker's copy of every PS parameter becomes current, without the other
+        workers: pending values are waited for (their owners sent them at the update),
+        stale embedding rows fetched from their owners' services. Called before
+        ``state_dict()`` (a pre-hook) and by :meth:`close`."""
+        if self.is_server or self._queued or self._closed:
+            return
+        self.finish_pulls()
+        if self.fetcher is None:
+            return
+        self._fetch({i: None for i, p in enumerate(self.ps.sparse)
+                     if not p.local_replication and p.owner != self.rank
+                     and self._fresh.get(i) != (self.version, None)})
+
+    def _fetch_rows(self, name: str, flat: torch.Tensor) -> None:
+        """An evaluation forward's embedding call: fetch the rows it reads that may be
+        stale (not owned, not pulled or fetched since the last update)."""
+        if self.fetcher is None or self._closed:
+            return
+        uniq = torch.unique(flat).cpu()
+        requests: dict[int, torch.Tensor | None] = {}
+        for p in self.by_param[name]:
+            if p.local_replication or p.owner == self.rank:
+                continue
+            i = self.sparse.pos[p.id]
+            version, have = self._fresh.get(i, (-1, None))
+            if version == self.version and have is None:
+                continue
+            sel = self.sparse.not_yet_asked(i, uniq[(uniq >= p.row_start)
+                                                    & (uniq < p.row_start + p.rows)])
+            if version == self.version:
+                sel = sel[~torch.isin(sel, have)]
+            if len(sel):
+                requests[i] = sel
+        self._fetch(requests)
+
+    @torch.no_grad()
+    def _fetch(self, requests: dict[int, torch.Tensor | None]) -> None:
+        if not requests:
+            return
+        rows = self.fetcher.fetch(requests, self.version)
+        for i, ids in requests.items():
+            p = self.ps.sparse[i]
+            param = self.params[p.param]
+            if ids is None:
+                piece_view(param, p).copy_(rows[i].to(param.device))
+                self._fresh[i] = (self.version, None)
+                continue
+            write_rows(param, ids, rows[i])
+            version, have = self._fresh.get(i, (-1, None))
+            self._fresh[i] = (self.version, ids if version != self.version
+                              else torch.cat([have, ids]))
+
+    def _all_fresh(self) -> None:
+        """Every worker's copy is complete (after a refresh or a restore)."""
+        self._fresh = {i: (self.version, None) for i in self._fresh}
 
     def _updated_rows(self, pid: int) -> torch.Tensor:
         """Local rows the coming update changes: the gradient's, plus for SGD with momentum
@@ -397,6 +525,7 @@ class PSEngine(EngineBase):
                   f"refreshing {p.param} from {self.cluster.describe(p.owner)}")
             if p.owner != self.rank and self.rank < self.W:
                 piece_view(self.params[p.param], p).copy_(buf)
+        self._all_fresh()
 
     # -- checkpoints ---------------------------------------------------------------------
     def before_checkpoint(self) -> None:
@@ -434,6 +563,8 @@ class PSEngine(EngineBase):
         self._scatter()
 
     def _scatter(self) -> None:
+        self._values_changed()
+        self._all_fresh()  # (workers: the loaded values are complete)
         if self.rank == 0:
             for o in self.ps.owners:
                 if o >= self.W:
@@ -459,6 +590,8 @@ class PSEngine(EngineBase):
             cmd, nh = int(msg[0]), int(msg[3])
             if cmd == STOP:
                 self.finish_pulls()
+                if self.fetch_service is not None:  # until the workers are done reading
+                    self.fetch_service.linger()
                 return
             if cmd == PULL:
                 self.finish_pulls()
@@ -483,6 +616,9 @@ class PSEngine(EngineBase):
             elif cmd == REFRESH:
                 self.finish_pulls()
                 self._refresh()
+            elif cmd == DISCARD:
+                self.finish_pulls()
+                self._discard()
             elif cmd == GATHER:
                 self._gather()
             elif cmd == SCATTER:
@@ -491,10 +627,41 @@ class PSEngine(EngineBase):
             else:
                 raise RuntimeError(f"unknown parameter-server command {cmd}")
 
-    def close(self) -> None:
-        """Finish pending pulls and release the servers (the chief sends STOP)."""
+    def close(self, current: bool = True) -> None:
+        """Finish pending traffic, make this worker's copy current (``current``), tell the
+        owners this worker is done and release the servers (the chief sends STOP); an
+        owning worker then serves fetches until every other worker is done too."""
+        if self._closed:
+            return
         self._finish_push()
-        self.finish_pulls()
+        if current:
+            self.make_current()
+        else:
+            self.finish_pulls()
+        self._closed = True
+        self.remove_hooks()
+        if self.fetcher is not None:
+            self.fetcher.close()
         if self.is_chief:
             self.stopper.stop()
-        self.remove_hooks()
+        if self.fetch_service is not None:
+            self.fetch_service.linger()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """Interpreter exit of a worker: close without fetching, so peers still reading are
+    served. Mid-step (a training forward or backward without its update) or after an
+    uncaught exception only release the servers: peers may be waiting for this rank in the
+    step, and must see it go at once (the failure is what they report)."""
+    engine = ref()
+    if engine is None:
+        return
+    with contextlib.suppress(Exception):  # at exit, peers may already be gone
+        mid_step = engine._in_step or engine._pushed or engine._queued
+        if mid_step or getattr(sys, "last_value", None) is not None:
+            if engine.is_chief:
+                engine.stopper.stop()
+            if engine.fetch_service is not None:
+                engine.fetch_service.stop()
+            return
+        engine.close(current=False)

@@ -9,9 +9,9 @@ from stratagem.analysis.profile import ModelProfile, ParamInfo
 from stratagem.errors import StrategyError
 from stratagem.resource import ResourceSpec
 from stratagem.strategy.builders.base import register, smallest_divisor
+from stratagem.strategy.compressors import check_compressor
 from stratagem.strategy.schema import (
     ALL_REDUCE_SPECS,
-    COMPRESSORS,
     AllReduceSynchronizer,
     GraphConfig,
     NodeConfig,
@@ -24,9 +24,7 @@ def _check_common(chunk_size: int, compressor: str, spec: str) -> None:
     if chunk_size < 1:
         raise StrategyError(f"chunk_size must be >= 1, got {chunk_size}",
                             fix="use a positive number of parameters per group, e.g. 128")
-    if compressor not in COMPRESSORS:
-        raise StrategyError(f"unknown compressor {compressor!r}",
-                            fix=f"use one of {', '.join(COMPRESSORS)}")
+    check_compressor(compressor)
     if spec not in ALL_REDUCE_SPECS:
         raise StrategyError(f"unknown all_reduce_spec {spec!r}",
                             fix=f"use one of {', '.join(ALL_REDUCE_SPECS)}")

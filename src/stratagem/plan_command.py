@@ -55,10 +55,9 @@ def explain(model_target: str, spec_file: str | None, strategy: str | None,
     import torch
 
     from stratagem.analysis import analyze
-    from stratagem.autodist import resolve_builder
     from stratagem.resource import ResourceSpec
     from stratagem.runtime import compile_plan
-    from stratagem.strategy import validate
+    from stratagem.strategy import resolve_builder, validate
 
     spec = ResourceSpec.from_file(spec_file) if spec_file else ResourceSpec.local(nproc or 1)
     model = load_model(model_target)

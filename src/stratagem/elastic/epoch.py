@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from stratagem.adapt import elastic
-from stratagem.adapt.state import State, load_state, registered_states
+from stratagem.elastic.boundary import exit_point
+from stratagem.elastic.signals import uninstall_signal_handler
+from stratagem.elastic.state import State, load_state, registered_states
 from stratagem.errors import StratagemError
 
 
@@ -53,13 +54,13 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
                              fix="use one epoch loop per training job")
     try:
         while state.epoch < epoch:
-            elastic.exit_point()
+            exit_point()
             state.active = True
             yield state.epoch
             state.active = False
             state.epoch += 1
-        elastic.exit_point()
-        elastic.uninstall_signal_handler()
+        exit_point()
+        uninstall_signal_handler()
     finally:
         state.active = False
 

@@ -4,7 +4,8 @@ Every part of a job's state (model, optimizer, data-loader position, epoch, user
 :class:`State` registered under a unique name. :func:`save_all_states` writes all of them into
 one atomic, checksummed checkpoint under ``$STRATAGEM_CHECKPOINT_DIR`` (fallback
 ``$ADAPTDL_CHECKPOINT_PATH``); :func:`load_state` restores one from the newest good
-checkpoint, falling back to the previous one if the newest is corrupt. The files are plain
+checkpoint, falling back to the previous one if the newest is corrupt. The registry lives
+in the process's job context (:mod:`stratagem.elastic.context`). The files are plain
 tensors (``torch.save``, read back with ``weights_only=True``) or JSON: no pickled objects.
 
 A checkpoint directory is also an ordinary :mod:`stratagem.checkpoint` checkpoint:
@@ -25,22 +26,20 @@ from typing import Any, BinaryIO, ClassVar, Literal
 
 import torch
 
-from stratagem import checkpoint as _ckpt
+from stratagem import checkpoint as ckpt
+from stratagem import env
+from stratagem.elastic.context import NOT_CHOSEN, current_job, drop_job
 from stratagem.errors import CheckpointError
+from stratagem.process_group import rank_world
 
-ENV_CHECKPOINT_DIR = "STRATAGEM_CHECKPOINT_DIR"
-ENV_ADAPTDL_CHECKPOINT = "ADAPTDL_CHECKPOINT_PATH"
+ENV_CHECKPOINT_DIR = env.CHECKPOINT_DIR
+ENV_ADAPTDL_CHECKPOINT = env.ADAPTDL_CHECKPOINT_PATH
 KEEP = 2  # the newest checkpoint and the one before it
-
-_STATES: dict[str, State] = {}
-_UNSET = object()
-_restore_point: Any = _UNSET  # Path | None once chosen
 
 
 def checkpoint_root() -> Path | None:
     """The job's checkpoint directory from the environment, or None (no checkpointing)."""
-    value = os.environ.get(ENV_CHECKPOINT_DIR) or os.environ.get(ENV_ADAPTDL_CHECKPOINT)
-    return Path(value) if value else None
+    return env.checkpoint_dir()
 
 
 class State:
@@ -81,7 +80,7 @@ class State:
             self.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
 
     def filename(self, rank: int) -> str:
-        return _filename(self.name, self.format, self.per_rank, rank)
+        return state_filename(self.name, self.format, self.per_rank, rank)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -104,7 +103,8 @@ class ObjectState(State):
         self._put(state)
 
 
-def _filename(name: str, fmt: str, per_rank: bool, rank: int) -> str:
+def state_filename(name: str, fmt: str, per_rank: bool, rank: int) -> str:
+    """The file a state is saved in, within a checkpoint directory."""
     ext = "json" if fmt == "json" else "pt"
     return f"{name}-rank{rank}.{ext}" if per_rank else f"{name}.{ext}"
 
@@ -115,18 +115,20 @@ def register(state: State) -> None:
     an earlier one)."""
     if not state.name or "/" in state.name or state.name in ("meta",):
         raise ValueError(f"invalid state name {state.name!r}")
-    _STATES[state.name] = state
+    current_job().states[state.name] = state
 
 
 def registered_states() -> dict[str, State]:
-    return dict(_STATES)
+    """The job's states by name, in registration order."""
+    return dict(current_job().states)
 
 
 def unique_name(prefix: str) -> str:
     """``prefix``, or ``prefix-1``, ``prefix-2``... if taken (stable across restarts as long
     as the script creates its objects in the same order)."""
     name, n = prefix, 0
-    while name in _STATES:
+    states = current_job().states
+    while name in states:
         n += 1
         name = f"{prefix}-{n}"
     return name
@@ -174,13 +176,33 @@ def track_loader(loader: Any) -> bool:
 
 def reset_states() -> None:
     """Forget every registered state, the chosen restore point and a pending exit request
-    (for tests and in-process restarts)."""
-    global _restore_point
-    from stratagem.adapt import elastic
+    (for in-process restarts): drops the job context, the next call starts a fresh one."""
+    drop_job()
 
-    _STATES.clear()
-    _restore_point = _UNSET
-    elastic.reset()
+
+# -- handing states over to a newcomer (in-process rescale) ---------------------------------
+def _custom_file(state: State) -> bool:
+    """Whether the state writes its own file (AdaptDL style ``save``/``load``)."""
+    return type(state).save is not State.save
+
+
+def export_state(state: State) -> dict[str, Any]:
+    """``state`` as tensors, numbers and strings (sendable with ``wire.broadcast_state``)."""
+    if _custom_file(state):
+        buf = io.BytesIO()
+        state.save(buf)
+        data = bytearray(buf.getvalue())
+        return {"bytes": torch.frombuffer(data, dtype=torch.uint8) if data else
+                torch.zeros(0, dtype=torch.uint8)}
+    return {"value": state.state_dict()}
+
+
+def import_state(state: State, payload: dict[str, Any]) -> None:
+    """Load what :func:`export_state` produced on another member."""
+    if "bytes" in payload:
+        state.load(io.BytesIO(payload["bytes"].numpy().tobytes()))
+    else:
+        state.load_state_dict(payload["value"])
 
 
 # -- save and restore -----------------------------------------------------------------------
@@ -206,21 +228,21 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
     if root_path is None:
         warnings.warn(f"no checkpoint saved: set {ENV_CHECKPOINT_DIR}", stacklevel=2)
         return None
-    rank, world = _ckpt._rank_world()
-    states = [s for s in _STATES.values() if only is None or s.name in only]
+    rank, world = rank_world()
+    states = [s for s in current_job().states.values() if only is None or s.name in only]
     if sync:
         for state in states:
             state.sync()
     layout = {s.name: {"format": s.format, "per_rank": s.per_rank} for s in states}
     kept: list[Path] = []  # files of the states not saved now, from the latest checkpoint
-    previous = _ckpt.CheckpointDir(root_path).latest_good() if only is not None else None
+    previous = ckpt.CheckpointDir(root_path).latest_good() if only is not None else None
     if previous is not None:
-        meta = _ckpt.read_meta(previous)
+        meta = ckpt.read_meta(previous)
         for name, entry in meta.get("states", {}).items():
             if name in layout or (entry["per_rank"] and meta["world_size"] != world):
                 continue
             layout[name] = entry
-            files = {_filename(name, entry["format"], entry["per_rank"], r)
+            files = {state_filename(name, entry["format"], entry["per_rank"], r)
                      for r in range(world)}
             kept += [previous / f for f in sorted(files) if f in meta["sha256"]]
 
@@ -232,18 +254,18 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
             for path in kept:
                 shutil.copyfile(path, tmp / path.name)
 
-    return _ckpt.CheckpointDir(root_path, keep=KEEP).save(
+    return ckpt.CheckpointDir(root_path, keep=KEEP).save(
         write, {"states": layout, "metadata": {}, "strategy_id": None})
 
 
 def restore_point() -> Path | None:
     """The checkpoint states are restored from: the newest good one, chosen once per process
     (collective on first use)."""
-    global _restore_point
-    if _restore_point is _UNSET:
+    ctx = current_job()
+    if ctx.restore_point is NOT_CHOSEN:
         root = checkpoint_root()
-        _restore_point = _ckpt.CheckpointDir(root).latest_good() if root else None
-    return _restore_point
+        ctx.restore_point = ckpt.CheckpointDir(root).latest_good() if root else None
+    return ctx.restore_point
 
 
 def _is_empty(path: Path) -> bool:
@@ -262,30 +284,35 @@ def load_state(state: State) -> bool:
     restored (False: no checkpoint, or the checkpoint has no such state). Every rank must
     call it (the first call chooses the checkpoint collectively)."""
     register(state)
-    from stratagem.adapt import _regroup
-
-    if _regroup.take_pending(state):  # a worker that joined in-process: rank 0's copy
+    payload = current_job().pending.pop(state.name, None)
+    if payload is not None:  # a worker that joined in-process: rank 0's copy
+        import_state(state, payload)
         return True
     path = restore_point()
     if path is None:
         return False
-    meta = _ckpt.read_meta(path)
+    meta = ckpt.read_meta(path)
     entry = meta.get("states", {}).get(state.name)
     if entry is None:
         return False
-    rank, world = _ckpt._rank_world()
+    if not (isinstance(entry, dict) and isinstance(entry.get("per_rank"), bool)
+            and entry.get("format") in ("pt", "json")):
+        raise CheckpointError(f"meta.json is corrupt: bad entry for state {state.name!r}",
+                              where=str(path), fix="use an earlier checkpoint")
+    rank, world = rank_world()
     if entry["per_rank"] and meta["world_size"] != world:
-        if not _is_empty(path / _filename(state.name, entry["format"], True, 0)):
+        if not _is_empty(path / state_filename(state.name, entry["format"], True, 0)):
             warnings.warn(f"state {state.name!r} was saved per rank by {meta['world_size']} "
                           f"replicas, now {world}: it starts fresh", stacklevel=3)
         return False
-    name = _filename(state.name, entry["format"], entry["per_rank"], rank)
+    name = state_filename(state.name, entry["format"], entry["per_rank"], rank)
     if entry["format"] != state.format:
         raise CheckpointError(f"state {state.name!r} was saved as {entry['format']}, "
                               f"loads as {state.format}", where=str(path),
                               fix="keep the State's format between runs")
+    verified = ckpt.read_verified(path, name)  # checksum-checked: never a damaged file
     try:
-        with (path / name).open("rb") as f:
+        with verified as f:
             state.load(f)
     except (OSError, RuntimeError, ValueError, KeyError, pickle.UnpicklingError) as exc:
         raise CheckpointError(f"cannot restore state {state.name!r} from {name}: {exc}",

@@ -1,0 +1,271 @@
+"""Every ``STRATAGEM_*`` and ``ADAPTDL_*`` environment variable, one accessor each.
+
+The rest of the package reads the environment only through these functions (a test checks
+that no other module names such a variable), so this file is the whole contract: what a
+variable means, its default, and which older name still works. The launcher *writes* some
+of them for its workers (:mod:`stratagem.launch.env`), using the names defined here.
+
+Accessors read the environment at call time (nothing is cached), so a variable set by a
+launcher, a test or an in-process rescale is seen at once.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+from stratagem.errors import StratagemError
+
+# -- names ------------------------------------------------------------------------------------
+RESOURCE_SPEC = "STRATAGEM_RESOURCE_SPEC"
+STRATEGY = "STRATAGEM_STRATEGY"
+NODE_ADDRESS = "STRATAGEM_NODE_ADDRESS"
+JOB_ID = "STRATAGEM_JOB_ID"
+ROLE = "STRATAGEM_ROLE"
+NPROC = "STRATAGEM_NPROC"
+REMOTE_SHELL = "STRATAGEM_REMOTE_SHELL"
+VERBOSE = "STRATAGEM_VERBOSE"
+CHECKPOINT_DIR = "STRATAGEM_CHECKPOINT_DIR"
+PG_TIMEOUT = "STRATAGEM_PG_TIMEOUT_S"
+PS_TIMEOUT_DEPRECATED = "STRATAGEM_PS_TIMEOUT"  # the parameter server's older name
+HINTS_FILE = "STRATAGEM_HINTS_FILE"
+HINTS_PORT = "STRATAGEM_HINTS_PORT"
+HINTS_ADDR = "STRATAGEM_HINTS_ADDR"
+RESCALE_STORE = "STRATAGEM_RESCALE_STORE"
+RESCALE_HOST = "STRATAGEM_RESCALE_HOST"
+RESCALE_NPROC = "STRATAGEM_RESCALE_NPROC"
+RESCALE_ID = "STRATAGEM_RESCALE_ID"
+RESCALE_TIMEOUT = "STRATAGEM_RESCALE_TIMEOUT_S"
+RESCALE_TOKEN = "STRATAGEM_RESCALE_TOKEN"
+
+ADAPTDL_CHECKPOINT_PATH = "ADAPTDL_CHECKPOINT_PATH"
+ADAPTDL_SHARE_PATH = "ADAPTDL_SHARE_PATH"
+ADAPTDL_JOB_ID = "ADAPTDL_JOB_ID"
+ADAPTDL_MASTER_ADDR = "ADAPTDL_MASTER_ADDR"
+ADAPTDL_MASTER_PORT = "ADAPTDL_MASTER_PORT"
+ADAPTDL_REPLICA_RANK = "ADAPTDL_REPLICA_RANK"
+ADAPTDL_NUM_REPLICAS = "ADAPTDL_NUM_REPLICAS"
+ADAPTDL_NUM_NODES = "ADAPTDL_NUM_NODES"
+ADAPTDL_NUM_RESTARTS = "ADAPTDL_NUM_RESTARTS"
+ADAPTDL_SUPERVISOR_URL = "ADAPTDL_SUPERVISOR_URL"
+ADAPTDL_SCHED_VERSION = "ADAPTDL_SCHED_VERSION"
+
+DEFAULT_PG_TIMEOUT_S = 300.0  # a collective that takes longer than this is a hang
+DEFAULT_RESCALE_TIMEOUT_S = 300.0
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _first(*names: str) -> str | None:
+    """The first of ``names`` that is set to a non-empty value."""
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            return value
+    return None
+
+
+def _number(names: tuple[str, ...], default: float, kind: type = float) -> float:
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            try:
+                return kind(value)
+            except ValueError:
+                raise StratagemError(f"{name}={value!r} is not a number", where="environment",
+                                     fix=f"set {name} to a {kind.__name__}, or unset it") from None
+    return default
+
+
+# -- launch contract --------------------------------------------------------------------------
+def resource_spec_path() -> str | None:
+    """``STRATAGEM_RESOURCE_SPEC``: the resource spec file (unset: this machine alone)."""
+    return _first(RESOURCE_SPEC)
+
+
+def strategy_override() -> str | None:
+    """``STRATAGEM_STRATEGY``: builder name or strategy file from ``stratagem run
+    --strategy``; it overrides the script's strategy."""
+    return _first(STRATEGY)
+
+
+def node_address() -> str | None:
+    """``STRATAGEM_NODE_ADDRESS``: this node's address in the resource spec."""
+    return _first(NODE_ADDRESS)
+
+
+def job_id() -> str | None:
+    """``STRATAGEM_JOB_ID``: the job id (also torch elastic's rendezvous id)."""
+    return _first(JOB_ID)
+
+
+def role() -> str:
+    """``STRATAGEM_ROLE``: ``server`` for a dedicated parameter server, else ``worker``."""
+    return _first(ROLE) or "worker"
+
+
+def nproc() -> str | None:
+    """``STRATAGEM_NPROC``: the worker count ``stratagem run --nproc`` gave a single-node
+    spec, as written (``launch.env.nproc_override`` checks it), so every worker applies the
+    launcher's override to the spec it loads."""
+    return _first(NPROC)
+
+
+def remote_shell() -> str | None:
+    """``STRATAGEM_REMOTE_SHELL``: the command prefix that runs a command on a node."""
+    return _first(REMOTE_SHELL)
+
+
+def verbose() -> bool:
+    """``STRATAGEM_VERBOSE``: ``0`` silences Stratagem's progress messages (default on)."""
+    return os.environ.get(VERBOSE, "1") != "0"
+
+
+# -- process groups ---------------------------------------------------------------------------
+def pg_timeout() -> timedelta:
+    """``STRATAGEM_PG_TIMEOUT_S``: seconds a collective or a process-group rendezvous may
+    take before it counts as a hang (default 300). ``STRATAGEM_PS_TIMEOUT`` is the older,
+    deprecated name of the same setting."""
+    if not os.environ.get(PG_TIMEOUT) and os.environ.get(PS_TIMEOUT_DEPRECATED):
+        warnings.warn(f"{PS_TIMEOUT_DEPRECATED} is deprecated: use {PG_TIMEOUT}",
+                      DeprecationWarning, stacklevel=2)
+    return timedelta(seconds=_number((PG_TIMEOUT, PS_TIMEOUT_DEPRECATED),
+                                     DEFAULT_PG_TIMEOUT_S))
+
+
+# -- job state and hints ----------------------------------------------------------------------
+def checkpoint_dir() -> Path | None:
+    """``STRATAGEM_CHECKPOINT_DIR`` (else AdaptDL's ``ADAPTDL_CHECKPOINT_PATH``): the job's
+    checkpoint directory; None disables checkpoint-restart."""
+    value = _first(CHECKPOINT_DIR, ADAPTDL_CHECKPOINT_PATH)
+    return Path(value) if value else None
+
+
+def hints_file() -> str | None:
+    """``STRATAGEM_HINTS_FILE``: where the scheduling hints are written (see
+    docs/reference/hints.md; unset: ``hints.json`` in the checkpoint directory)."""
+    return _first(HINTS_FILE)
+
+
+def hints_port() -> int | None:
+    """``STRATAGEM_HINTS_PORT``: serve the hints over HTTP on this port (0: any free one;
+    unset: no server); anything but a port number is a StratagemError."""
+    value = os.environ.get(HINTS_PORT, "")
+    if value == "":
+        return None
+    text = value.strip()
+    if not text.isdigit() or int(text) > 65535:
+        raise StratagemError(f"{HINTS_PORT}={value!r} is not a TCP port", where=HINTS_PORT,
+                             fix="set it to a port number from 1 to 65535, 0 for any free "
+                                 "port, or unset it to serve no hints over HTTP")
+    return int(text)
+
+
+def hints_addr() -> str:
+    """``STRATAGEM_HINTS_ADDR``: the address the hints server binds (default loopback)."""
+    return _first(HINTS_ADDR) or "127.0.0.1"
+
+
+# -- in-process rescale -----------------------------------------------------------------------
+def rescale_store() -> str | None:
+    """``STRATAGEM_RESCALE_STORE``: ``host:port`` of the job's rescale store; set, it
+    enables in-process rescale."""
+    return _first(RESCALE_STORE)
+
+
+def rescale_host() -> bool:
+    """``STRATAGEM_RESCALE_HOST=1``: this worker hosts the rescale store itself."""
+    return os.environ.get(RESCALE_HOST) == "1"
+
+
+def rescale_nproc() -> int:
+    """``STRATAGEM_RESCALE_NPROC``: workers of the first generation (default
+    ``WORLD_SIZE``, else 1)."""
+    return int(_number((RESCALE_NPROC, "WORLD_SIZE"), 1, int))
+
+
+def rescale_id() -> str | None:
+    """``STRATAGEM_RESCALE_ID``: this worker's member name (unset: ``hostname-pid``)."""
+    return _first(RESCALE_ID)
+
+
+def rescale_timeout() -> timedelta:
+    """``STRATAGEM_RESCALE_TIMEOUT_S``: how long group formation and admission may wait
+    (default 300)."""
+    return timedelta(seconds=_number((RESCALE_TIMEOUT,), DEFAULT_RESCALE_TIMEOUT_S))
+
+
+def rescale_token() -> str | None:
+    """``STRATAGEM_RESCALE_TOKEN``: the shared secret a rescale store that listens beyond
+    loopback requires (see ``python -m stratagem.elastic serve``)."""
+    return _first(RESCALE_TOKEN)
+
+
+# -- AdaptDL's variables (AdaptDL's ``adaptdl.env``, with Stratagem's and torch's fallbacks) --
+def adaptdl_checkpoint_path() -> str | None:
+    """``ADAPTDL_CHECKPOINT_PATH``, else ``STRATAGEM_CHECKPOINT_DIR``."""
+    return _first(ADAPTDL_CHECKPOINT_PATH, CHECKPOINT_DIR)
+
+
+def adaptdl_share_path() -> str | None:
+    """``ADAPTDL_SHARE_PATH``: a directory shared by all replicas, or None."""
+    return _first(ADAPTDL_SHARE_PATH)
+
+
+def adaptdl_job_id() -> str | None:
+    """``ADAPTDL_JOB_ID``, else ``STRATAGEM_JOB_ID``, else ``TORCHELASTIC_RUN_ID``."""
+    return _first(ADAPTDL_JOB_ID, JOB_ID, "TORCHELASTIC_RUN_ID")
+
+
+def adaptdl_master_addr() -> str:
+    """``ADAPTDL_MASTER_ADDR``, else ``MASTER_ADDR``, else ``0.0.0.0`` (as AdaptDL)."""
+    return _first(ADAPTDL_MASTER_ADDR, "MASTER_ADDR") or "0.0.0.0"
+
+
+def adaptdl_master_port() -> int:
+    """``ADAPTDL_MASTER_PORT``, else ``MASTER_PORT``, else 0."""
+    return int(_number((ADAPTDL_MASTER_PORT, "MASTER_PORT"), 0, int))
+
+
+def adaptdl_rendezvous() -> bool:
+    """Whether AdaptDL's own rendezvous is configured (``ADAPTDL_MASTER_ADDR`` or
+    ``ADAPTDL_MASTER_PORT`` set)."""
+    return _first(ADAPTDL_MASTER_ADDR, ADAPTDL_MASTER_PORT) is not None
+
+
+def adaptdl_replica_rank() -> int:
+    """``ADAPTDL_REPLICA_RANK``, else ``RANK``, else 0."""
+    return int(_number((ADAPTDL_REPLICA_RANK, "RANK"), 0, int))
+
+
+def adaptdl_num_replicas() -> int:
+    """``ADAPTDL_NUM_REPLICAS``, else ``WORLD_SIZE``, else 1."""
+    return int(_number((ADAPTDL_NUM_REPLICAS, "WORLD_SIZE"), 1, int))
+
+
+def adaptdl_num_nodes() -> int:
+    """``ADAPTDL_NUM_NODES``; under torch elastic, replicas divided by ``LOCAL_WORLD_SIZE``;
+    else the number of replicas (AdaptDL's default)."""
+    if os.environ.get(ADAPTDL_NUM_NODES):
+        return int(_number((ADAPTDL_NUM_NODES,), 1, int))
+    replicas = adaptdl_num_replicas()
+    if not os.environ.get(ADAPTDL_NUM_REPLICAS) and os.environ.get("LOCAL_WORLD_SIZE"):
+        per_node = max(1, int(_number(("LOCAL_WORLD_SIZE",), 1, int)))
+        return max(1, -(-replicas // per_node))
+    return replicas
+
+
+def adaptdl_num_restarts() -> int:
+    """``ADAPTDL_NUM_RESTARTS``, else ``TORCHELASTIC_RESTART_COUNT``, else 0."""
+    return int(_number((ADAPTDL_NUM_RESTARTS, "TORCHELASTIC_RESTART_COUNT"), 0, int))
+
+
+def adaptdl_supervisor_url() -> str | None:
+    """``ADAPTDL_SUPERVISOR_URL`` (Stratagem runs without AdaptDL's supervisor)."""
+    return _first(ADAPTDL_SUPERVISOR_URL)
+
+
+def adaptdl_sched_version() -> str | None:
+    """``ADAPTDL_SCHED_VERSION``."""
+    return _first(ADAPTDL_SCHED_VERSION)

@@ -1,0 +1,66 @@
+"""The one place a Stratagem process creates and destroys torch.distributed process groups.
+
+AutoDist (under ``stratagem run``/``torchrun``), AdaptDL's ``init_process_group``, the
+in-process rescale and the parameter-server start-up all join a default group here, with
+one timeout (:func:`stratagem.env.pg_timeout`) and one exit rule: a group created here is
+destroyed before the interpreter tears down (left to interpreter exit, gloo's threads can
+be destroyed while joinable, which aborts the process with "terminate called without an
+active exception" after a successful run).
+"""
+
+from __future__ import annotations
+
+import atexit
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stratagem import env
+
+
+def default_backend(device: torch.device | str | None = None) -> str:
+    """``nccl`` for a CUDA device, ``gloo`` otherwise (``None``: whether CUDA exists)."""
+    if device is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_process_group(backend: str | None = None, *, store: Any = None,
+                       init_method: str | None = None, rank: int | None = None,
+                       world_size: int | None = None,
+                       timeout: timedelta | None = None) -> None:
+    """Create the default process group (``env://`` when neither ``store`` nor
+    ``init_method`` is given) with the job's timeout, and destroy it at exit."""
+    kwargs: dict[str, Any] = {"backend": backend or default_backend(),
+                              "timeout": timeout or env.pg_timeout()}
+    if store is not None:
+        kwargs["store"] = store
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    if rank is not None:
+        kwargs["rank"], kwargs["world_size"] = rank, world_size
+    dist.init_process_group(**kwargs)
+    atexit.unregister(destroy_process_group)  # one hook per process, however many groups
+    atexit.register(destroy_process_group)
+
+
+def init_single_process_group(backend: str = "gloo") -> None:
+    """A one-process default group (an in-memory store, no network): collectives in a
+    script work unchanged when it runs alone."""
+    init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default group if there is one (no barrier: a rank exiting on an error
+    must not block here)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank_world() -> tuple[int, int]:
+    """This process's rank and the world size of the default group ((0, 1) without one)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

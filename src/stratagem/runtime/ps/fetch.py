@@ -1,0 +1,161 @@
+"""Single-rank reads of current embedding rows: owners answer fetches on their own group.
+
+Under bulk-synchronous training a worker's copy of an on-demand sparse table is current
+only in the rows it pulled for its batch, and only until the next update. Reading the
+model (``state_dict()``, an evaluation forward) must not need the other workers: they may
+have left the training loop or be exiting. So every owner of on-demand sparse pieces runs
+a :class:`FetchService`: one daemon thread per worker, blocked in a receive from that
+worker on the owner's *fetch group* (the workers plus the owner, used by nothing else), that
+answers
+
+``FETCH``  ``[FETCH, src, version, piece position, n]`` then ``n`` int64 row ids (``n < 0``:
+           the whole piece): the rows, once the owner's values have reached ``version``
+           (the number of value changes -- updates, restores -- the asking worker has seen;
+           every rank counts them the same way, so the answer is what one process would
+           hold after as many steps);
+``CLOSE``  the worker is done with this owner.
+
+A thread ends at ``CLOSE`` or when its worker's connection closes (the process ended: gloo
+fails a receive from a peer that is gone at once, unlike a receive from any source). At
+exit an owner *lingers* (:meth:`FetchService.linger`) until every worker's thread has ended,
+so a worker still saving or evaluating is served. Reads never block training: a worker
+sends requests only from its own main thread, and an owner's shards change only in its
+update, which (bulk-synchronous) cannot start before every worker pushed the step after
+the one it asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from stratagem.runtime.ps.cluster import Group, data_timeout
+from stratagem.runtime.ps.plan import PSPiece
+
+FETCH, CLOSE = 1, 2
+HLEN = 5  # kind, src, version, piece position, number of ids (-1: the whole piece)
+REQ, IDS, REP = 41, 42, 1 << 21  # REP + piece position: the reply's tag
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).cpu().view(torch.uint8)
+
+
+class FetchService:
+    """The owner's side: answers each worker's fetches from a thread of its own."""
+
+    def __init__(self, group: Group, pieces: Sequence[PSPiece], positions: dict[int, int],
+                 shards: dict[int, torch.Tensor], workers: int) -> None:
+        self.group = group
+        self.rank = group.cluster.rank
+        self.pieces = {positions[p.id]: p for p in pieces}  # position -> owned piece
+        self.shards = shards
+        self.version = 0
+        self._cond = threading.Condition()
+        self._threads = [threading.Thread(target=self._serve, args=(w,), daemon=True,
+                                          name=f"stratagem-ps-fetch-{self.rank}-{w}")
+                         for w in range(workers) if w != self.rank]
+        for t in self._threads:
+            t.start()
+
+    def advance(self) -> None:
+        """The owner's values changed (an update or a restore finished)."""
+        with self._cond:
+            self.version += 1
+            self._cond.notify_all()
+
+    def _serve(self, src: int) -> None:
+        hdr = torch.empty(HLEN, dtype=torch.int64)
+        try:
+            while True:
+                self.group.recv(hdr, src, REQ).wait()
+                kind, _, version, pos, n = (int(v) for v in hdr)
+                if kind != FETCH:
+                    return
+                ids = None
+                if n >= 0:
+                    ids = torch.empty(n, dtype=torch.int64)
+                    if n:
+                        self.group.recv(ids, src, IDS).wait()
+                with self._cond:  # (the timeout only bounds a hung owner)
+                    self._cond.wait_for(lambda v=version: self.version >= v,
+                                        data_timeout().total_seconds())
+                p = self.pieces[pos]
+                shard = self.shards[p.id]
+                rows = (shard if ids is None
+                        else shard.index_select(0, (ids - p.row_start).to(shard.device)))
+                self.group.send(_bytes(rows), src, REP + pos).wait()
+        except Exception:  # noqa: BLE001 - the worker's process ended: nothing to serve
+            return
+
+    def linger(self, alive: Callable[[], bool] = lambda: True) -> None:
+        """Wait until every worker closed (or its process ended), at most the data
+        timeout (``alive`` False stops waiting early), then :meth:`stop`."""
+        deadline = time.monotonic() + data_timeout().total_seconds()
+        for t in self._threads:
+            while t.is_alive() and time.monotonic() < deadline and alive():
+                t.join(0.2)
+        self.stop()
+
+    def stop(self) -> None:
+        """Shut the group down: a receive still pending at interpreter exit (a thread whose
+        worker is still there) makes gloo's teardown abort the process now and then."""
+        self.group.shutdown()
+
+
+class FetchClient:
+    """The worker's side: whole pieces or given rows from their owners' services."""
+
+    def __init__(self, groups: dict[int, Group], pieces: Sequence[PSPiece], rank: int,
+                 row_bytes: Sequence[int], dtypes: Sequence[torch.dtype]) -> None:
+        self.groups = groups  # owner -> its fetch group
+        self.pieces = list(pieces)
+        self.rank = rank
+        self.row_bytes = list(row_bytes)
+        self.dtypes = list(dtypes)
+        self.closed = False
+
+    def fetch(self, requests: dict[int, torch.Tensor | None], version: int
+              ) -> dict[int, torch.Tensor]:
+        """``requests``: piece position -> global row ids (None: every row). Returns the
+        rows per position (all receives are posted before any request is sent)."""
+        replies = {}
+        for pos, ids in requests.items():
+            p = self.pieces[pos]
+            n = p.rows if ids is None else len(ids)
+            buf = torch.empty(n * self.row_bytes[pos], dtype=torch.uint8)
+            g = self.groups[p.owner]
+            replies[pos] = (buf, n, g.recv(buf, p.owner, REP + pos))
+        for pos, ids in requests.items():
+            p = self.pieces[pos]
+            g = self.groups[p.owner]
+            hdr = torch.tensor([FETCH, self.rank, version, pos, -1 if ids is None else len(ids)],
+                               dtype=torch.int64)
+            g.run(lambda g=g, h=hdr, o=p.owner: g.send(h, o, REQ),
+                  f"asking {g.cluster.describe(p.owner)} for rows")
+            if ids is not None and len(ids):
+                ids = ids.to(torch.int64).contiguous()
+                g.run(lambda g=g, i=ids, o=p.owner: g.send(i, o, IDS),
+                      f"asking {g.cluster.describe(p.owner)} for rows")
+        out = {}
+        for pos, (buf, n, work) in replies.items():
+            p = self.pieces[pos]
+            self.groups[p.owner].wait(work, f"fetching rows of {p.param} from "
+                                            f"{self.groups[p.owner].cluster.describe(p.owner)}")
+            out[pos] = buf.view(self.dtypes[pos]).view(n, *p.shape[1:])
+        return out
+
+    def close(self) -> None:
+        """Tell every owner this worker is done (errors: that owner is gone already)."""
+        if self.closed:
+            return
+        self.closed = True
+        hdr = torch.tensor([CLOSE, self.rank, 0, 0, 0], dtype=torch.int64)
+        for o, g in self.groups.items():
+            if o != self.rank:
+                with contextlib.suppress(Exception):  # at exit, an owner may have ended
+                    g.send(hdr, o, REQ).wait()

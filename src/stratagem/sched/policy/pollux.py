@@ -1,0 +1,174 @@
+"""A goodput-aware policy in the spirit of Pollux (Qiao et al., OSDI 2021).
+
+Each job's *speedup* at ``r`` replicas is its goodput there, with the batch size and
+accumulation it would pick (``GoodputFunction.optimize_grid``: the job's own model), divided
+by its goodput at its fair share (``ceil(GPUs / jobs)`` replicas). The objective is the power
+mean of speedups, ``(mean_j (s_j + eps)^p)^(1/p)`` (``p`` = ``fairness``; -1 by default,
+more negative is fairer, 1 is plain throughput). Changing a running job's allocation costs a
+restart: its speedup is scaled by ``max(age - restarts * delay, 0) / (age + delay)``.
+
+Search. The power mean is monotone in ``sum_j phi(s_j)`` (``phi(s) = (s+eps)^p`` minimised
+for ``p < 0``, maximised otherwise; ``log`` for ``p = 0``), a sum of per-job terms in the
+job's replica count alone, under one budget (the cluster's GPUs). A multiple-choice knapsack
+dynamic program finds the exact optimum of that count problem in ``O(jobs x GPUs x
+replicas)`` (about 0.7 M steps for 160 jobs on 64 GPUs) instead of a genetic search. Counts
+are then placed consolidated (:mod:`.placement`, which keeps node capacity and at most one
+distributed job per node); a job that cannot be placed at its count takes the largest count
+that fits, and leftover GPUs go to whichever job gains most from one more. Ties between
+unallocated jobs go to the least attained service, then the oldest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stratagem.sched.policy.base import Allocation, ClusterSpec, JobView
+from stratagem.sched.policy.placement import NodeState, keep_or_place
+
+_EPS = 1e-3  # added to every speedup so the power mean stays finite at 0 replicas
+
+
+@dataclass
+class PolluxPolicy:
+    """``fairness``: power-mean exponent ``p``; ``restart_delay``: seconds a restart costs."""
+
+    fairness: float = -1.0
+    restart_delay: float = 30.0
+    name: str = "pollux"
+    adaptive_batch: bool = True
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    # -- per-job terms ---------------------------------------------------------------------
+    def speedups(self, job: JobView, max_r: int, fair: int, gpn: int) -> np.ndarray:
+        """Speedup at 0..max_r replicas (consolidated placements), relative to ``fair``."""
+        r = np.arange(0, max_r + 1)
+        if job.goodput is None or max_r == 0:
+            return r / max(fair, 1)
+        fn = job.goodput
+        key = (job.name, fn.throughput_params, fn.gns, fn.base_batch_size, max_r, fair, gpn,
+               job.max_batch_size, job.local_bsz_bounds, job.gradient_accumulation)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        reps = np.arange(1, max(max_r, fair) + 1)
+        grid = fn.optimize_grid(np.ceil(reps / gpn), reps,
+                                job.max_batch_size or fn.base_batch_size,
+                                job.local_bsz_bounds, job.gradient_accumulation)
+        good = np.asarray(grid.goodput, dtype=float)
+        base = good[fair - 1] if good[fair - 1] > 0 else float(good.max(initial=0.0))
+        out = np.zeros(max_r + 1)
+        out[1:] = good[:max_r] / base if base > 0 else reps[:max_r] / fair
+        self._cache[key] = out
+        return out
+
+    def phi(self, s: np.ndarray) -> np.ndarray:
+        """Per-job term to *minimise* (monotone decreasing in the speedup)."""
+        p = self.fairness
+        if p == 0:
+            return -np.log(s + _EPS)
+        return (s + _EPS) ** p if p < 0 else -((s + _EPS) ** p)
+
+    def restart_factor(self, job: JobView) -> float:
+        d = self.restart_delay
+        return max(job.age - job.num_restarts * d, 0.0) / (job.age + d) if d > 0 else 1.0
+
+    # -- decision --------------------------------------------------------------------------
+    def allocate(self, jobs: Sequence[JobView], cluster: ClusterSpec,
+                 current: Mapping[str, tuple[int, ...]], now: float) -> Allocation:
+        if not jobs:
+            return {}
+        active = {j.name for j in jobs}
+        self._cache = {k: v for k, v in self._cache.items() if k[0] in active}
+        gpus, gpn = cluster.total_gpus, cluster.gpus_per_node
+        fair = max(1, math.ceil(gpus / len(jobs)))
+        priority = sorted(jobs, key=lambda j: (j.attained_service, j.submit_time, j.name))
+        tie = {j.name: (len(jobs) - i) * 1e-9 for i, j in enumerate(priority)}
+        costs, options = [], []
+        for job in jobs:
+            now_r = len(current.get(job.name, ()))
+            max_r = min(job.max_replicas, gpus)
+            if not job.preemptible and now_r:
+                opts = np.array([now_r])
+                s = self.speedups(job, now_r, min(fair, now_r), gpn)[opts]
+            else:
+                lo = max(job.min_replicas, 1)
+                opts = np.array([0] + list(range(lo, max_r + 1)))
+                s = self.speedups(job, max_r, min(fair, max(max_r, 1)), gpn)[opts]
+                if now_r:
+                    s = np.where(opts == now_r, s, s * self.restart_factor(job))
+            f = self.phi(s)
+            f = f + np.where(opts == 0, tie[job.name] * abs(float(self.phi(np.zeros(1))[0])),
+                             0.0)
+            costs.append(f)
+            options.append(opts)
+        counts = self._knapsack(costs, options, gpus)
+        names = [j.name for j in jobs]
+        chosen = {n: int(c) for n, c in zip(names, counts, strict=True)}
+        return self._place(jobs, chosen, costs, options, cluster, current)
+
+    @staticmethod
+    def _knapsack(costs: list[np.ndarray], options: list[np.ndarray], gpus: int) -> list[int]:
+        """Exact minimum of ``sum_j costs[j][choice_j]`` with ``sum options <= gpus``."""
+        best = np.zeros(gpus + 1)  # best[g]: minimum cost of the jobs so far using <= g GPUs
+        picks = []
+        g = np.arange(gpus + 1)
+        for f, opts in zip(costs, options, strict=True):
+            rest = g[:, None] - opts[None, :]
+            total = np.where(rest >= 0, best[np.maximum(rest, 0)] + f[None, :], np.inf)
+            pick = np.argmin(total, axis=1)
+            best = total[g, pick]
+            picks.append(pick)
+        out, left = [], gpus
+        for pick, opts in zip(reversed(picks), reversed(options), strict=True):
+            r = int(opts[pick[left]])
+            out.append(r)
+            left -= r
+        return out[::-1]
+
+    def _place(self, jobs: Sequence[JobView], counts: dict[str, int], costs: list[np.ndarray],
+               options: list[np.ndarray], cluster: ClusterSpec,
+               current: Mapping[str, tuple[int, ...]]) -> Allocation:
+        cost_of = {j.name: dict(zip(o.tolist(), f.tolist(), strict=True))
+                   for j, f, o in zip(jobs, costs, options, strict=True)}
+        state = NodeState(cluster)
+        pinned = [j.name for j in jobs if not j.preemptible and current.get(j.name)]
+        order = pinned + sorted((n for n in counts if n not in pinned),
+                                key=lambda n: (-counts[n], n))
+        out = keep_or_place(order, counts, current, state)
+        for name in order:  # not placeable at its count: the best count that fits
+            if counts[name] and name not in out:
+                for r in sorted((r for r in cost_of[name] if 0 < r < counts[name]),
+                                key=lambda r: cost_of[name][r]):
+                    reps = state.place_and_take(r)
+                    if reps:
+                        out[name] = reps
+                        break
+        while state.total_free > 0:  # leftover GPUs: one step up where it helps most
+            best, gain = None, 0.0
+            for name, cost in cost_of.items():
+                now_r = len(out.get(name, ()))
+                up = min((r for r in cost if r > now_r), default=None)
+                if (name not in pinned and up is not None and now_r in cost
+                        and cost[now_r] - cost[up] > gain):
+                    best, gain = name, cost[now_r] - cost[up]
+            if best is None or not self._grow(best, out, state, cost_of[best]):
+                break
+        return out
+
+    @staticmethod
+    def _grow(name: str, out: Allocation, state: NodeState, cost: dict[int, float]) -> bool:
+        """Re-place ``name`` at its next allowed count, if that fits."""
+        old = out.get(name, ())
+        target = min(r for r in cost if r > len(old))
+        state.release(old)
+        reps = state.place(target)
+        if reps:
+            state.take(reps)
+            out[name] = reps
+            return True
+        state.take(old)
+        return False

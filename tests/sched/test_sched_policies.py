@@ -1,0 +1,149 @@
+"""Policies: every constraint under random clusters and jobs, fairness by hand, and the
+goodput-aware search against brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stratagem.adapt import GNSEstimate, GoodputFunction, ThroughputParams
+from stratagem.errors import StratagemError
+from stratagem.sched.policy import (
+    POLICIES,
+    ClusterSpec,
+    JobView,
+    PolluxPolicy,
+    check_allocation,
+    make_policy,
+)
+
+
+def _goodput(alpha: float, beta: float, sync: float, noise: float) -> GoodputFunction:
+    params = ThroughputParams(alpha, beta, sync, sync * 0.01, 2 * sync, sync * 0.02, 1.5)
+    return GoodputFunction(params, GNSEstimate(1.0, noise), 32)
+
+
+@st.composite
+def scenarios(draw):
+    cluster = ClusterSpec(draw(st.integers(1, 5)), draw(st.integers(1, 4)), draw(st.booleans()))
+    jobs = []
+    for i in range(draw(st.integers(1, 10))):
+        lo = draw(st.integers(1, 3))
+        hi = draw(st.integers(lo, 12))
+        fn = _goodput(draw(st.floats(0.01, 0.2)), draw(st.floats(1e-4, 1e-2)),
+                      draw(st.floats(1e-3, 0.3)), draw(st.floats(0.0, 5000.0)))
+        jobs.append(JobView(
+            name=f"j{i}", submit_time=float(draw(st.integers(0, 100))),
+            age=float(draw(st.integers(0, 5000))),
+            attained_service=float(draw(st.integers(0, 10000))),
+            num_restarts=draw(st.integers(0, 3)), min_replicas=lo, max_replicas=hi,
+            requested_replicas=draw(st.integers(1, 8)), goodput=fn, max_batch_size=1024,
+            local_bsz_bounds=(8, 128), remaining_time=lambda n, r, k=i: (100 + k) / r ** 0.8))
+    return cluster, jobs, draw(st.lists(st.booleans(), min_size=10, max_size=10))
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_every_allocation_keeps_every_constraint(name, scenario):
+    cluster, jobs, pinned = scenario
+    policy = make_policy(name)
+    first = policy.allocate(jobs, cluster, {}, 0.0)
+    assert check_allocation(first, jobs, cluster, {}) == []
+    # Some running jobs become non-preemptible; one job leaves; decide again.
+    later = [JobView(**{**j.__dict__, "preemptible": not (pin and first.get(j.name))})
+             for j, pin in zip(jobs[1:], pinned, strict=False)] or jobs
+    current = {k: v for k, v in first.items() if k != jobs[0].name}
+    second = policy.allocate(later, cluster, current, 60.0)
+    assert check_allocation(second, later, cluster, current) == []
+    for j in later:
+        if not j.preemptible and current.get(j.name):
+            assert second[j.name] == current[j.name]
+
+
+def test_check_allocation_names_each_violation():
+    cluster = ClusterSpec(2, 2)
+    jobs = [JobView("a", 0, max_replicas=2), JobView("b", 0), JobView("c", 0, preemptible=False)]
+    bad = {"a": (0, 0, 1), "b": (0, 1), "x": (1,)}
+    errors = "\n".join(check_allocation(bad, jobs, cluster, {"c": (1,)}))
+    for part in ("a: 3 replicas outside [1, 2]", "node 0: 3 replicas on 2 GPUs",
+                 "distributed jobs share it", "x: not an active job",
+                 "c: non-preemptible job was moved"):
+        assert part in errors
+
+
+def test_two_identical_jobs_get_equal_shares():
+    fn = _goodput(0.05, 1e-3, 0.02, 2000.0)
+    jobs = [JobView(n, 0, age=600, goodput=fn, max_batch_size=1024, local_bsz_bounds=(8, 128))
+            for n in ("a", "b")]
+    alloc = PolluxPolicy().allocate(jobs, ClusterSpec(2, 4), {}, 0.0)
+    assert len(alloc["a"]) == len(alloc["b"]) > 0
+    assert len(set(alloc["a"])) == len(set(alloc["b"])) == 1  # each on its own node
+
+
+def test_a_job_at_its_max_replicas_gets_no_more():
+    fn = _goodput(0.05, 1e-3, 0.005, 1e5)  # scales well: both want everything
+    jobs = [JobView("small", 0, age=600, max_replicas=2, goodput=fn, max_batch_size=4096,
+                    local_bsz_bounds=(8, 128)),
+            JobView("big", 0, age=600, max_replicas=8, goodput=fn, max_batch_size=4096,
+                    local_bsz_bounds=(8, 128))]
+    alloc = PolluxPolicy().allocate(jobs, ClusterSpec(2, 4), {}, 0.0)
+    assert len(alloc["small"]) == 2 and len(alloc["big"]) == 6
+
+
+def test_more_jobs_than_gpus_serve_the_least_attained_service_first():
+    fn = _goodput(0.05, 1e-3, 0.02, 100.0)
+    jobs = [JobView(f"j{i}", float(i), age=600, attained_service=1000.0 * (5 - i),
+                    goodput=fn, max_batch_size=256, local_bsz_bounds=(8, 128))
+            for i in range(6)]
+    alloc = PolluxPolicy().allocate(jobs, ClusterSpec(1, 4), {}, 0.0)
+    assert sorted(alloc) == ["j2", "j3", "j4", "j5"]
+
+
+def test_restart_penalty_keeps_a_young_job_where_it_is():
+    fn = _goodput(0.05, 1e-3, 0.005, 1e5)
+    job = JobView("a", 0, age=60, goodput=fn, max_batch_size=4096, local_bsz_bounds=(8, 128))
+    cluster = ClusterSpec(2, 4)
+    assert len(PolluxPolicy().allocate([job], cluster, {}, 0.0)["a"]) == 8
+    # Penalty factor max(age - restarts * delay, 0) / (age + delay): 60/90 with a 30 s
+    # restart (8 GPUs still win), 60/3060 with a 3000 s one (staying on 1 GPU wins).
+    moved = PolluxPolicy(restart_delay=30).allocate([job], cluster, {"a": (0,)}, 60.0)
+    assert len(moved["a"]) == 8
+    kept = PolluxPolicy(restart_delay=3000).allocate([job], cluster, {"a": (0,)}, 60.0)
+    assert kept == {"a": (0,)}
+
+
+@pytest.mark.parametrize("p", [-1.0, 0.0, 1.0])
+def test_the_knapsack_finds_the_brute_force_optimum(p):
+    """One big node (no placement limits): the chosen replica counts minimise the objective
+    exactly, as enumerating every count vector does."""
+    rng = np.random.default_rng(int(10 * p) + 17)
+    for _ in range(6):
+        jobs = [JobView(f"j{i}", float(i), age=1000.0, max_replicas=int(rng.integers(1, 6)),
+                        goodput=_goodput(*rng.uniform([0.01, 1e-4, 1e-3, 0], [0.2, 1e-2, 0.3,
+                                                                                 5000])),
+                        max_batch_size=1024, local_bsz_bounds=(8, 128))
+                for i in range(4)]
+        gpus = int(rng.integers(2, 9))
+        policy = PolluxPolicy(fairness=p)
+        cluster = ClusterSpec(1, gpus)
+        alloc = policy.allocate(jobs, cluster, {}, 0.0)
+        fair = max(1, math.ceil(gpus / len(jobs)))
+        tables = [policy.speedups(j, min(j.max_replicas, gpus), min(fair, j.max_replicas),
+                                  gpus) for j in jobs]
+        terms = [policy.phi(t) for t in tables]
+        best = min(sum(f[k] for f, k in zip(terms, c, strict=True))
+                   for c in itertools.product(*(range(len(t)) for t in tables))
+                   if sum(c) <= gpus)
+        got = sum(f[len(alloc.get(j.name, ()))] for f, j in zip(terms, jobs, strict=True))
+        assert got == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+def test_unknown_policy_is_a_clear_error():
+    with pytest.raises(StratagemError, match="unknown policy 'gandiva'"):
+        make_policy("gandiva")

@@ -1,0 +1,91 @@
+"""stratagem.env: one accessor per variable, read at call time, with the documented
+defaults, fallbacks and deprecated aliases."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from stratagem import env
+from stratagem.errors import StratagemError
+
+ALL = [v for k, v in vars(env).items() if k.isupper() and isinstance(v, str)
+       and v.startswith(("STRATAGEM_", "ADAPTDL_"))]
+
+
+@pytest.fixture(autouse=True)
+def clean(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [*ALL, "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
+                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"]:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_one_process_group_timeout_with_its_deprecated_alias(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert env.pg_timeout() == timedelta(seconds=300)
+    monkeypatch.setenv("STRATAGEM_PS_TIMEOUT", "42")
+    with pytest.warns(DeprecationWarning, match="STRATAGEM_PG_TIMEOUT_S"):
+        assert env.pg_timeout() == timedelta(seconds=42)
+    monkeypatch.setenv("STRATAGEM_PG_TIMEOUT_S", "7.5")  # the current name wins
+    assert env.pg_timeout() == timedelta(seconds=7.5)
+    monkeypatch.setenv("STRATAGEM_PG_TIMEOUT_S", "soon")
+    with pytest.raises(StratagemError, match="STRATAGEM_PG_TIMEOUT_S='soon' is not a number"):
+        env.pg_timeout()
+
+
+def test_parameter_server_timeout_is_the_same_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stratagem.runtime.ps.cluster import data_timeout
+
+    monkeypatch.setenv("STRATAGEM_PG_TIMEOUT_S", "12")
+    assert data_timeout() == env.pg_timeout() == timedelta(seconds=12)
+
+
+def test_checkpoint_dir_and_adaptdl_fallbacks(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    assert env.checkpoint_dir() is None and env.adaptdl_checkpoint_path() is None
+    monkeypatch.setenv("ADAPTDL_CHECKPOINT_PATH", str(tmp_path / "a"))
+    assert env.checkpoint_dir() == tmp_path / "a"
+    monkeypatch.setenv("STRATAGEM_CHECKPOINT_DIR", str(tmp_path / "s"))
+    assert env.checkpoint_dir() == tmp_path / "s"  # Stratagem's own name first
+    assert env.adaptdl_checkpoint_path() == str(tmp_path / "a")  # AdaptDL's first
+
+
+def test_adaptdl_accessors_fall_back_to_torch_elastic(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "5")
+    assert (env.adaptdl_num_replicas(), env.adaptdl_num_nodes(),
+            env.adaptdl_replica_rank()) == (8, 2, 5)
+    monkeypatch.setenv("ADAPTDL_NUM_REPLICAS", "3")
+    assert (env.adaptdl_num_replicas(), env.adaptdl_num_nodes()) == (3, 3)
+    assert not env.adaptdl_rendezvous()
+    monkeypatch.setenv("ADAPTDL_MASTER_PORT", "29500")
+    assert env.adaptdl_rendezvous() and env.adaptdl_master_port() == 29500
+
+
+def test_rescale_and_hints_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert env.rescale_store() is None and not env.rescale_host()
+    assert env.rescale_timeout() == timedelta(seconds=300)
+    assert env.rescale_nproc() == 1
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert env.rescale_nproc() == 3
+    assert env.hints_port() is None and env.hints_addr() == "127.0.0.1"
+    monkeypatch.setenv("STRATAGEM_HINTS_PORT", "0")
+    assert env.hints_port() == 0
+
+
+def test_every_name_has_a_documented_accessor() -> None:
+    """Each variable's name appears in the docstring of a public accessor."""
+    docs = " ".join(f.__doc__ or "" for name, f in vars(env).items()
+                    if callable(f) and not name.startswith("_") and f.__module__ == env.__name__)
+    assert [name for name in ALL if name not in docs] == []
+
+
+def test_the_reference_page_lists_every_accessor() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "reference"
+            / "environment.md").read_text()
+    accessors = [name for name, f in vars(env).items() if callable(f)
+                 and not name.startswith("_") and getattr(f, "__module__", "") == env.__name__]
+    assert accessors and [a for a in accessors if f"`env.{a}()`" not in page] == []
