@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # dotted module names below ``stratagem`` (a package covers its submodules).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "env", "safeload"),
-    ("process_group", "resource", "checkpoint"),
+    ("process_group", "resource", "checkpoint", "observe"),
     ("analysis",),
     ("strategy",),
     ("runtime",),
@@ -27,7 +27,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("sched",),
     ("autodist",),
     ("adaptdl",),
-    ("plan_command", "cli", "__main__", ""),  # "": the package's own __init__ (public API)
+    # "": the package's own __init__ (public API)
+    ("plan_command", "report_command", "cli", "__main__", ""),
 )
 ENV_NAME = re.compile(r"(STRATAGEM|ADAPTDL)_[A-Z0-9_]+")
 

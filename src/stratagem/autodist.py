@@ -7,6 +7,7 @@ for this rank and wraps the model. With one process it does no communication at 
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import warnings
@@ -20,10 +21,12 @@ from torch import nn
 
 from stratagem import checkpoint, elastic, env
 from stratagem.adapt.loop import AdaptiveTrainer, TrainerConfig
+from stratagem.adapt.step_metrics import StepRecorder
 from stratagem.analysis import ModelProfile, analyze
 from stratagem.data import DistributedDataLoader
 from stratagem.errors import StratagemError, install_excepthook
 from stratagem.launch.env import nproc_override
+from stratagem.observe import MetricsFile, ProgressDisplay
 from stratagem.process_group import default_backend, init_process_group
 from stratagem.resource import ResourceSpec
 from stratagem.runtime import DistributedModel, compile_plan
@@ -170,7 +173,31 @@ class AutoDist:
 
     def log(self, message: str) -> None:
         if self.verbose and self.rank == 0:
-            print(f"stratagem: {message}", flush=True)
+            recorder = self.adaptive.recorder if self.adaptive is not None else None
+            if recorder is not None:
+                recorder.message(f"stratagem: {message}")  # clears a live progress line
+            else:
+                print(f"stratagem: {message}", flush=True)
+
+    def _recorder(self) -> StepRecorder | None:
+        """Rank 0's metrics file (in ``env.run_dir()``) and progress display."""
+        if self.rank != 0:
+            return None
+        directory = env.run_dir()
+        mode = env.progress() if self.verbose else "off"
+        recorder = StepRecorder(MetricsFile(directory) if directory else None,
+                                ProgressDisplay(mode) if mode != "off" else None)
+        atexit.register(recorder.close)  # the last step's record
+        return recorder
+
+    def log_metrics(self, **values: Any) -> None:
+        """Record the script's own numbers (``loss=...``) with the current step, in the
+        metrics file and the progress line; rank 0's values are kept. Call it right
+        after ``optimizer.step()`` (or before it, for the step about to run)."""
+        if self.adaptive is None:
+            raise StratagemError("log_metrics before distribute()", where="AutoDist",
+                                 fix="call ad.distribute(model, optimizer) first")
+        self.adaptive.log_metrics(**values)
 
     # -- the user API -------------------------------------------------------------------
     @property
@@ -218,7 +245,7 @@ class AutoDist:
                 self.model, optimizer, scaling_rule=scaling_rule, rank=self.rank,
                 world_size=self.world_size, log=self.log,
                 num_nodes=sum(1 for n in self.resource_spec.nodes if n.workers > 0) or 1,
-                config=adaptive or TrainerConfig())
+                config=adaptive or TrainerConfig(), recorder=self._recorder())
         return self.model, optimizer
 
     def _servers_for(self, strategy: Strategy) -> list[str]:

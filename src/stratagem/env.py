@@ -39,6 +39,8 @@ RESCALE_NPROC = "STRATAGEM_RESCALE_NPROC"
 RESCALE_ID = "STRATAGEM_RESCALE_ID"
 RESCALE_TIMEOUT = "STRATAGEM_RESCALE_TIMEOUT_S"
 RESCALE_TOKEN = "STRATAGEM_RESCALE_TOKEN"
+RUN_DIR = "STRATAGEM_RUN_DIR"
+PROGRESS = "STRATAGEM_PROGRESS"
 
 ADAPTDL_CHECKPOINT_PATH = "ADAPTDL_CHECKPOINT_PATH"
 ADAPTDL_SHARE_PATH = "ADAPTDL_SHARE_PATH"
@@ -140,6 +142,26 @@ def checkpoint_dir() -> Path | None:
     checkpoint directory; None disables checkpoint-restart."""
     value = _first(CHECKPOINT_DIR, ADAPTDL_CHECKPOINT_PATH)
     return Path(value) if value else None
+
+
+def run_dir() -> Path | None:
+    """``STRATAGEM_RUN_DIR``, else the checkpoint directory: where rank 0 writes the run's
+    ``metrics.jsonl`` (read by ``stratagem report``); None: no metrics file."""
+    value = _first(RUN_DIR)
+    return Path(value) if value else checkpoint_dir()
+
+
+PROGRESS_MODES = ("auto", "live", "plain", "off")
+
+
+def progress() -> str:
+    """``STRATAGEM_PROGRESS``: rank 0's progress display: ``auto`` (default: a live line on
+    a terminal, plain periodic lines otherwise), ``live``, ``plain`` or ``off``."""
+    value = (_first(PROGRESS) or "auto").lower()
+    if value not in PROGRESS_MODES:
+        raise StratagemError(f"{PROGRESS}={value!r} is not a progress mode", where=PROGRESS,
+                             fix=f"use one of {', '.join(PROGRESS_MODES)}")
+    return value
 
 
 def hints_file() -> str | None:

@@ -33,13 +33,15 @@ def test_line_is_readable() -> None:
     report = EpochReport(epoch=3, steps=120, global_bsz=384, num_replicas=2, local_bsz=96,
                          accum_steps=1, lr_factor=4.9, gain=4.9, throughput=5200.0,
                          goodput=4300.0, efficiency=0.83, noise_scale=1700.0,
-                         progress=2104.3)
+                         progress=2104.3, adaptive=True)
     line = report.line()
     for part in ("epoch 3", "batch 384 (2 x 96 x 2 accum)", "lr x4.9", "goodput 4.3e+03/s",
                  "efficiency 0.83", "throughput 5.2e+03/s", "noise scale 1.7e+03"):
         assert part in line
     unknown = EpochReport(0, 1, 32, 1, 32, 0, 1.0, 1.0, None, None, None, None, 1.0)
-    assert "goodput ?/s" in unknown.line() and "efficiency ?" in unknown.line()
+    assert "?" not in unknown.line() and "goodput" not in unknown.line()
+    fixed = EpochReport(0, 1, 32, 1, 32, 0, 1.0, 1.0, 900.0, 800.0, 0.9, 50.0, 1.0)
+    assert "goodput" not in fixed.line() and "efficiency" not in fixed.line()
 
 
 def test_epoch_line_and_tensorboard(capsys: pytest.CaptureFixture[str]) -> None:

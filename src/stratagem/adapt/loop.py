@@ -13,7 +13,9 @@ and wraps ``optimizer.step``/``zero_grad`` (the script keeps calling them as usu
 * every few steps (and when a loader iteration starts: epochs, restarts) rank 0 refits the
   throughput model, picks the goodput-optimal configuration with hysteresis and broadcasts
   it; the loader switches from the next global batch on;
-* rank 0 prints one line per epoch and publishes scheduling hints.
+* rank 0 records every step (:mod:`stratagem.adapt.step_metrics`: the metrics file and
+  the progress display), prints one summary line per epoch for adaptive jobs and publishes
+  scheduling hints.
 
 Everything adaptive is job state (``adapt``, JSON), so a checkpoint-restart keeps it.
 """
@@ -49,6 +51,7 @@ from stratagem.adapt.scaling_rules import (
     default_rule_for,
     scaled_lr,
 )
+from stratagem.adapt.step_metrics import StepRecorder, finite
 from stratagem.adapt.step_profiler import StepProfiler
 from stratagem.data import DistributedDataLoader, GlobalBatch, split_evenly
 from stratagem.elastic import (
@@ -60,6 +63,7 @@ from stratagem.elastic import (
     unique_name,
 )
 from stratagem.errors import StratagemError
+from stratagem.observe import ProgressFields
 
 MIN_INTERVAL = 10  # steps between batch-size decisions, at least
 MAX_INTERVAL = 1000
@@ -127,7 +131,8 @@ class AdaptiveTrainer:
                  scaling_rule: ScalingRule | None = None, rank: int = 0, world_size: int = 1,
                  num_nodes: int = 1, log: Callable[[str], None] | None = None,
                  config: TrainerConfig | None = None,
-                 hints: HintsPublisher | None = None) -> None:
+                 hints: HintsPublisher | None = None,
+                 recorder: StepRecorder | None = None) -> None:
         config = config if config is not None else TrainerConfig()
         self.config = config
         self.model = model
@@ -143,6 +148,8 @@ class AdaptiveTrainer:
         self.smoothing = config.smoothing
         self.precond_every = config.precond_every
         self._hints = hints
+        self.recorder = recorder if rank == 0 else None  # per-step metrics and progress
+        self._comm_seen: dict[str, float] = {}
         self.profiler = StepProfiler()
         self.loader: DistributedDataLoader | None = None
         self.base_batch_size: int | None = None
@@ -168,6 +175,8 @@ class AdaptiveTrainer:
         self._clock = StepClock()
         self._collecting = False
         self._epoch = EpochTally()
+        self._epoch_steps: int | None = None  # optimizer steps in this epoch, when planned
+        self._plan_seen: Any = None
         self._pending_state: dict[str, Any] | None = None
         self._factor_key: tuple[float, int] | None = None
         self._factor_value: tuple[np.ndarray, float] = (np.ones(1), 1.0)
@@ -238,7 +247,70 @@ class AdaptiveTrainer:
         self._epoch.samples += size
         if self.autoscaler is not None and self.steps >= self.next_decision:
             self._decide()
+        if self.recorder is not None:
+            self._record(size)
         return loss
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether batch size and LR adapt (autoscaling on), so adaptive fields mean
+        something."""
+        return self.autoscaler is not None
+
+    def _comm_delta(self) -> dict[str, float]:
+        """This rank's communication since the last step, by synchronizer kind."""
+        stats = getattr(self.model, "comm_stats", None)
+        if stats is None:
+            return {}
+        now = {"allreduce_bytes": float(stats.wire_bytes), "ps_push_bytes":
+               float(stats.push_bytes), "ps_pull_bytes": float(stats.pull_bytes),
+               "comm_wait_s": float(stats.wait_seconds)}
+        seen = self._comm_seen
+        # Counters restart when the model is rebuilt (rescale): count from zero then.
+        delta = {k: v - seen.get(k, 0.0) if v >= seen.get(k, 0.0) else v
+                 for k, v in now.items()}
+        self._comm_seen = now
+        return delta
+
+    def _record(self, size: int) -> None:
+        """Rank 0: this step's metrics record and progress line."""
+        record: dict[str, Any] = {
+            "step": self.steps, "epoch": self.loader.epoch if self.loader else 0,
+            "batch_size": size, "replicas": self.world_size, "lr_factor": self.lr_factor,
+            "adaptive": self.adaptive, **self._comm_delta()}
+        if self.gns is not None and self.gns.ready:
+            record["noise_scale"] = finite(self.gns.noise_scale)
+        if self.adaptive:
+            config = self.current_config()
+            record.update(local_bsz=config.local_bsz, accum_steps=config.accum_steps,
+                          gain=self.gain)
+            if self.gns is not None and self.gns.ready:  # statistical efficiency at this size
+                record["efficiency"] = finite(float(self.gns.efficiency(size)))
+            if self.choice is not None:
+                record["predicted_goodput"] = finite(self.choice.goodput)
+        self.recorder.step(record, size)
+        self.recorder.show(self._progress_fields())
+
+    def _progress_fields(self) -> ProgressFields:
+        tally = self._epoch
+        elapsed = time.perf_counter() - tally.started if tally.started else 0.0
+        adaptive = self.adaptive
+        config = self.current_config() if adaptive else None
+        return ProgressFields(
+            epoch=self.loader.epoch if self.loader else 0, step=tally.steps,
+            steps=self._epoch_steps,
+            samples_per_s=tally.samples / elapsed if elapsed > 0 else None,
+            loss=self.recorder.loss if self.recorder is not None else None,
+            batch_size=config.global_bsz if config else None,
+            replicas=self.world_size if adaptive else None,
+            local_bsz=config.local_bsz if config else None,
+            efficiency=(float(self.gns.efficiency(config.global_bsz))
+                        if config and self.gns is not None and self.gns.ready else None))
+
+    def log_metrics(self, **values: Any) -> None:
+        """The script's own values for the current step (rank 0's are recorded)."""
+        if self.recorder is not None:
+            self.recorder.log(values)
 
     def _factors(self, scale: float) -> tuple[np.ndarray, float]:
         """LR factors and gain at ``scale``; cached while the statistics are unchanged
@@ -336,6 +408,8 @@ class AdaptiveTrainer:
         self._clock.last_end = None  # (re)planned: the first step's loading is not typical
         if self._epoch.started is None:
             self._epoch = EpochTally(started=time.perf_counter())
+        if self.recorder is not None:
+            self.recorder.begin_epoch()
         # Decide when a loader iteration starts (epochs, restarts) if this process has not
         # decided yet or a decision is due; otherwise the interval keeps its budget.
         if self.autoscaler is not None and (not self._decided
@@ -348,6 +422,10 @@ class AdaptiveTrainer:
             yield
             return
         if info.micro == 0:
+            plan = getattr(loader.sampler, "batches", None)
+            if plan is not None and plan is not self._plan_seen:  # (re)planned epoch
+                self._plan_seen = plan
+                self._epoch_steps = self._epoch.steps + sum(1 for b in plan if b.final)
             # A step runs from the end of the previous one (loading its data included).
             clock = self._clock
             clock.started = (clock.last_end if clock.last_end is not None
@@ -397,12 +475,16 @@ class AdaptiveTrainer:
         if self.stats is not None:
             self.stats.flush()
         report = self.report()
+        if self.recorder is not None and report is not None:
+            self.recorder.show(self._progress_fields(), end_of_epoch=True)
+            self.recorder.flush()
         self._epoch.started = None
         if report is None:
             return
         self.last_report = report
         if self.rank == 0:
-            self.log(report.line())
+            if self.adaptive:
+                self.log(report.line())
             self.publish()
 
     # -- decisions ------------------------------------------------------------------------
@@ -495,7 +577,7 @@ class AdaptiveTrainer:
             throughput=tally.samples / elapsed if elapsed > 0 else None,
             goodput=now.goodput if now else None, efficiency=now.efficiency if now else None,
             noise_scale=self.gns.noise_scale if self.gns is not None else None,
-            progress=self.tracker.progress)
+            progress=self.tracker.progress, adaptive=self.adaptive)
 
     def to_tensorboard(self, loader: DistributedDataLoader, writer: Any, global_step: int,
                        tag_prefix: str = "") -> None:

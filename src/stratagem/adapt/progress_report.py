@@ -7,10 +7,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 
-def _num(value: float | None, fmt: str = ".3g") -> str:
-    if value is None or not math.isfinite(value):
-        return "?"
-    return format(value, fmt)
+def _known(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -19,7 +17,9 @@ class EpochReport:
 
     ``throughput``: measured samples per second over the epoch's steps; ``goodput`` and
     ``efficiency``: predicted by the model for the configuration now running (None before
-    there is a model); ``lr_factor``: mean LR multiplier of the last step.
+    there is a model); ``lr_factor``: mean LR multiplier of the last step; ``adaptive``:
+    whether the batch size adapts (otherwise the line leaves out goodput and efficiency).
+    ``epoch`` is the script's own (0-based) epoch number.
     """
 
     epoch: int
@@ -35,22 +35,33 @@ class EpochReport:
     efficiency: float | None
     noise_scale: float | None
     progress: float
+    adaptive: bool = False
 
     def line(self) -> str:
+        """One line; a value not known yet is left out (never shown as "?")."""
         micro = f"{self.num_replicas} x {self.local_bsz}"
         if self.accum_steps:
             micro += f" x {self.accum_steps + 1} accum"
-        return (f"epoch {self.epoch}: batch {self.global_bsz} ({micro}), "
-                f"lr x{_num(self.lr_factor)} (gain {_num(self.gain)}), "
-                f"throughput {_num(self.throughput)}/s, goodput {_num(self.goodput)}/s, "
-                f"efficiency {_num(self.efficiency, '.2f')}, "
-                f"noise scale {_num(self.noise_scale)}, {self.steps} steps, "
-                f"progress {_num(self.progress, '.1f')} base iterations")
+        parts = [f"epoch {self.epoch}: batch {self.global_bsz} ({micro})",
+                 f"lr x{self.lr_factor:.3g} (gain {self.gain:.3g})"]
+        if _known(self.throughput):
+            parts.append(f"throughput {self.throughput:.3g}/s")
+        if self.adaptive:
+            if _known(self.goodput):
+                parts.append(f"goodput {self.goodput:.3g}/s")
+            if _known(self.efficiency):
+                parts.append(f"efficiency {self.efficiency:.2f}")
+        if _known(self.noise_scale):
+            parts.append(f"noise scale {self.noise_scale:.3g}")
+        parts.append(f"{self.steps} steps")
+        parts.append(f"progress {self.progress:.1f} base iterations")
+        return ", ".join(parts)
 
     def scalars(self) -> dict[str, float]:
         """Numeric fields for logging (None and non-finite values left out)."""
         return {k: float(v) for k, v in asdict(self).items()
-                if isinstance(v, (int, float)) and math.isfinite(float(v)) and k != "epoch"}
+                if isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(float(v)) and k != "epoch"}
 
 
 TB_TAGS = {

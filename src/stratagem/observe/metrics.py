@@ -1,0 +1,83 @@
+"""The run's metrics file: JSON lines, one object per optimizer step (schema in
+docs/reference/metrics.md), appended by rank 0 and read by ``stratagem report``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import IO, Any
+
+from stratagem.errors import StratagemError
+
+METRICS_FILE = "metrics.jsonl"
+MAX_LINE = 1 << 16  # a longer line is not ours: refuse rather than hold it in memory
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe: non-finite floats become None, numpy/torch scalars plain numbers."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return number if math.isfinite(number) else None
+
+
+class MetricsFile:
+    """Appends records to ``directory/metrics.jsonl`` (created on the first write), one
+    flushed line each, so a crashed run keeps every step it finished."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / METRICS_FILE
+        self._fh: IO[str] | None = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open
+        self._fh.write(json.dumps(_clean(record), separators=(",", ":")) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file (or of ``path/metrics.jsonl`` for a run directory).
+
+    A torn last line (a run killed mid-write) is skipped; any other bad line is an error."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise StratagemError(f"no metrics file at {path}", where=str(path),
+                             fix="give the run directory (STRATAGEM_RUN_DIR or the checkpoint "
+                                 "directory) of a run that took at least one step")
+    records: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as fh:
+        lines = fh.read().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            if len(line) > MAX_LINE:
+                raise ValueError("line too long")
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            if number == len(lines):
+                break  # torn last line
+            raise StratagemError(f"line {number} is not a metrics record ({exc})",
+                                 where=str(path), fix="is this a Stratagem metrics file?"
+                                 ) from None
+        records.append(record)
+    return records
