@@ -275,7 +275,8 @@ class AdaptiveTrainer:
     def _record(self, size: int) -> None:
         """Rank 0: this step's metrics record and progress line."""
         record: dict[str, Any] = {
-            "step": self.steps, "epoch": self.loader.epoch if self.loader else 0,
+            "step": self.steps,
+            "epoch": self.loader.epoch if self.loader is not None else 0,
             "batch_size": size, "replicas": self.world_size, "lr_factor": self.lr_factor,
             "adaptive": self.adaptive, **self._comm_delta()}
         if self.gns is not None and self.gns.ready:
@@ -297,7 +298,8 @@ class AdaptiveTrainer:
         adaptive = self.adaptive
         config = self.current_config() if adaptive else None
         return ProgressFields(
-            epoch=self.loader.epoch if self.loader else 0, step=tally.steps,
+            # (``is not None``: an exhausted loader has length 0, hence is falsy)
+            epoch=self.loader.epoch if self.loader is not None else 0, step=tally.steps,
             steps=self._epoch_steps,
             samples_per_s=tally.samples / elapsed if elapsed > 0 else None,
             loss=self.recorder.loss if self.recorder is not None else None,
@@ -311,6 +313,8 @@ class AdaptiveTrainer:
         """The script's own values for the current step (rank 0's are recorded)."""
         if self.recorder is not None:
             self.recorder.log(values)
+            if self.loader is not None and self._epoch.started is not None:
+                self.recorder.show(self._progress_fields())
 
     def _factors(self, scale: float) -> tuple[np.ndarray, float]:
         """LR factors and gain at ``scale``; cached while the statistics are unchanged
