@@ -86,12 +86,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- report ---------------------------------------------------------------------------------
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report", help="plot a run's metrics file (PNG) and write an HTML summary page",
+        description="Read RUN_DIR/metrics.jsonl (written by rank 0 of every run with a run "
+                    "directory) and render loss and throughput, batch size and LR factor, "
+                    "efficiency and noise scale, and the communication share of the step.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (or metrics file)")
+    p.add_argument("--out", metavar="DIR", help="where to write (default: RUN_DIR/report)")
+    p.set_defaults(handler=cmd_report, parser=p)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from stratagem.report_command import render
+
+    print(render(args.run_dir, args.out))
+    return 0
+
+
 # -- simulate (parser and handler in stratagem.sched.cli) -----------------------------------
 from stratagem.sched.cli import add_simulate_parser  # noqa: E402 - light: imports on use
 
 # -- dispatcher -----------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_run_parser,
                                                                    add_plan_parser,
+                                                                   add_report_parser,
                                                                    add_simulate_parser]
 
 

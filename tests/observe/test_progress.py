@@ -61,6 +61,12 @@ def test_pipe_gets_plain_lines_without_control_characters(tmp_path: Path) -> Non
     for epoch in (0, 1):
         done = lines.index(f"script epoch {epoch} done")
         assert lines[done - 1].startswith(f"epoch {epoch} step 3/3")
+    # the same run's metrics file renders (plots from a real run, not a hand-written file)
+    pytest.importorskip("matplotlib")
+    from stratagem.report_command import PLOTS, render
+
+    render(tmp_path)
+    assert all((tmp_path / "report" / f"{p}.png").stat().st_size > 5000 for p in PLOTS)
 
 
 def test_terminal_gets_a_live_line(tmp_path: Path) -> None:

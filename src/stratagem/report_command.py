@@ -1,0 +1,138 @@
+"""``stratagem report RUN_DIR``: PNG plots and an HTML summary page from a run's metrics
+file (docs/reference/metrics.md), so a run can be looked at rather than read."""
+
+from __future__ import annotations
+
+import html
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from stratagem.errors import StratagemError
+from stratagem.observe import read_metrics
+
+PLOTS = ("loss_throughput", "batch_lr", "efficiency_noise", "communication")
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(elapsed seconds, values) of the records that have a finite ``key``."""
+    xs, ys = [], []
+    for r in records:
+        value = r.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(value):
+            xs.append(float(r.get("elapsed_s", r.get("step", 0))))
+            ys.append(float(value))
+    return xs, ys
+
+
+def _smooth(values: list[float], window: int = 9) -> list[float]:
+    """Running median (step throughput is noisy; the median keeps its level)."""
+    half = window // 2
+    return [statistics.median(values[max(0, i - half):i + half + 1])
+            for i in range(len(values))]
+
+
+def _comm_share(records: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        step, wait = r.get("step_time_s"), r.get("comm_wait_s")
+        if isinstance(step, (int, float)) and isinstance(wait, (int, float)) and step > 0:
+            xs.append(float(r.get("elapsed_s", 0.0)))
+            ys.append(100.0 * min(max(wait / step, 0.0), 1.0))
+    return xs, ys
+
+
+def _twin(ax: Any, left: tuple[list[float], list[float]], right: tuple[list[float],
+          list[float]], labels: tuple[str, str], title: str,
+          smooth_left: bool = False) -> bool:
+    """Two series on one time axis (left and right scales); False when both are empty."""
+    drew = False
+    if left[0]:
+        if smooth_left and len(left[1]) > 9:  # raw values faint, running median bold
+            ax.plot(*left, color="tab:blue", alpha=0.25, linewidth=0.8)
+            ax.plot(left[0], _smooth(left[1]), color="tab:blue", label=labels[0])
+        else:
+            ax.plot(*left, color="tab:blue", label=labels[0], drawstyle="steps-post")
+        ax.set_ylabel(labels[0], color="tab:blue")
+        drew = True
+    else:
+        ax.text(0.5, 0.5, f"no {labels[0]} recorded", transform=ax.transAxes,
+                ha="center", color="gray")
+    if right[0]:
+        other = ax.twinx()
+        other.plot(*right, color="tab:orange", label=labels[1], linestyle="--",
+                   drawstyle="steps-post")
+        other.set_ylabel(labels[1], color="tab:orange")
+        drew = True
+    ax.set_xlabel("seconds since start")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    return drew
+
+
+def render(run_dir: Path, out: Path | None = None) -> Path:
+    """Write the plots and ``report.html`` to ``out`` (default ``RUN_DIR/report``); returns
+    the HTML page's path."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise StratagemError("stratagem report needs matplotlib", where="stratagem report",
+                             fix="pip install 'stratagem[plot]'") from None
+    records = read_metrics(Path(run_dir))
+    if not records:
+        raise StratagemError("the metrics file has no steps", where=str(run_dir),
+                             fix="report a run that took at least one optimizer step")
+    base = Path(run_dir) if Path(run_dir).is_dir() else Path(run_dir).parent
+    out = Path(out) if out is not None else base / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    xs, rate = _series(records, "samples_per_s")
+    panels = {
+        "loss_throughput": (_series(records, "loss"), (xs, _smooth(rate)),
+                            ("loss (running median of 9)", "samples/s (running median)"),
+                            "Loss and throughput"),
+        "batch_lr": (_series(records, "batch_size"), _series(records, "lr_factor"),
+                     ("global batch size", "LR factor"), "Batch size and learning rate"),
+        "efficiency_noise": (_series(records, "efficiency"), _series(records, "noise_scale"),
+                             ("statistical efficiency", "gradient noise scale"),
+                             "Efficiency and noise scale"),
+        "communication": (_comm_share(records), _series(records, "allreduce_bytes"),
+                          ("communication wait, % of step", "all-reduce bytes per step"),
+                          "Communication share of the step"),
+    }
+    for name, (left, right, labels, title) in panels.items():
+        fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+        _twin(ax, left, right, labels, title, smooth_left=name == "loss_throughput")
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png")
+        plt.close(fig)
+    page = out / "report.html"
+    page.write_text(_html(run_dir, records), encoding="utf-8")
+    return page
+
+
+def _html(run_dir: Path, records: list[dict[str, Any]]) -> str:
+    last = records[-1]
+    _, rate = _series(records, "samples_per_s")
+    losses = _series(records, "loss")[1]
+    rows = [("steps", str(last.get("step", len(records)))),
+            ("epochs", str(int(last.get("epoch", 0)) + 1)),
+            ("wall time", f"{float(last.get('elapsed_s', 0.0)):.1f} s"),
+            ("median samples/s", f"{statistics.median(rate):.4g}" if rate else "-"),
+            ("replicas", str(last.get("replicas", "-"))),
+            ("final batch size", str(last.get("batch_size", "-"))),
+            ("adaptive", "yes" if last.get("adaptive") else "no")]
+    if losses:
+        rows.append(("loss first / last", f"{losses[0]:.4g} / {losses[-1]:.4g}"))
+    table = "\n".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                      for k, v in rows)
+    images = "\n".join(f'<figure><img src="{name}.png" alt="{name}"></figure>'
+                       for name in PLOTS)
+    return (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>Stratagem run "
+            f"{html.escape(str(run_dir))}</title><style>body{{font-family:sans-serif;"
+            f"margin:2em}}th{{text-align:left;padding-right:1em}}img{{max-width:100%}}"
+            f"</style></head><body>\n<h1>Run {html.escape(str(run_dir))}</h1>\n"
+            f"<table>\n{table}\n</table>\n{images}\n</body></html>\n")

@@ -1,0 +1,72 @@
+"""``stratagem report``: the plots exist, are PNGs and show the data; the HTML page links
+them and summarises the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+import matplotlib.image as mpimg  # noqa: E402
+
+from stratagem.cli import main  # noqa: E402
+from stratagem.report_command import PLOTS, render  # noqa: E402
+
+BLUE = np.array([0x1F, 0x77, 0xB4]) / 255  # tab:blue, the left series
+ORANGE = np.array([0xFF, 0x7F, 0x0E]) / 255  # tab:orange, the right series
+
+
+def _pixels_of(png: Path, colour: np.ndarray) -> int:
+    image = mpimg.imread(png)[..., :3]
+    return int((np.abs(image - colour).max(axis=-1) < 0.02).sum())
+
+
+def _write_run(directory: Path, steps: int = 40) -> None:
+    directory.mkdir(parents=True)
+    with open(directory / "metrics.jsonl", "w") as fh:
+        for i in range(1, steps + 1):
+            batch = 32 if i <= steps // 2 else 64
+            fh.write(json.dumps({
+                "step": i, "epoch": (i - 1) // 10, "elapsed_s": 0.1 * i, "time": 1e9 + i,
+                "batch_size": batch, "replicas": 2, "lr_factor": batch / 32,
+                "adaptive": True, "loss": 10.0 / i, "samples_per_s": 1000.0 + i,
+                "step_time_s": 0.05, "comm_wait_s": 0.01, "allreduce_bytes": 4096.0,
+                "efficiency": 1.0 if batch == 32 else 0.8, "noise_scale": 100.0}) + "\n")
+
+
+def test_plots_and_page_from_a_known_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _write_run(run)
+    page = render(run)
+    assert page == run / "report" / "report.html"
+    for name in PLOTS:
+        png = run / "report" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        # Both series were drawn: pixels of each line's colour (not just axes and text).
+        assert _pixels_of(png, BLUE) > 100, name
+        assert _pixels_of(png, ORANGE) > 100, name
+    text = page.read_text()
+    assert all(f'src="{name}.png"' in text for name in PLOTS)
+    assert "<td>40</td>" in text and "10 / 0.25" in text and "<td>4</td>" in text
+
+
+def test_a_run_without_loss_says_so_instead_of_drawing(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps(
+        {"step": 1, "elapsed_s": 0.1, "batch_size": 8, "lr_factor": 1.0}) + "\n")
+    render(run)
+    assert _pixels_of(run / "report" / "loss_throughput.png", BLUE) == 0
+
+
+def test_cli_report_and_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                    ) -> None:
+    run = tmp_path / "run"
+    _write_run(run, steps=5)
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report.html").is_file()
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "no metrics file" in capsys.readouterr().err
