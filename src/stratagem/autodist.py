@@ -26,7 +26,7 @@ from stratagem.analysis import ModelProfile, analyze
 from stratagem.data import DistributedDataLoader
 from stratagem.errors import StratagemError, install_excepthook
 from stratagem.launch.env import nproc_override
-from stratagem.observe import MetricsFile, ProgressDisplay
+from stratagem.observe import MetricsFile, ProgressDisplay, logger
 from stratagem.process_group import default_backend, init_process_group
 from stratagem.resource import ResourceSpec
 from stratagem.runtime import DistributedModel, compile_plan
@@ -174,10 +174,9 @@ class AutoDist:
     def log(self, message: str) -> None:
         if self.verbose and self.rank == 0:
             recorder = self.adaptive.recorder if self.adaptive is not None else None
-            if recorder is not None:
-                recorder.message(f"stratagem: {message}")  # clears a live progress line
-            else:
-                print(f"stratagem: {message}", flush=True)
+            if recorder is not None and recorder.progress is not None:
+                recorder.progress.clear()  # the message starts on a clean line
+            logger().info(message)
 
     def _recorder(self) -> StepRecorder | None:
         """Rank 0's metrics file (in ``env.run_dir()``) and progress display."""

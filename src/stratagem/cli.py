@@ -43,6 +43,17 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
                         "default: random)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan and each node's command, start nothing")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="where rank 0 writes metrics.jsonl (default: STRATAGEM_RUN_DIR, the "
+                        "checkpoint directory, else $TMPDIR/stratagem-runs/JOB_ID)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="write each rank's stdout/stderr to DIR/rank<R>.{stdout,stderr}.log; "
+                        "the console then shows rank 0's only")
+    level = p.add_mutually_exclusive_group()
+    level.add_argument("-q", "--quiet", action="store_true",
+                       help="only warnings and errors from Stratagem (STRATAGEM_LOG_LEVEL)")
+    level.add_argument("-v", "--verbose", action="store_true",
+                       help="Stratagem's debug messages too")
     p.add_argument("script", nargs="?", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments for the script")
@@ -58,7 +69,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         script=args.script, script_args=tuple(args.script_args),
         resource_spec=args.resource_spec, nproc=args.nproc, strategy=args.strategy,
         remote_shell=args.remote_shell, rdzv_port=args.rdzv_port, job_id=args.job_id,
-        dry_run=args.dry_run))
+        dry_run=args.dry_run, run_dir=args.run_dir, log_dir=args.log_dir,
+        log_level="WARNING" if args.quiet else "DEBUG" if args.verbose else None))
 
 
 # -- plan -----------------------------------------------------------------------------------

@@ -40,6 +40,8 @@ RESCALE_ID = "STRATAGEM_RESCALE_ID"
 RESCALE_TIMEOUT = "STRATAGEM_RESCALE_TIMEOUT_S"
 RESCALE_TOKEN = "STRATAGEM_RESCALE_TOKEN"
 RUN_DIR = "STRATAGEM_RUN_DIR"
+LOG_DIR = "STRATAGEM_LOG_DIR"
+LOG_LEVEL = "STRATAGEM_LOG_LEVEL"
 PROGRESS = "STRATAGEM_PROGRESS"
 
 ADAPTDL_CHECKPOINT_PATH = "ADAPTDL_CHECKPOINT_PATH"
@@ -149,6 +151,28 @@ def run_dir() -> Path | None:
     ``metrics.jsonl`` (read by ``stratagem report``); None: no metrics file."""
     value = _first(RUN_DIR)
     return Path(value) if value else checkpoint_dir()
+
+
+def log_dir() -> Path | None:
+    """``STRATAGEM_LOG_DIR`` (``stratagem run --log-dir``): each worker writes its stdout and
+    stderr to ``rank<R>.stdout.log``/``rank<R>.stderr.log`` there; only rank 0 also writes
+    to the console."""
+    value = _first(LOG_DIR)
+    return Path(value) if value else None
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def log_level() -> str:
+    """``STRATAGEM_LOG_LEVEL``: the ``stratagem`` logger's level, one of DEBUG, INFO
+    (default), WARNING, ERROR (``stratagem run -v``/``-q`` set DEBUG/WARNING);
+    ``STRATAGEM_VERBOSE=0`` without it means WARNING."""
+    value = (_first(LOG_LEVEL) or ("INFO" if verbose() else "WARNING")).upper()
+    if value not in LOG_LEVELS:
+        raise StratagemError(f"{LOG_LEVEL}={value!r} is not a log level", where=LOG_LEVEL,
+                             fix=f"use one of {', '.join(LOG_LEVELS)}")
+    return value
 
 
 PROGRESS_MODES = ("auto", "live", "plain", "off")

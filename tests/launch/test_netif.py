@@ -61,9 +61,11 @@ def test_worker_writes_error_file_and_agent_reads_it(
     with pytest.raises(SystemExit) as exc:
         worker.main([str(train), "--x"])
     assert exc.value.code == 1
-    printed = capsys.readouterr().err
-    assert "ValueError: bad lr" in printed and "runpy" not in printed  # user frames only
+    # The traceback is in the error file only: the launcher prints it, once (issue 16).
+    assert "bad lr" not in capsys.readouterr().err
     data = json.loads(err_file.read_text())
+    callstack = data["message"]["extraInfo"]["py_callstack"]
+    assert "ValueError: bad lr" in callstack and "runpy" not in callstack  # user frames only
     assert data["message"]["message"] == "ValueError: bad lr"
     assert int(data["message"]["extraInfo"]["timestamp"]) > 0  # torch elastic's format
     (tmp_path / "agent-error.json").write_text(err_file.read_text())  # torchrun's copy

@@ -85,13 +85,6 @@ class StepRecorder:
         else:
             self.progress.update(fields)
 
-    def message(self, text: str) -> None:
-        """Say ``text`` on its own line (clears a live progress line first)."""
-        if self.progress is not None:
-            self.progress.message(text)
-        else:
-            print(text, flush=True)
-
     def flush(self) -> None:
         """Write the held record (end of an epoch, of the run)."""
         if self._held is not None and self.metrics is not None:

@@ -210,9 +210,11 @@ def read_key(fd: int = 0) -> str:
     return key if key.isalnum() and len(key) <= KEY_MAX_BYTES else ""
 
 
-def _run_torchrun(args: list[str], untraced: list[dict[str, Any]]) -> int:
+def _run_torchrun(args: list[str], untraced: list[dict[str, Any]], summary: bool = True
+                  ) -> int:
     """torch.distributed.run's main in this process; its exit status. Failed workers without
-    an error file are appended to ``untraced``."""
+    an error file are appended to ``untraced``. ``summary``: print torch elastic's
+    root-cause table (not when the launcher prints its own summary from our records)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
@@ -221,8 +223,9 @@ def _run_torchrun(args: list[str], untraced: list[dict[str, Any]]) -> int:
     try:
         torchrun_main(args)
         return 0
-    except ChildFailedError as exc:  # torchrun has logged it; print its root-cause table
-        print(exc.format_msg(), file=sys.stderr, flush=True)
+    except ChildFailedError as exc:  # torchrun has logged it
+        if summary:  # its root-cause table; the launcher otherwise shows the traceback once
+            print(exc.format_msg(), file=sys.stderr, flush=True)
         untraced += untraced_failures(exc, stopped.pids)
         return 1
     except SignalException as exc:
@@ -263,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         _set_subreaper()
         if args.watch_stdin:
             threading.Thread(target=_watch_stdin, daemon=True).start()
-        code = _run_torchrun(["--log-dir", os.path.join(workdir, "logs"), *torchrun], untraced)
+        code = _run_torchrun(["--log-dir", os.path.join(workdir, "logs"), *torchrun], untraced,
+                             summary=not key)
     except _Stopped as exc:
         code = 128 + exc.signum
     finally:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 
 from stratagem import env
 from stratagem.errors import LaunchError
@@ -64,6 +66,27 @@ def job_env(job_id: str, node: Node, spec_path: str | None, strategy: str | None
         out["OMP_NUM_THREADS"] = inherited["OMP_NUM_THREADS"]
     else:
         out["OMP_NUM_THREADS"] = str(max(1, len(node.cpus) // max(1, node.workers)))
+    return out
+
+
+def observe_env(job_id: str, run_dir: str | None, log_dir: str | None,
+                log_level: str | None, inherited: Mapping[str, str] | None = None
+                ) -> dict[str, str]:
+    """Where the workers record metrics and logs (absolute paths), and their log level.
+
+    Without ``--run-dir`` the job records into ``$TMPDIR/stratagem-runs/JOB_ID`` unless the
+    launcher's environment already names a run or checkpoint directory (then that one)."""
+    inherited = os.environ if inherited is None else inherited
+    out: dict[str, str] = {}
+    if run_dir:
+        out[env.RUN_DIR] = str(Path(run_dir).resolve())
+    elif not (inherited.get(env.RUN_DIR) or inherited.get(env.CHECKPOINT_DIR)
+              or inherited.get(env.ADAPTDL_CHECKPOINT_PATH)):
+        out[env.RUN_DIR] = str(Path(tempfile.gettempdir()) / "stratagem-runs" / job_id)
+    if log_dir:
+        out[env.LOG_DIR] = str(Path(log_dir).resolve())
+    if log_level:
+        out[env.LOG_LEVEL] = log_level
     return out
 
 

@@ -26,6 +26,9 @@ class JobOptions:
     rdzv_port: int | None = None
     job_id: str | None = None
     dry_run: bool = False
+    run_dir: str | None = None  # metrics file (default: a per-job directory under $TMPDIR)
+    log_dir: str | None = None  # per-rank stdout/stderr files
+    log_level: str | None = None  # the workers' STRATAGEM_LOG_LEVEL
 
 
 @dataclass(frozen=True)

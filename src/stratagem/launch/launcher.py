@@ -76,6 +76,9 @@ def run_job(opts: JobOptions) -> int:
     plan = plan_job(opts)
     sup = Supervisor(plan)
     sup.say(plan.describe())
+    where = plan.agents[0].env.get(env.RUN_DIR) if plan.agents else None
+    if where:
+        sup.say(f"metrics: {where}/metrics.jsonl (plots: stratagem report {where})")
     if opts.dry_run:
         for agent in plan.agents:
             print(f"node {agent.index}: {agent.command_line()}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from stratagem.launch.env import ENV_ROLE, job_env
+from stratagem.launch.env import ENV_ROLE, job_env, observe_env
 from stratagem.launch.job import (
     DEFAULT_RDZV_PORT,
     AgentLaunch,
@@ -53,7 +53,8 @@ def plan_multinode(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path:
         torchrun = torchrun_args(nnodes=len(started), nproc=node.workers or 1,
                                  endpoint=endpoint, job_id=job_id, local_addr=node.address,
                                  is_host=node is host)
-        env = {**job_env(job_id, node, spec_path, strategy), **ssh.shared_envs}
+        env = {**job_env(job_id, node, spec_path, strategy), **ssh.shared_envs,
+               **observe_env(job_id, opts.run_dir, opts.log_dir, opts.log_level)}
         if node.workers == 0:
             env[ENV_ROLE] = "server"
         here = host_is_here if node is host else is_local_address(node.address)

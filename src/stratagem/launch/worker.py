@@ -3,8 +3,10 @@
 Runs the training script as ``__main__`` (like ``python SCRIPT``). If it raises, writes a torch
 elastic error file (``TORCHELASTIC_ERROR_FILE``, same format as ``@record``, plus the rank and a
 precise timestamp so the launcher can tell the first failure from its echoes), prints the
-traceback without this wrapper's frames and exits 1 (130 on KeyboardInterrupt). stdout and
-stderr are line-buffered.
+traceback without this wrapper's frames and exits 1 (130 on KeyboardInterrupt). The traceback
+goes to the console only when no error file could be written: otherwise the launcher's failure
+summary shows it, once. stdout and stderr are line-buffered; under ``--log-dir``
+(``STRATAGEM_LOG_DIR``) they also go to per-rank files (:func:`redirect_to_log_dir`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from types import TracebackType
 
 from stratagem import env
 from stratagem.errors import install_excepthook
+from stratagem.observe import redirect_to_log_dir
 
 
 def error_record(exc: BaseException, tb: TracebackType | None) -> dict:
@@ -43,15 +46,19 @@ def error_record(exc: BaseException, tb: TracebackType | None) -> dict:
     }
 
 
-def _write_error_file(exc: BaseException, tb: TracebackType | None) -> None:
+def _write_error_file(exc: BaseException, tb: TracebackType | None) -> bool:
+    """Whether the error file was written (then the agent or launcher shows the traceback,
+    once, and this worker need not print it too)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     try:
         with open(path, "w") as fp:
             json.dump(error_record(exc, tb), fp)
     except OSError as err:
         print(f"stratagem: could not write error file {path}: {err}", file=sys.stderr)
+        return False
+    return True
 
 
 def _user_frames(tb: TracebackType | None, script: str) -> TracebackType | None:
@@ -78,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [argv[0], *argv[1:]]
     sys.path[0] = os.path.dirname(script)
     _line_buffered()
+    directory = env.log_dir()
+    logs = (redirect_to_log_dir(int(os.environ.get("RANK", "0")), directory)
+            if directory is not None else None)
     install_excepthook()
     try:
         runpy.run_path(argv[0], run_name="__main__")
@@ -88,8 +98,11 @@ def main(argv: list[str] | None = None) -> None:
         _exit_cleanly(0)
     except BaseException as exc:  # noqa: BLE001 - reported, then exit 1 like python does
         tb = _user_frames(exc.__traceback__, script)
-        _write_error_file(exc, tb)
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        if logs is not None:  # the rank's own log file always gets its traceback
+            with open(logs[1], "a", encoding="utf-8") as fh:
+                fh.write("".join(traceback.format_exception(type(exc), exc, tb)))
+        if not _write_error_file(exc, tb) or isinstance(exc, KeyboardInterrupt):
+            sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         sys.exit(130 if isinstance(exc, KeyboardInterrupt) else 1)
     _exit_cleanly(0)
 

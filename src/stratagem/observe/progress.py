@@ -87,11 +87,16 @@ class ProgressDisplay:
             self._print(fields.line())
         self._last = -math.inf
 
-    def message(self, text: str) -> None:
-        """Print ``text`` on its own line without garbling a live line."""
+    def clear(self) -> None:
+        """Erase a live line so that other output starts on a clean line."""
         if self._width:
             self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
             self._width = 0
+
+    def message(self, text: str) -> None:
+        """Print ``text`` on its own line without garbling a live line."""
+        self.clear()
         self._print(text)
 
     def _draw(self, line: str) -> None:
