@@ -8,6 +8,7 @@ Rank 0 publishes one JSON document (schema: ``docs/reference/hints.md``) to
   on ``$STRATAGEM_HINTS_ADDR`` (default 127.0.0.1, this machine only), served by one daemon
   thread (:class:`_HintsServer`: bounded connections, idle timeout, no busy loop when file
   descriptors run out); :meth:`HintsPublisher.close` (also run at interpreter exit) stops it.
+  ``GET /metrics`` serves the same numbers as Prometheus text (:func:`prometheus_text`).
 """
 
 from __future__ import annotations
@@ -99,16 +100,23 @@ class _HintsServer:
         self._listening_again = 0.0  # monotonic time to resume accepting (0: listening)
         self._stop = False
         self._body = b"{}\n"
+        self._metrics = b"\n"
         self._lock = threading.Lock()
         self.accept_errors = 0  # descriptor exhaustion seen (for tests and debugging)
 
-    def set(self, body: bytes) -> None:
+    def set(self, body: bytes, metrics: bytes | None = None) -> None:
         with self._lock:
             self._body = body
+            if metrics is not None:
+                self._metrics = metrics
 
     def body(self) -> bytes:
         with self._lock:
             return self._body
+
+    def metrics(self) -> bytes:
+        with self._lock:
+            return self._metrics
 
     # -- the loop ---------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -185,8 +193,11 @@ class _HintsServer:
         method, path = (line + ["", ""])[:2]
         if method not in ("GET", "HEAD"):
             return _response(405, b"only GET /hints\n", "text/plain")
+        if path.split("?")[0].rstrip("/") == "/metrics":
+            return _response(200, self.metrics(), PROMETHEUS_TYPE,
+                             head_only=method == "HEAD")
         if path.split("?")[0].rstrip("/") not in ("/hints", ""):
-            return _response(404, b"try GET /hints\n", "text/plain")
+            return _response(404, b"try GET /hints or GET /metrics\n", "text/plain")
         body = self.body()
         return _response(200, body, "application/json", head_only=method == "HEAD")
 
@@ -224,6 +235,50 @@ def _response(status: int, body: bytes, kind: str, head_only: bool = False) -> b
             f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\n"
             "Connection: close\r\n\r\n").encode()
     return head if head_only else head + body
+
+
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def prometheus_text(hints: dict[str, Any]) -> str:
+    """The numbers of a hints document as Prometheus gauges (text exposition format 0.0.4),
+    for ``GET /metrics``: allocation, batch, LR factor and gain, noise scale, goodput."""
+    batch = hints.get("batch") or {}
+    current = batch.get("current") or {}
+    goodput = hints.get("goodput") or {}
+    gradient = hints.get("gradient") or {}
+    allocation = hints.get("allocation") or {}
+    gauges = [
+        ("stratagem_replicas", "data-parallel workers", allocation.get("num_replicas")),
+        ("stratagem_nodes", "nodes with workers", allocation.get("num_nodes")),
+        ("stratagem_global_batch_size", "global batch size now",
+         current.get("global_bsz")),
+        ("stratagem_local_batch_size", "per-replica micro-batch now",
+         current.get("local_bsz")),
+        ("stratagem_accumulation_steps", "gradient accumulation steps now",
+         current.get("accum_steps")),
+        ("stratagem_lr_factor", "learning-rate multiplier of the last step",
+         hints.get("lr_factor")),
+        ("stratagem_gain", "AdaScale gain of the last step", hints.get("gain")),
+        ("stratagem_gradient_noise_scale", "gradient noise scale in samples",
+         gradient.get("noise_scale")),
+        ("stratagem_goodput", "predicted goodput of the running configuration",
+         goodput.get("goodput")),
+        ("stratagem_efficiency", "statistical efficiency of the running configuration",
+         goodput.get("efficiency")),
+        ("stratagem_throughput", "predicted samples/s of the running configuration",
+         goodput.get("throughput")),
+        ("stratagem_epoch", "the script's epoch (0-based)", hints.get("epoch")),
+        ("stratagem_hints_time_seconds", "when these numbers were published",
+         hints.get("time")),
+    ]
+    lines = []
+    for name, text, value in gauges:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or value != value or value in (float("inf"), float("-inf")):
+            continue  # unknown yet: no sample rather than a made-up one
+        lines += [f"# HELP {name} {text}", f"# TYPE {name} gauge", f"{name} {float(value)!r}"]
+    return "\n".join(lines) + "\n"
 
 
 class HintsPublisher:
@@ -273,7 +328,8 @@ class HintsPublisher:
         hints = {**hints, "endpoint": self.url}
         self.latest = hints
         if self._server is not None:
-            self._server.set((json.dumps(hints, sort_keys=True) + "\n").encode())
+            self._server.set((json.dumps(hints, sort_keys=True) + "\n").encode(),
+                             prometheus_text(hints).encode())
         if self.path is not None:
             write_json_atomic(self.path, hints)
 
