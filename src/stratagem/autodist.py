@@ -185,9 +185,24 @@ class AutoDist:
         directory = env.run_dir()
         mode = env.progress() if self.verbose else "off"
         recorder = StepRecorder(MetricsFile(directory) if directory else None,
-                                ProgressDisplay(mode) if mode != "off" else None)
+                                ProgressDisplay(mode) if mode != "off" else None,
+                                self._tensorboard())
         atexit.register(recorder.close)  # the last step's record
         return recorder
+
+    @staticmethod
+    def _tensorboard() -> Any:
+        """A SummaryWriter on ``env.tensorboard_dir()``, or None (unset or no tensorboard)."""
+        directory = env.tensorboard_dir()
+        if directory is None:
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            logger().warning(f"{env.TENSORBOARD_DIR} is set but tensorboard is not "
+                             "installed (pip install tensorboard): no TensorBoard scalars")
+            return None
+        return SummaryWriter(str(directory))
 
     def log_metrics(self, **values: Any) -> None:
         """Record the script's own numbers (``loss=...``) with the current step, in the

@@ -49,6 +49,9 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", metavar="DIR",
                    help="write each rank's stdout/stderr to DIR/rank<R>.{stdout,stderr}.log; "
                         "the console then shows rank 0's only")
+    p.add_argument("--tensorboard", metavar="DIR",
+                   help="rank 0 also writes every step's metrics as TensorBoard scalars to "
+                        "DIR (needs the tensorboard package)")
     level = p.add_mutually_exclusive_group()
     level.add_argument("-q", "--quiet", action="store_true",
                        help="only warnings and errors from Stratagem (STRATAGEM_LOG_LEVEL)")
@@ -70,7 +73,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         resource_spec=args.resource_spec, nproc=args.nproc, strategy=args.strategy,
         remote_shell=args.remote_shell, rdzv_port=args.rdzv_port, job_id=args.job_id,
         dry_run=args.dry_run, run_dir=args.run_dir, log_dir=args.log_dir,
-        log_level="WARNING" if args.quiet else "DEBUG" if args.verbose else None))
+        log_level="WARNING" if args.quiet else "DEBUG" if args.verbose else None,
+        tensorboard=args.tensorboard))
 
 
 # -- plan -----------------------------------------------------------------------------------

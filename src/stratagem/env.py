@@ -41,6 +41,7 @@ RESCALE_TIMEOUT = "STRATAGEM_RESCALE_TIMEOUT_S"
 RESCALE_TOKEN = "STRATAGEM_RESCALE_TOKEN"
 RUN_DIR = "STRATAGEM_RUN_DIR"
 LOG_DIR = "STRATAGEM_LOG_DIR"
+TENSORBOARD_DIR = "STRATAGEM_TENSORBOARD_DIR"
 LOG_LEVEL = "STRATAGEM_LOG_LEVEL"
 PROGRESS = "STRATAGEM_PROGRESS"
 
@@ -158,6 +159,14 @@ def log_dir() -> Path | None:
     stderr to ``rank<R>.stdout.log``/``rank<R>.stderr.log`` there; only rank 0 also writes
     to the console."""
     value = _first(LOG_DIR)
+    return Path(value) if value else None
+
+
+def tensorboard_dir() -> Path | None:
+    """``STRATAGEM_TENSORBOARD_DIR`` (``stratagem run --tensorboard``): rank 0 also writes
+    every step's metrics as TensorBoard scalars there (skipped, with a warning, when the
+    ``tensorboard`` package is not installed)."""
+    value = _first(TENSORBOARD_DIR)
     return Path(value) if value else None
 
 

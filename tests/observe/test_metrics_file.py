@@ -120,3 +120,59 @@ def test_torn_last_line_is_skipped_other_bad_lines_are_errors(tmp_path: Path) ->
         read_metrics(path)
     with pytest.raises(StratagemError, match="no metrics file"):
         read_metrics(tmp_path / "nowhere")
+
+
+class FakeWriter:
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars.append((tag, value, step))
+
+    def flush(self) -> None:
+        pass
+
+
+def test_tensorboard_scalars_match_the_metrics_file(single_process: Path) -> None:
+    from stratagem.adapt.step_metrics import StepRecorder
+    from stratagem.observe import MetricsFile
+
+    writer = FakeWriter()
+    recorder = StepRecorder(MetricsFile(single_process), None, writer)
+    recorder.begin_epoch()
+    for step, loss in ((1, 0.9), (2, 0.5)):
+        recorder.step({"step": step, "epoch": 0, "batch_size": 8, "adaptive": False}, 8)
+        recorder.log({"loss": loss})
+    recorder.close()
+    records = read_metrics(single_process)
+    tags = {(tag, step): value for tag, value, step in writer.scalars}
+    for r in records:
+        assert tags[("stratagem/loss", r["step"])] == r["loss"]
+        assert tags[("stratagem/batch_size", r["step"])] == 8
+        assert tags[("stratagem/samples_per_s", r["step"])] == r["samples_per_s"]
+    assert not any(tag in ("stratagem/step", "stratagem/adaptive") for tag, _, _ in
+                   writer.scalars)
+
+
+def test_tensorboard_dir_without_tensorboard_warns_and_trains(
+        single_process: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("STRATAGEM_TENSORBOARD_DIR", str(single_process / "tb"))
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        ad = sg.AutoDist(verbose=False)
+        model = nn.Linear(DIM, 1)
+        ad.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        assert "tensorboard is not installed" in capsys.readouterr().err
+        assert ad.adaptive.recorder.tensorboard is None
+    else:  # installed: a real SummaryWriter writes event files
+        ad = sg.AutoDist(verbose=False)
+        model = nn.Linear(DIM, 1)
+        model, opt = ad.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in ad.data_loader(_data(16), batch_size=8):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        ad.adaptive.recorder.close()
+        assert list((single_process / "tb").glob("events.out.tfevents.*"))

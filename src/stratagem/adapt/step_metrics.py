@@ -23,9 +23,10 @@ class StepRecorder:
     """Rank 0's per-step bookkeeping; ``metrics``/``progress`` may each be None (off)."""
 
     def __init__(self, metrics: MetricsFile | None = None,
-                 progress: ProgressDisplay | None = None) -> None:
+                 progress: ProgressDisplay | None = None, tensorboard: Any = None) -> None:
         self.metrics = metrics
         self.progress = progress
+        self.tensorboard = tensorboard  # a SummaryWriter-like object (``add_scalar``)
         self.started = time.time()
         self._held: dict[str, Any] | None = None
         self._pending: dict[str, float] = {}
@@ -87,14 +88,22 @@ class StepRecorder:
 
     def flush(self) -> None:
         """Write the held record (end of an epoch, of the run)."""
-        if self._held is not None and self.metrics is not None:
-            self.metrics.write(self._held)
+        held = self._held
+        if held is not None and self.metrics is not None:
+            self.metrics.write(held)
+        if held is not None and self.tensorboard is not None:
+            for key, value in held.items():
+                if key not in RESERVED and isinstance(value, (int, float)) \
+                        and not isinstance(value, bool) and math.isfinite(value):
+                    self.tensorboard.add_scalar(f"stratagem/{key}", value, held["step"])
         self._held = None
 
     def close(self) -> None:
         self.flush()
         if self.metrics is not None:
             self.metrics.close()
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
 
 
 def finite(value: float | None) -> float | None:

@@ -70,8 +70,8 @@ def job_env(job_id: str, node: Node, spec_path: str | None, strategy: str | None
 
 
 def observe_env(job_id: str, run_dir: str | None, log_dir: str | None,
-                log_level: str | None, inherited: Mapping[str, str] | None = None
-                ) -> dict[str, str]:
+                log_level: str | None, inherited: Mapping[str, str] | None = None,
+                tensorboard: str | None = None) -> dict[str, str]:
     """Where the workers record metrics and logs (absolute paths), and their log level.
 
     Without ``--run-dir`` the job records into ``$TMPDIR/stratagem-runs/JOB_ID`` unless the
@@ -87,6 +87,8 @@ def observe_env(job_id: str, run_dir: str | None, log_dir: str | None,
         out[env.LOG_DIR] = str(Path(log_dir).resolve())
     if log_level:
         out[env.LOG_LEVEL] = log_level
+    if tensorboard:
+        out[env.TENSORBOARD_DIR] = str(Path(tensorboard).resolve())
     return out
 
 

@@ -29,6 +29,7 @@ class JobOptions:
     run_dir: str | None = None  # metrics file (default: a per-job directory under $TMPDIR)
     log_dir: str | None = None  # per-rank stdout/stderr files
     log_level: str | None = None  # the workers' STRATAGEM_LOG_LEVEL
+    tensorboard: str | None = None  # TensorBoard scalars directory
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ def plan_local(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path: str
                              local_addr="127.0.0.1", is_host=True)
     env = job_env(job_id, node, spec_path, strategy, nproc=opts.nproc)
     env.update(spec.ssh_for(node).shared_envs)
-    env.update(observe_env(job_id, opts.run_dir, opts.log_dir, opts.log_level))
+    env.update(observe_env(job_id, opts.run_dir, opts.log_dir, opts.log_level,
+                           tensorboard=opts.tensorboard))
     agent = AgentLaunch(
         index=0, node=node,
         argv=tuple(agent_argv(sys.executable, torchrun, opts.script, opts.script_args)),

@@ -54,7 +54,8 @@ def plan_multinode(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path:
                                  endpoint=endpoint, job_id=job_id, local_addr=node.address,
                                  is_host=node is host)
         env = {**job_env(job_id, node, spec_path, strategy), **ssh.shared_envs,
-               **observe_env(job_id, opts.run_dir, opts.log_dir, opts.log_level)}
+               **observe_env(job_id, opts.run_dir, opts.log_dir, opts.log_level,
+                             tensorboard=opts.tensorboard)}
         if node.workers == 0:
             env[ENV_ROLE] = "server"
         here = host_is_here if node is host else is_local_address(node.address)
