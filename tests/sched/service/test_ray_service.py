@@ -126,3 +126,11 @@ def test_a_crashing_job_is_backed_off_then_failed_while_another_finishes(ray_clu
     assert "crashing on purpose" in (tmp_path / "jobs" / "crash" / "logs"
                                      / "rank-0.log").read_text()
     assert json.loads((tmp_path / "good.json").read_text())["accuracy"] > 0.5
+
+
+def test_the_autoscaler_request_reaches_ray(ray_cluster):
+    from stratagem.sched.service.autoscale import request_nodes
+
+    # a live cluster accepts the request (locally no autoscaler acts on it); 0 withdraws it
+    assert len(request_nodes(2, {"CPU": 1.0})) == 2
+    assert request_nodes(0, {"CPU": 1.0}) == []

@@ -59,6 +59,11 @@ class ReplicaWorker:
                                          start_new_session=True)
         return self.proc.pid
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
@@ -127,14 +132,21 @@ class RayBackend:
         self._remote = self.ray.remote(ReplicaWorker)
 
     # -- the cluster -----------------------------------------------------------------------
-    def nodes(self) -> list[tuple[str, float]]:
-        """(node id, accelerators) of every alive node that has some, in a stable order."""
+    def nodes(self, exclude: frozenset[str] = frozenset()) -> list[tuple[str, float]]:
+        """(node id, accelerators) of every alive node that has some, not in ``exclude``
+        (draining); preemptible nodes (a ``spot`` resource) last, so used last."""
         out = []
         for n in self.ray.nodes():
-            amount = n.get("Resources", {}).get(self.gpu_resource, 0.0)
-            if n.get("Alive") and amount >= 1:
-                out.append((n["NodeID"], float(amount)))
-        return sorted(out)
+            res = n.get("Resources", {})
+            amount = res.get(self.gpu_resource, 0.0)
+            if n.get("Alive") and amount >= 1 and n["NodeID"] not in exclude:
+                out.append((res.get("spot", 0.0) > 0, n["NodeID"], float(amount)))
+        return [(node, amount) for _, node, amount in sorted(out)]
+
+    def actor_nodes(self, launched: Launched) -> set[str]:
+        """The nodes an allocation's replicas run on."""
+        actors = [a for a in map(self._actor, launched.actors) if a is not None]
+        return set(self.ray.get([a.node_id.remote() for a in actors], timeout=30))
 
     # -- one allocation --------------------------------------------------------------------
     def launch(self, spec: JobSpec, replicas: int, generation: int, env: Mapping[str, str],

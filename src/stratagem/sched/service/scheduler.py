@@ -31,6 +31,7 @@ from typing import Any
 from stratagem.errors import StratagemError
 from stratagem.sched.policy import ClusterSpec, JobView, make_policy
 from stratagem.sched.service import store as st
+from stratagem.sched.service.autoscale import AutoscaleOptions, request_nodes, target_nodes
 from stratagem.sched.service.hints_reader import read_hints
 from stratagem.sched.service.jobfile import JobSpec
 from stratagem.sched.service.ray_backend import LOST, Launched
@@ -55,6 +56,7 @@ class SchedulerOptions:
     grace: float = 30.0
     start_timeout: float = 60.0
     gpu_resource: str = "GPU"
+    autoscale: AutoscaleOptions | None = None
 
 
 def job_dirs(directory: Path, spec: JobSpec) -> tuple[Path, Path]:
@@ -89,6 +91,8 @@ class Scheduler:
                                              options.grace)
         self._last = time.time()
         self.decisions: list[tuple[float, dict[str, int]]] = []
+        self.draining: set[str] = set()
+        self.autoscale_target: int | None = None
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -164,10 +168,33 @@ class Scheduler:
 
     # -- 3: the policy ---------------------------------------------------------------------
     def cluster(self) -> ClusterSpec | None:
-        nodes = self.backend.nodes()
+        nodes = self.backend.nodes(frozenset(self.draining))
         if not nodes:
             return None
         return ClusterSpec(num_nodes=len(nodes), gpus_per_node=int(min(a for _, a in nodes)))
+
+    def drain(self, node_id: str) -> list[str]:
+        """A preemption notice for ``node_id``: stop the jobs on it (each checkpoints on
+        SIGTERM) and place nothing there again; the jobs resume elsewhere. Their names."""
+        self.draining.add(node_id)
+        moved = []
+        for name, alloc in self.store.allocations().items():
+            try:
+                if node_id in self.backend.actor_nodes(self._launched(alloc)):
+                    self._stop_for_change(self.store.job(name), 0, "node drained")
+                    moved.append(name)
+            except Exception:  # the others still get drained
+                log.exception("draining %s", name)
+        return moved
+
+    def _autoscale(self, views: list[JobView], cluster: ClusterSpec) -> None:
+        opts = self.options.autoscale
+        if opts is None:
+            return
+        n = target_nodes(views, cluster.gpus_per_node, opts)
+        if n != self.autoscale_target:
+            request_nodes(n, {self.options.gpu_resource: float(cluster.gpus_per_node)})
+            self.autoscale_target = n
 
     def view(self, job: st.JobRow, now: float) -> JobView:
         spec = job.spec
@@ -190,6 +217,7 @@ class Scheduler:
             return {}
         current = {n: a.replicas for n, a in self.store.allocations().items()}
         views = [self.view(j, now) for j in active]
+        self._autoscale(views, cluster)
         target = self.policy.allocate(views, cluster, current, now)
         counts = {j.name: len(target.get(j.name, ())) for j in active}
         changed = [j for j in active if counts[j.name] != len(current.get(j.name, ()))]
@@ -203,13 +231,13 @@ class Scheduler:
                 self._start(job, tuple(target[job.name]), now)
         return counts
 
-    def _stop_for_change(self, job: st.JobRow, new: int) -> None:
+    def _stop_for_change(self, job: st.JobRow, new: int, why: str = "rescaling") -> None:
         alloc = self.store.allocations()[job.name]
         try:
             self.backend.stop(self._launched(alloc))
         finally:
             self.store.set_allocation(job.name, (), None, ())
-            self.store.update(job.name, f"rescaling {len(alloc.replicas)} -> {new} replicas "
+            self.store.update(job.name, f"{why}: {len(alloc.replicas)} -> {new} replicas "
                               "(checkpoint-restart)", state=st.PENDING,
                               restarts=job.restarts + 1)
 
