@@ -134,3 +134,29 @@ def test_the_autoscaler_request_reaches_ray(ray_cluster):
     # a live cluster accepts the request (locally no autoscaler acts on it); 0 withdraws it
     assert len(request_nodes(2, {"CPU": 1.0})) == 2
     assert request_nodes(0, {"CPU": 1.0}) == []
+
+
+def test_a_drained_node_checkpoints_its_jobs_which_resume_after(ray_cluster, tmp_path):
+    store = st.Store(tmp_path)
+    store.add_job(job(tmp_path, "d", "--epochs", "3", "--step-sleep", "0.03", high=1))
+    loop = Loop(tmp_path)
+    try:
+        hints = tmp_path / "jobs" / "d" / "ckpt" / "hints.json"
+        wait_for(lambda: state(store, "d") == st.RUNNING and hints.is_file(), 90,
+                 "d to train")
+        node = ray_cluster.get_runtime_context().get_node_id()
+        assert loop.scheduler.drain(node) == ["d"]
+        assert state(store, "d") == st.PENDING and "d" not in store.allocations()
+        saved = [p for p in (tmp_path / "jobs" / "d" / "ckpt").rglob("*")
+                 if p.is_file() and p.name != "hints.json"]
+        assert saved, "no checkpoint written on the drain notice"
+        time.sleep(1.5)  # decisions while drained: nothing placed on the node
+        assert state(store, "d") == st.PENDING
+        loop.scheduler.undrain(node)
+        wait_for(lambda: state(store, "d") in st.FINAL, 120, "d to finish")
+    finally:
+        loop.close()
+    assert state(store, "d") == st.SUCCEEDED and store.job("d").restarts == 1
+    assert any("node drained" in t for _, _, t in store.events("d"))
+    log = (tmp_path / "jobs" / "d" / "logs" / "rank-0.log").read_text()
+    assert log.count("start rank 0 of 1") == 2

@@ -6,7 +6,8 @@ service's token (``Authorization: Bearer ...``), which it writes with its addres
 token is refused. Bodies are JSON (at most 1 MiB); job files are checked again on the server.
 
 Routes: ``GET /jobs`` (rows and the ``ls`` table), ``POST /jobs`` (``{"job": mapping}``),
-``DELETE /jobs/NAME``, ``GET /jobs/NAME/logs?rank=R&offset=N&after=E``, ``GET /status``.
+``DELETE /jobs/NAME``, ``GET /jobs/NAME/logs?rank=R&offset=N&after=E``, ``GET /status``,
+``POST /nodes/NODE_ID/drain`` (a preemption notice: the jobs there checkpoint and move).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class ControlServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, directory: str | Path, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, status: Any = None) -> None:
+                 token: str | None = None, status: Any = None, drain: Any = None) -> None:
         if host not in LOOPBACK and not token:
             raise StratagemError(f"refusing to listen on {host} without a token",
                                  where="control plane", fix="pass a token (--token-file), "
@@ -102,6 +103,7 @@ class ControlServer(ThreadingHTTPServer):
         self.store = st.Store(self.directory)
         self.token = token or secrets.token_urlsafe(24)
         self.status = status or (lambda: {})
+        self.drain = drain
         path = self.directory / SERVICE_FILE
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -141,6 +143,9 @@ class ControlServer(ThreadingHTTPServer):
                     "offset": offset + len(text), "events": events}
         if parts == ["status"] and method == "GET":
             return self.status()
+        if (len(parts) == 3 and parts[0] == "nodes" and parts[2] == "drain"
+                and method == "POST" and self.drain is not None):
+            return {"node": parts[1], "moved": self.drain(parts[1])}
         raise StratagemError(f"no route {method} /{'/'.join(parts)}", where="control plane",
                              fix="use the stratagem client")
 
@@ -197,3 +202,8 @@ class ServiceClient:
 
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/status")
+
+    def drain(self, node_id: str) -> list[str]:
+        """Preemption notice for a node: the jobs there checkpoint and move; their names."""
+        return self._call("POST", f"/nodes/{urllib.parse.quote(node_id, safe='')}/drain",
+                          {})["moved"]

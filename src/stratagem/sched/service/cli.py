@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from stratagem.errors import StratagemError
+
 ENV_DIR = "STRATAGEM_CLUSTER_DIR"
 
 
@@ -74,6 +76,12 @@ def cmd_cluster(args: argparse.Namespace) -> int:
                          args.policy, args.interval, args.host, args.token_file)
         print(f"cluster up: Ray at {rec['address']}, scheduler pid {rec['scheduler_pid']}, "
               f"dir {Path(d).resolve()}")
+    elif args.action == "drain":
+        if not args.node:
+            raise StratagemError("drain needs --node ID", where="stratagem cluster drain",
+                                 fix="'stratagem cluster status' lists the node ids")
+        moved = cluster.ServiceClient(d).drain(args.node)
+        print(f"drained {args.node[:12]}: moved {', '.join(moved) or 'no jobs'}")
     elif args.action == "down":
         cluster.down(d)
         print("cluster down")
@@ -82,7 +90,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"Ray at {info['address']}; accelerator resource {info['gpu_resource']!r}")
         for n in info["nodes"]:
             res = ", ".join(f"{k}={v:g}" for k, v in sorted(n["resources"].items()))
-            print(f"  node {n['id']} {n['ip']}: {res}"[:80])
+            print(f"  node {n['id'][:12]} {n['ip']}: {res}"[:80])
     return 0
 
 
@@ -107,8 +115,10 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_delete)
     p = sub.add_parser("cluster", help="start, stop or show the Ray cluster and scheduler",
                        description="up: start a local Ray head (or use --address) and the "
-                                   "scheduler; down: stop what up started; status: nodes.")
-    p.add_argument("action", choices=("up", "down", "status"))
+                                   "scheduler; down: stop what up started; status: nodes; "
+                                   "drain --node ID: checkpoint and move the jobs there.")
+    p.add_argument("action", choices=("up", "down", "status", "drain"))
+    p.add_argument("--node", help="drain: the node id (a preemption notice)")
     _dir_arg(p)
     p.add_argument("--address", help="existing Ray cluster (HOST:PORT) instead of a local one")
     p.add_argument("--num-cpus", type=int, help="local head's CPUs (default: all)")

@@ -19,7 +19,7 @@ from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
 def cluster_status(ray, gpu_resource: str) -> dict:
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     return {"address": ray.get_runtime_context().gcs_address, "gpu_resource": gpu_resource,
-            "nodes": [{"id": n["NodeID"][:12], "ip": n.get("NodeManagerAddress"),
+            "nodes": [{"id": n["NodeID"], "ip": n.get("NodeManagerAddress"),
                        "resources": {k: v for k, v in n.get("Resources", {}).items()
                                      if not k.startswith(("node:", "object_store",
                                                           "memory", "accelerator_type"))}}
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = Scheduler(a.dir, options)
     token = Path(a.token_file).read_text().strip() if a.token_file else None
     server = ControlServer(a.dir, a.host, a.port, token,
-                           status=lambda: cluster_status(ray, a.gpu_resource))
+                           status=lambda: cluster_status(ray, a.gpu_resource),
+                           drain=scheduler.drain)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

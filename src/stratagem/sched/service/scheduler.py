@@ -92,6 +92,7 @@ class Scheduler:
         self._last = time.time()
         self.decisions: list[tuple[float, dict[str, int]]] = []
         self.draining: set[str] = set()
+        self._lock = threading.RLock()  # step() and drain() come from different threads
         self.autoscale_target: int | None = None
 
     # -- the loop --------------------------------------------------------------------------
@@ -106,7 +107,10 @@ class Scheduler:
 
     def step(self, now: float | None = None) -> dict[str, int]:
         """One round (module doc); the replica count given to each active job."""
-        now = time.time() if now is None else now
+        with self._lock:
+            return self._step(time.time() if now is None else now)
+
+    def _step(self, now: float) -> dict[str, int]:
         allocs = self.store.allocations()
         jobs = self.store.jobs(include_final=False)
         dt, self._last = max(now - self._last, 0.0), now
@@ -176,6 +180,15 @@ class Scheduler:
     def drain(self, node_id: str) -> list[str]:
         """A preemption notice for ``node_id``: stop the jobs on it (each checkpoints on
         SIGTERM) and place nothing there again; the jobs resume elsewhere. Their names."""
+        with self._lock:
+            return self._drain(node_id)
+
+    def undrain(self, node_id: str) -> None:
+        """Use ``node_id`` again (the notice was withdrawn, or the node was replaced)."""
+        with self._lock:
+            self.draining.discard(node_id)
+
+    def _drain(self, node_id: str) -> list[str]:
         self.draining.add(node_id)
         moved = []
         for name, alloc in self.store.allocations().items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -84,6 +85,7 @@ class Store:
         self.path = self.directory / "state.db"
         self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None,
                                    check_same_thread=False)
+        self._lock = threading.RLock()  # one connection, shared by the service's threads
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
 
@@ -92,13 +94,18 @@ class Store:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
 
     # -- jobs ------------------------------------------------------------------------------
     def add_job(self, spec: JobSpec, now: float | None = None) -> None:
@@ -117,9 +124,9 @@ class Store:
                        (spec.name, now, "submitted"))
 
     def jobs(self, include_final: bool = True) -> list[JobRow]:
-        rows = self._db.execute("SELECT spec, state, submitted, started, finished, restarts, "
-                                "failures, retry_at, service, message FROM jobs "
-                                "ORDER BY submitted, name").fetchall()
+        rows = self._query("SELECT spec, state, submitted, started, finished, restarts, "
+                           "failures, retry_at, service, message FROM jobs "
+                           "ORDER BY submitted, name")
         out = [JobRow(spec_from_dict(json.loads(r[0])), *r[1:]) for r in rows]
         return out if include_final else [j for j in out if j.state not in FINAL]
 
@@ -150,8 +157,8 @@ class Store:
         return state
 
     def events(self, name: str, after: int = 0) -> list[tuple[int, float, str]]:
-        return self._db.execute("SELECT id, time, text FROM events WHERE name=? AND id>? "
-                                "ORDER BY id", (name, after)).fetchall()
+        return self._query("SELECT id, time, text FROM events WHERE name=? AND id>? "
+                           "ORDER BY id", (name, after))
 
     # -- allocations -----------------------------------------------------------------------
     def set_allocation(self, name: str, replicas: tuple[int, ...], group_name: str | None,
@@ -164,13 +171,13 @@ class Store:
                                                    group_name, json.dumps(actors)))
 
     def allocations(self) -> dict[str, AllocationRow]:
-        rows = self._db.execute("SELECT name, time, replicas, group_name, actors "
-                                "FROM allocations WHERE active=1").fetchall()
+        rows = self._query("SELECT name, time, replicas, group_name, actors "
+                           "FROM allocations WHERE active=1")
         return {r[0]: AllocationRow(r[0], r[1], tuple(json.loads(r[2])), r[3],
                                     tuple(json.loads(r[4]))) for r in rows}
 
     def allocation_history(self, name: str) -> list[tuple[float, int]]:
         """(time, replica count) of every allocation a job received, oldest first."""
-        rows = self._db.execute("SELECT time, replicas FROM allocations WHERE name=? "
-                                "ORDER BY id", (name,)).fetchall()
+        rows = self._query("SELECT time, replicas FROM allocations WHERE name=? "
+                           "ORDER BY id", (name,))
         return [(t, len(json.loads(r))) for t, r in rows]
