@@ -1,4 +1,4 @@
-"""A small adaptive Stratagem job for the cluster-service tests and benchmark.
+"""A small adaptive Stratagem job: the cluster-service tutorial, tests and benchmark.
 
 Four Gaussian classes in 8 dimensions (fixed seed), an MLP, SGD; ``--epochs`` epochs of the
 elastic data loader (global batch 32, autoscaled up to 256 with ``--adaptive``), sleeping
@@ -46,11 +46,15 @@ def main() -> None:
     loader = ad.data_loader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
     if a.adaptive:
         loader.autoscale_batch_size(256, (8, 128), gradient_accumulation=False)
+    first = True
     for epoch in ad.remaining_epochs_until(a.epochs):
         for xb, yb in loader:
             opt.zero_grad()
             nn.functional.cross_entropy(model(xb), yb).backward()
             opt.step()
+            if first:  # the benchmark's decision-to-training time ends here
+                print(f"training on {ad.world_size} replicas at {time.time():.3f}", flush=True)
+                first = False
             time.sleep(a.step_sleep)
         print(f"epoch {epoch} done on {ad.world_size} replicas", flush=True)
     if ad.rank == 0 and a.out:
