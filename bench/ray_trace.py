@@ -68,10 +68,8 @@ def replay(policy: str, jobs: list[dict], gap: float, directory: Path) -> dict:
             starts = [(float(t), int(n)) for n, t in TRAINING.findall(
                 log.read_text() if log.is_file() else "")]
             after = [t for t, n in starts if t > decided and n == count]
-            changed = any(n == count for _, n in starts)
-            if count and changed and after:
+            if count and after:
                 overhead.append(min(after) - decided)
-    overhead = sorted({round(o, 3) for o in overhead})
     return {"policy": policy, "completed": len(jct), "failed": sum(
         j.state != st.SUCCEEDED for j in rows), "mean_jct_s": statistics.mean(jct),
             "max_jct_s": max(jct), "makespan_s": max(j.finished for j in rows) - t0,

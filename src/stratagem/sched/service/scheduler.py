@@ -234,8 +234,8 @@ class Scheduler:
         target = self.policy.allocate(views, cluster, current, now)
         counts = {j.name: len(target.get(j.name, ())) for j in active}
         changed = [j for j in active if counts[j.name] != len(current.get(j.name, ()))]
-        if changed:
-            self.decisions.append((now, dict(counts)))
+        if changed:  # (time, new count of each job it changed)
+            self.decisions.append((now, {j.name: counts[j.name] for j in changed}))
         for job in changed:  # stops first, so that their resources are free for the starts
             if job.name in current:
                 self._stop_for_change(job, counts[job.name])
