@@ -31,6 +31,16 @@ NAMESPACE = "stratagem"
 LOST = -1000  # exit status reported for a replica whose actor or node is gone
 
 
+def _own_session_dies_with_parent() -> None:
+    """In the replica's child before exec: its own process group (so a stop reaches the
+    whole tree), and SIGTERM (a checkpoint) when the actor dies (Linux)."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class ReplicaWorker:
     """A Ray actor that runs one replica's process (defined plain; wrapped by ray.remote)."""
 
@@ -56,7 +66,7 @@ class ReplicaWorker:
             out.flush()
             self.proc = subprocess.Popen(list(argv), env=full, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         preexec_fn=_own_session_dies_with_parent)
         return self.proc.pid
 
     def node_id(self) -> str:
