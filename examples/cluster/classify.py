@@ -2,7 +2,8 @@
 
 Four Gaussian classes in 8 dimensions (fixed seed), an MLP, SGD; ``--epochs`` epochs of the
 elastic data loader (global batch 32, autoscaled up to 256 with ``--adaptive``), sleeping
-``--step-sleep`` seconds per step so that a scheduler has time to act. Rank 0 writes the
+``--step-sleep`` seconds per 32 local samples (simulated compute, so that a scheduler has
+time to act and more replicas go faster). Rank 0 writes the
 held-out accuracy to ``--out`` (JSON) at the end. ``--crash``: exit with status 3 at once.
 """
 
@@ -55,7 +56,7 @@ def main() -> None:
             if first:  # the benchmark's decision-to-training time ends here
                 print(f"training on {ad.world_size} replicas at {time.time():.3f}", flush=True)
                 first = False
-            time.sleep(a.step_sleep)
+            time.sleep(a.step_sleep * len(xb) / 32)  # "compute" grows with the local batch
         print(f"epoch {epoch} done on {ad.world_size} replicas", flush=True)
     if ad.rank == 0 and a.out:
         xt, yt = data(2000, 2)
