@@ -73,7 +73,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     d = args.dir or default_dir()
     if args.action == "up":
         rec = cluster.up(d, args.address, args.num_cpus, args.gpus, args.gpu_resource,
-                         args.policy, args.interval, args.host, args.token_file)
+                         args.policy, args.interval, args.host, args.token_file,
+                         args.node_cost, args.max_nodes)
         print(f"cluster up: Ray at {rec['address']}, scheduler pid {rec['scheduler_pid']}, "
               f"dir {Path(d).resolve()}")
     elif args.action == "drain":
@@ -131,4 +132,8 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="control plane address (default loopback; others need --token-file)")
     p.add_argument("--token-file", help="file holding the control plane's token")
+    p.add_argument("--node-cost", type=float,
+                   help="autoscale: request nodes from Ray's autoscaler while one more adds "
+                        "at least this much speedup (default: no autoscaling)")
+    p.add_argument("--max-nodes", type=int, default=16, help="autoscale: at most this many")
     p.set_defaults(handler=cmd_cluster)

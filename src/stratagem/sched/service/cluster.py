@@ -41,7 +41,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 def up(directory: str | Path, address: str | None = None, num_cpus: int | None = None,
        gpus: int = 0, gpu_resource: str = "GPU", policy: str = "pollux",
        interval: float = 5.0, host: str = "127.0.0.1", token_file: str | None = None,
-       timeout: float = 120.0) -> dict:
+       node_cost: float | None = None, max_nodes: int = 16, timeout: float = 120.0) -> dict:
     """Start a local Ray head (unless ``address``) and the scheduler; the cluster record."""
     d = Path(directory).resolve()
     d.mkdir(parents=True, exist_ok=True)
@@ -63,6 +63,8 @@ def up(directory: str | Path, address: str | None = None, num_cpus: int | None =
     sched = [sys.executable, "-m", "stratagem.sched.service.daemon", "--dir", str(d),
              "--address", record["address"], "--host", host, "--policy", policy,
              "--interval", str(interval), "--gpu-resource", gpu_resource]
+    if node_cost is not None:
+        sched += ["--node-cost", str(node_cost), "--max-nodes", str(max_nodes)]
     if token_file:
         sched += ["--token-file", str(Path(token_file).resolve())]
     (d / SERVICE_FILE).unlink(missing_ok=True)

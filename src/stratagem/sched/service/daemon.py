@@ -13,6 +13,7 @@ import signal
 import threading
 from pathlib import Path
 
+from stratagem.sched.service.autoscale import AutoscaleOptions
 from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
 
 
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=5.0)
     p.add_argument("--restart-delay", type=float, default=30.0)
     p.add_argument("--gpu-resource", default="GPU")
+    p.add_argument("--node-cost", type=float, help="autoscale: speedup a node must add")
+    p.add_argument("--max-nodes", type=int, default=16)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     import ray
@@ -44,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     from stratagem.sched.service.api import ControlServer
 
     ray.init(address=a.address, namespace="stratagem", log_to_driver=False)
+    scale = (AutoscaleOptions(node_cost=a.node_cost, max_nodes=a.max_nodes)
+             if a.node_cost is not None else None)
     options = SchedulerOptions(policy=a.policy, interval=a.interval,
-                               restart_delay=a.restart_delay, gpu_resource=a.gpu_resource)
+                               restart_delay=a.restart_delay, gpu_resource=a.gpu_resource,
+                               autoscale=scale)
     scheduler = Scheduler(a.dir, options)
     token = Path(a.token_file).read_text().strip() if a.token_file else None
     server = ControlServer(a.dir, a.host, a.port, token,
