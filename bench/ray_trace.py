@@ -89,8 +89,8 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/ray_trace.json")
     a = p.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=a.gpus, resources={"fake_gpu": a.gpus}, include_dashboard=False,
-             log_to_driver=False, object_store_memory=80 * 1024 * 1024)
+    ray.init(address="local", num_cpus=a.gpus, resources={"fake_gpu": a.gpus},
+             include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024 * 1024)
     jobs = trace(a.jobs, a.max_replicas)
     results = []
     try:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 from _ray_service import JOB_SCRIPT
@@ -58,3 +60,6 @@ def test_cluster_up_submit_ls_logs_down(tmp_path, capsys):
         assert time.monotonic() < deadline, "cluster down left processes behind"
         time.sleep(0.2)
     assert not (tmp_path / "c" / "service.json").exists()
+    pointer = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"  # as `ray stop`
+    assert not pointer.exists() or not pointer.read_text().strip().endswith(
+        record["address"].rsplit(":", 1)[-1]), "a later ray.init() would join a dead head"

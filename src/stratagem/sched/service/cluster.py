@@ -104,6 +104,20 @@ def _stop(pid: int | None, timeout: float = 30.0) -> None:
     os.killpg(pid, signal.SIGKILL)
 
 
+def _forget_head(address: str) -> None:
+    """Remove Ray's pointer to the head we stopped (what ``ray stop`` does), so that a
+    later ``ray.init()`` does not try to join a cluster that is gone."""
+    import tempfile
+
+    port = address.rsplit(":", 1)[-1]
+    pointer = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    try:
+        if pointer.read_text().strip().rsplit(":", 1)[-1] == port:
+            pointer.unlink()
+    except OSError:
+        pass
+
+
 def down(directory: str | Path) -> None:
     """Stop the scheduler and (if ``up`` started it) the local Ray head with its jobs."""
     d = Path(directory).resolve()
@@ -113,7 +127,9 @@ def down(directory: str | Path) -> None:
         raise StratagemError("no cluster is up here", where=str(d),
                              fix="'stratagem cluster up', or pass the cluster's --dir") from None
     _stop(record.get("scheduler_pid"))
-    _stop(record.get("ray_pid"))
+    if record.get("ray_pid"):
+        _stop(record["ray_pid"])
+        _forget_head(record["address"])
     (d / CLUSTER_FILE).unlink(missing_ok=True)
     (d / SERVICE_FILE).unlink(missing_ok=True)
 
