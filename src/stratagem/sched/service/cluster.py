@@ -25,10 +25,25 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn(argv: list[str], log: Path,
+           env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _token_env(ray_bin: str) -> dict[str, str]:
+    """The environment for a local head and its scheduler: Ray's token authentication on
+    (the token in ~/.ray/auth_token, made if missing) where this Ray has it and the user
+    did not choose (``RAY_AUTH_MODE``); head and drivers must agree on it."""
+    env = dict(os.environ)
+    if "RAY_AUTH_MODE" in env:
+        return env
+    made = subprocess.run([ray_bin, "get-auth-token", "--generate"], capture_output=True,
+                          stdin=subprocess.DEVNULL, timeout=120, check=False)
+    if made.returncode == 0:  # Ray >= 2.52; older ones have no token authentication
+        env["RAY_AUTH_MODE"] = "token"
+    return env
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -36,6 +51,19 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def _wait_for_head(proc: subprocess.Popen[bytes], d: Path, timeout: float) -> None:
+    """Until ``ray start`` reports the head started (its token and ports are then in
+    place: a driver that connects earlier can fail to authenticate)."""
+    deadline = time.monotonic() + timeout
+    while "Ray runtime started" not in (d / "ray.log").read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            down(d)
+            raise StratagemError("the local Ray head did not start:\n" + _tail(d / "ray.log"),
+                                 where=str(d), fix="see ray.log there; is another Ray "
+                                 "running with the same port?")
+        time.sleep(0.3)
 
 
 def up(directory: str | Path, address: str | None = None, num_cpus: int | None = None,
@@ -49,7 +77,9 @@ def up(directory: str | Path, address: str | None = None, num_cpus: int | None =
         raise StratagemError("a cluster is already up here", where=str(d),
                              fix="'stratagem cluster down' first, or another --dir")
     record: dict = {"address": address, "ray_pid": None}
+    env = None
     if address is None:
+        env = _token_env(str(Path(sys.executable).with_name("ray")))
         port = _free_port()
         resources = {gpu_resource: gpus} if gpus and gpu_resource != "GPU" else {}
         argv = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
@@ -58,8 +88,10 @@ def up(directory: str | Path, address: str | None = None, num_cpus: int | None =
                 f"--resources={json.dumps(resources)}"]
         if gpu_resource == "GPU":
             argv.append(f"--num-gpus={gpus}")
-        ray_proc = _spawn(argv, d / "ray.log")
+        ray_proc = _spawn(argv, d / "ray.log", env)
         record.update(address=f"127.0.0.1:{port}", ray_pid=ray_proc.pid)
+        (d / CLUSTER_FILE).write_text(json.dumps(record))
+        _wait_for_head(ray_proc, d, timeout)
     sched = [sys.executable, "-m", "stratagem.sched.service.daemon", "--dir", str(d),
              "--address", record["address"], "--host", host, "--policy", policy,
              "--interval", str(interval), "--gpu-resource", gpu_resource]
@@ -68,7 +100,7 @@ def up(directory: str | Path, address: str | None = None, num_cpus: int | None =
     if token_file:
         sched += ["--token-file", str(Path(token_file).resolve())]
     (d / SERVICE_FILE).unlink(missing_ok=True)
-    proc = _spawn(sched, d / "scheduler.log")
+    proc = _spawn(sched, d / "scheduler.log", env)
     record["scheduler_pid"] = proc.pid
     (d / CLUSTER_FILE).write_text(json.dumps(record))
     deadline = time.monotonic() + timeout
