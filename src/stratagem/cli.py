@@ -88,11 +88,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # -- simulate (parser and handler in stratagem.sched.cli) -----------------------------------
 from stratagem.sched.cli import add_simulate_parser  # noqa: E402 - light: imports on use
+from stratagem.sched.service.cli import add_service_parsers  # noqa: E402 - ditto
 
 # -- dispatcher -----------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_run_parser,
                                                                    add_plan_parser,
-                                                                   add_simulate_parser]
+                                                                   add_simulate_parser,
+                                                                   add_service_parsers]
 
 
 def build_parser() -> argparse.ArgumentParser:
