@@ -39,6 +39,7 @@ RESCALE_NPROC = "STRATAGEM_RESCALE_NPROC"
 RESCALE_ID = "STRATAGEM_RESCALE_ID"
 RESCALE_TIMEOUT = "STRATAGEM_RESCALE_TIMEOUT_S"
 RESCALE_TOKEN = "STRATAGEM_RESCALE_TOKEN"
+CLUSTER_DIR = "STRATAGEM_CLUSTER_DIR"
 
 ADAPTDL_CHECKPOINT_PATH = "ADAPTDL_CHECKPOINT_PATH"
 ADAPTDL_SHARE_PATH = "ADAPTDL_SHARE_PATH"
@@ -200,6 +201,13 @@ def rescale_token() -> str | None:
     """``STRATAGEM_RESCALE_TOKEN``: the shared secret a rescale store that listens beyond
     loopback requires (see ``python -m stratagem.elastic serve``)."""
     return _first(RESCALE_TOKEN)
+
+
+# -- cluster service --------------------------------------------------------------------------
+def cluster_dir() -> str | None:
+    """``STRATAGEM_CLUSTER_DIR``: the cluster service's working directory (jobs, logs,
+    ``state.db``; unset: ``~/.stratagem/cluster``)."""
+    return _first(CLUSTER_DIR)
 
 
 # -- AdaptDL's variables (AdaptDL's ``adaptdl.env``, with Stratagem's and torch's fallbacks) --

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from stratagem.adapt.noise_scale import GNSEstimate
+
 from stratagem.adapt import GoodputFunction, ThroughputParams
-from stratagem.adapt.gns import GNSEstimate
 from stratagem.sched.policy import JobView
 from stratagem.sched.service.autoscale import (
     AutoscaleOptions,

@@ -8,18 +8,18 @@ checkpoints, the control plane's address and token).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
+from stratagem import env
 from stratagem.errors import StratagemError
 
-ENV_DIR = "STRATAGEM_CLUSTER_DIR"
+ENV_DIR = env.CLUSTER_DIR
 
 
 def default_dir() -> str:
-    return os.environ.get(ENV_DIR) or str(Path.home() / ".stratagem" / "cluster")
+    return env.cluster_dir() or str(Path.home() / ".stratagem" / "cluster")
 
 
 def _dir_arg(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.adapt import GoodputFunction, ThroughputParams
-from stratagem.adapt.gns import GNSEstimate
+from stratagem.adapt.noise_scale import GNSEstimate
 
 
 @dataclass(frozen=True)

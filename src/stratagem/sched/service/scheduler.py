@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stratagem import env as sg_env
 from stratagem.errors import StratagemError
 from stratagem.sched.policy import ClusterSpec, JobView, make_policy
 from stratagem.sched.service import store as st
@@ -68,9 +69,9 @@ def job_dirs(directory: Path, spec: JobSpec) -> tuple[Path, Path]:
 def job_env(spec: JobSpec, ckpt: Path) -> dict[str, str]:
     """The environment of a job's replicas (besides torch.distributed's)."""
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(spec.env),
-           "STRATAGEM_CHECKPOINT_DIR": str(ckpt), "STRATAGEM_JOB_ID": spec.name}
+           sg_env.CHECKPOINT_DIR: str(ckpt), sg_env.JOB_ID: spec.name}
     if spec.strategy != "auto":
-        env["STRATAGEM_STRATEGY"] = spec.strategy
+        env[sg_env.STRATEGY] = spec.strategy
     return env
 
 
