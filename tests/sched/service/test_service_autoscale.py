@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from stratagem.adapt.noise_scale import GNSEstimate
-
 from stratagem.adapt import GoodputFunction, ThroughputParams
+from stratagem.adapt.noise_scale import GNSEstimate
 from stratagem.sched.policy import JobView
 from stratagem.sched.service.autoscale import (
     AutoscaleOptions,
