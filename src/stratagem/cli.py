@@ -8,6 +8,7 @@ sets ``handler=cmd_<name>``, and ``cmd_<name>(args) -> int``; append the former 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -125,3 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stratagem: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `stratagem ls | head`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 0
