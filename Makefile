@@ -11,7 +11,7 @@ $(BIN)/stratagem: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,cluster]"
 	touch $@
 
 setup: $(BIN)/stratagem

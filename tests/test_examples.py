@@ -25,6 +25,11 @@ PLANS = {
     "recommender": ("Recommender", "specs/two-node.yml", "Parallax"),
 }
 SCRIPTS = {"train_mlp.py": ["--epochs", "1"]}
+# The cluster service's example job files (checked below) and the script its end-to-end
+# tests train (tests/sched/service); KubeRay manifests (parsed below: no Kubernetes here).
+JOB_FILES = ("cluster/job-a.yaml", "cluster/job-b.yaml")
+SERVICE_SCRIPT = "cluster/classify.py"
+MANIFESTS = ("kuberay/raycluster.yaml", "kuberay/scheduler.yaml")
 
 
 def _example(rel: str) -> str:
@@ -44,6 +49,7 @@ def test_plan_every_example(model: str, spec: str, strategy: str,
 
 def test_every_example_file_is_exercised() -> None:
     used = {MODELS, *(EXAMPLES / s for s in SCRIPTS)}
+    used |= {EXAMPLES / rel for rel in (*JOB_FILES, SERVICE_SCRIPT, *MANIFESTS)}
     used |= {EXAMPLES / rel for plan in PLANS.values() for rel in plan[1:] if "/" in rel}
     shipped = {p for p in EXAMPLES.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert shipped - used == set(), "add the new example to PLANS or SCRIPTS"
@@ -72,3 +78,25 @@ def test_example_script_trains_alone_and_on_the_local_spec(name: str, tmp_path: 
         capture_output=True, text=True, timeout=100, cwd=tmp_path)
     assert launched.returncode == 0, launched.stderr
     assert "epoch 1/1" in launched.stdout and "2 replicas" in launched.stdout
+
+
+@pytest.mark.parametrize("rel", JOB_FILES)
+def test_cluster_job_files_parse_and_name_the_service_script(rel: str) -> None:
+    from stratagem.sched.service.jobfile import load_job_file
+
+    spec = load_job_file(EXAMPLES / rel)
+    assert Path(spec.script).resolve() == (EXAMPLES / SERVICE_SCRIPT).resolve()
+    assert 1 <= spec.min_replicas <= spec.max_replicas
+
+
+def test_service_tests_train_the_example_script() -> None:
+    helper = (ROOT / "tests" / "sched" / "service" / "_ray_service.py").read_text()
+    assert '"examples" / "cluster" / "classify.py"' in helper
+
+
+@pytest.mark.parametrize("rel", MANIFESTS)
+def test_kuberay_manifests_are_kubernetes_objects(rel: str) -> None:
+    import yaml
+
+    docs = [d for d in yaml.safe_load_all((EXAMPLES / rel).read_text()) if d]
+    assert docs and all({"apiVersion", "kind", "metadata"} <= set(d) for d in docs)

@@ -8,6 +8,7 @@ sets ``handler=cmd_<name>``, and ``cmd_<name>(args) -> int``; append the former 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -123,12 +124,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 # -- simulate (parser and handler in stratagem.sched.cli) -----------------------------------
 from stratagem.sched.cli import add_simulate_parser  # noqa: E402 - light: imports on use
+from stratagem.sched.service.cli import add_service_parsers  # noqa: E402 - ditto
 
 # -- dispatcher -----------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_run_parser,
                                                                    add_plan_parser,
                                                                    add_report_parser,
-                                                                   add_simulate_parser]
+                                                                   add_simulate_parser,
+                                                                   add_service_parsers]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,3 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("stratagem: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `stratagem ls | head`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes at exit
+        return 0

@@ -44,6 +44,7 @@ LOG_DIR = "STRATAGEM_LOG_DIR"
 TENSORBOARD_DIR = "STRATAGEM_TENSORBOARD_DIR"
 LOG_LEVEL = "STRATAGEM_LOG_LEVEL"
 PROGRESS = "STRATAGEM_PROGRESS"
+CLUSTER_DIR = "STRATAGEM_CLUSTER_DIR"
 
 ADAPTDL_CHECKPOINT_PATH = "ADAPTDL_CHECKPOINT_PATH"
 ADAPTDL_SHARE_PATH = "ADAPTDL_SHARE_PATH"
@@ -255,6 +256,13 @@ def rescale_token() -> str | None:
     """``STRATAGEM_RESCALE_TOKEN``: the shared secret a rescale store that listens beyond
     loopback requires (see ``python -m stratagem.elastic serve``)."""
     return _first(RESCALE_TOKEN)
+
+
+# -- cluster service --------------------------------------------------------------------------
+def cluster_dir() -> str | None:
+    """``STRATAGEM_CLUSTER_DIR``: the cluster service's working directory (jobs, logs,
+    ``state.db``; unset: ``~/.stratagem/cluster``)."""
+    return _first(CLUSTER_DIR)
 
 
 # -- AdaptDL's variables (AdaptDL's ``adaptdl.env``, with Stratagem's and torch's fallbacks) --

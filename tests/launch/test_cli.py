@@ -134,3 +134,21 @@ def test_dry_run_passes_script_args_through(script: Script,
     assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
     assert argv[argv.index("--rdzv-id") + 1] == "j1"
     assert argv[argv.index("--nnodes") + 1] == "1"
+
+
+def test_a_reader_that_leaves_early_is_not_a_traceback() -> None:
+    """``stratagem ls | head -1``: the closed pipe ends the command quietly, exit code 0."""
+    import subprocess
+    import sys
+
+    code = ("import argparse, sys\nfrom stratagem import cli\n"
+            "def spam(args):\n    for i in range(1_000_000):\n        print('line', i)\n"
+            "    return 0\n"
+            "parser = argparse.ArgumentParser()\nparser.set_defaults(handler=spam)\n"
+            "cli.build_parser = lambda: parser\nsys.exit(cli.main([]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"line 0\n"
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert b"Traceback" not in err and proc.returncode == 0, err.decode()[-2000:]

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import stratagem as sg
-from stratagem.adapt import state
 from stratagem.adapt.hints import ENV_HINTS_FILE, ENV_HINTS_PORT
 from stratagem.cli import main
+from stratagem.elastic import state
 from stratagem.sched.simulator.profile import load_profile
 
 

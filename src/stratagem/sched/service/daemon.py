@@ -1,0 +1,73 @@
+"""The scheduler process: connect to Ray, serve the control plane, step until SIGTERM.
+
+``python -m stratagem.sched.service.daemon --dir DIR --address HOST:PORT [...]``; started by
+``stratagem cluster up``. Stopping it leaves the jobs running (their workers are detached
+Ray actors); the next daemon on the same directory takes them over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from stratagem.sched.service.autoscale import AutoscaleOptions
+from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
+
+
+def cluster_status(ray, gpu_resource: str) -> dict:
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return {"address": ray.get_runtime_context().gcs_address, "gpu_resource": gpu_resource,
+            "nodes": [{"id": n["NodeID"], "ip": n.get("NodeManagerAddress"),
+                       "resources": {k: v for k, v in n.get("Resources", {}).items()
+                                     if not k.startswith(("node:", "object_store",
+                                                          "memory", "accelerator_type"))}}
+                      for n in nodes]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="stratagem-scheduler")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--address", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--token-file")
+    p.add_argument("--policy", default="pollux")
+    p.add_argument("--interval", type=float, default=5.0)
+    p.add_argument("--restart-delay", type=float, default=30.0)
+    p.add_argument("--gpu-resource", default="GPU")
+    p.add_argument("--node-cost", type=float, help="autoscale: speedup a node must add")
+    p.add_argument("--max-nodes", type=int, default=16)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    import ray
+
+    from stratagem.sched.service.api import ControlServer
+
+    ray.init(address=a.address, namespace="stratagem", log_to_driver=False)
+    scale = (AutoscaleOptions(node_cost=a.node_cost, max_nodes=a.max_nodes)
+             if a.node_cost is not None else None)
+    options = SchedulerOptions(policy=a.policy, interval=a.interval,
+                               restart_delay=a.restart_delay, gpu_resource=a.gpu_resource,
+                               autoscale=scale)
+    scheduler = Scheduler(a.dir, options)
+    token = Path(a.token_file).read_text().strip() if a.token_file else None
+    server = ControlServer(a.dir, a.host, a.port, token,
+                           status=lambda: cluster_status(ray, a.gpu_resource),
+                           drain=scheduler.drain)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    logging.info("scheduler on %s, control plane on %s:%d", a.address, a.host,
+                 server.server_address[1])
+    try:
+        scheduler.run(stop)
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""The scheduler service loop: read jobs and hints, ask a policy, apply the allocation on Ray.
+
+Every ``interval`` seconds :meth:`Scheduler.step`:
+
+1. stops jobs whose deletion was requested;
+2. polls running jobs: all replicas exited 0 -> succeeded; a replica exited otherwise -> the
+   job crashed: its other replicas are stopped, and it is retried after a back-off that
+   doubles with every crash (``backoff``, ``2 * backoff``, ...) until ``max_failures``
+   crashes, then marked failed; a lost actor or node (preemption) restarts it without
+   counting as a crash;
+3. asks the policy for an allocation of the pending and running jobs (their goodput models
+   from the hints they publish), and applies the changes: a job whose replica count changes
+   is stopped with SIGTERM (it checkpoints at its next exit point) and started again at the
+   new size, resuming from the checkpoint; an unchanged job is left alone.
+
+All state lives in the :class:`~.store.Store` (SQLite), so a new scheduler on the same
+directory carries on: running jobs keep running (their Ray actors are detached and named).
+Every per-job action is guarded: one job's failure never stops another or the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stratagem import env as sg_env
+from stratagem.errors import StratagemError
+from stratagem.sched.policy import ClusterSpec, JobView, make_policy
+from stratagem.sched.service import store as st
+from stratagem.sched.service.autoscale import AutoscaleOptions, request_nodes, target_nodes
+from stratagem.sched.service.hints_reader import read_hints
+from stratagem.sched.service.jobfile import JobSpec
+from stratagem.sched.service.ray_backend import LOST, Launched
+
+log = logging.getLogger("stratagem.sched.service")
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """``policy``: a name of ``stratagem.sched.policy`` (``fairness`` and ``restart_delay``
+    go to pollux); ``interval``: seconds between decisions; ``max_failures``: crashes before
+    a job is failed; ``backoff``: seconds before the first retry (doubling); ``grace``:
+    seconds a stopped replica has to checkpoint; ``gpu_resource``: the Ray resource that
+    counts as an accelerator (a custom one for fake GPUs)."""
+
+    policy: str = "pollux"
+    interval: float = 5.0
+    fairness: float = -1.0
+    restart_delay: float = 30.0
+    max_failures: int = 3
+    backoff: float = 10.0
+    grace: float = 30.0
+    start_timeout: float = 60.0
+    gpu_resource: str = "GPU"
+    autoscale: AutoscaleOptions | None = None
+
+
+def job_dirs(directory: Path, spec: JobSpec) -> tuple[Path, Path]:
+    """(checkpoint dir, log dir) of a job in the cluster directory."""
+    base = directory / "jobs" / spec.name
+    return (Path(spec.checkpoint_dir) if spec.checkpoint_dir else base / "ckpt"), base / "logs"
+
+
+def job_env(spec: JobSpec, ckpt: Path) -> dict[str, str]:
+    """The environment of a job's replicas (besides torch.distributed's)."""
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(spec.env),
+           sg_env.CHECKPOINT_DIR: str(ckpt), sg_env.JOB_ID: spec.name}
+    if spec.strategy != "auto":
+        env[sg_env.STRATEGY] = spec.strategy
+    return env
+
+
+class Scheduler:
+    """Shares a Ray cluster among the jobs in ``directory``'s store (see the module doc)."""
+
+    def __init__(self, directory: str | Path, options: SchedulerOptions = SchedulerOptions(),
+                 backend: Any = None) -> None:
+        from stratagem.sched.service.ray_backend import RayBackend
+
+        self.directory = Path(directory)
+        self.options = options
+        self.store = st.Store(self.directory)
+        extra = ({"fairness": options.fairness, "restart_delay": options.restart_delay}
+                 if options.policy == "pollux" else {})
+        self.policy = make_policy(options.policy, **extra)
+        self.backend = backend or RayBackend(options.gpu_resource, options.start_timeout,
+                                             options.grace)
+        self._last = time.time()
+        self.decisions: list[tuple[float, dict[str, int]]] = []
+        self.draining: set[str] = set()
+        self._lock = threading.RLock()  # step() and drain() come from different threads
+        self.autoscale_target: int | None = None
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Step every ``interval`` seconds until ``stop`` is set; errors are logged."""
+        while not stop.is_set():
+            try:
+                self.step()
+            except Exception:  # the loop survives anything one step raises
+                log.exception("scheduler step failed")
+            stop.wait(self.options.interval)
+
+    def step(self, now: float | None = None) -> dict[str, int]:
+        """One round (module doc); the replica count given to each active job."""
+        with self._lock:
+            return self._step(time.time() if now is None else now)
+
+    def _step(self, now: float) -> dict[str, int]:
+        allocs = self.store.allocations()
+        jobs = self.store.jobs(include_final=False)
+        dt, self._last = max(now - self._last, 0.0), now
+        for job in jobs:
+            try:
+                self._check(job, allocs.get(job.name), now, dt)
+            except Exception as exc:  # never let one job stop the others
+                log.exception("job %s", job.name)
+                self.store.update(job.name, f"scheduler error: {exc}")
+        for job in self.store.jobs(include_final=False):
+            if job.state == st.BACKOFF and job.retry_at <= now:
+                self.store.update(job.name, "retrying", state=st.PENDING)
+        return self._allocate(now)
+
+    # -- 1 and 2: deletions and exits ------------------------------------------------------
+    def _launched(self, alloc: st.AllocationRow) -> Launched:
+        return Launched(alloc.group_name or "", alloc.actors)
+
+    def _check(self, job: st.JobRow, alloc: st.AllocationRow | None, now: float,
+               dt: float) -> None:
+        if job.state == st.STOPPING:
+            if alloc is not None:
+                self.backend.stop(self._launched(alloc))
+                self.store.set_allocation(job.name, (), None, ())
+            self.store.update(job.name, "deleted", state=st.DELETED, finished=now)
+            return
+        if job.state != st.RUNNING:
+            return
+        if alloc is None:  # running without workers (an interrupted start): start again
+            self.store.update(job.name, "no workers found; rescheduling", state=st.PENDING)
+            return
+        self.store.update(job.name, service=job.service + dt * len(alloc.replicas))
+        codes = self.backend.poll(self._launched(alloc))
+        if all(c == 0 for c in codes):
+            self.backend.stop(self._launched(alloc), grace=0.0)
+            self.store.set_allocation(job.name, (), None, ())
+            self.store.update(job.name, "succeeded", state=st.SUCCEEDED, finished=now)
+            return
+        bad = [c for c in codes if c not in (None, 0)]
+        if not bad:
+            return
+        self.backend.stop(self._launched(alloc))
+        self.store.set_allocation(job.name, (), None, ())
+        if all(c == LOST for c in bad):
+            self.store.update(job.name, "workers lost (node gone); restarting from the "
+                              "checkpoint", state=st.PENDING, restarts=job.restarts + 1)
+            return
+        failures = job.failures + 1
+        codes_text = ", ".join(str(c) for c in codes)
+        if failures >= self.options.max_failures:
+            self.store.update(job.name, f"crashed (exit {codes_text}); failed after "
+                              f"{failures} crashes", state=st.FAILED, failures=failures,
+                              finished=now, message=f"exit {codes_text}")
+            return
+        wait = self.options.backoff * 2 ** (failures - 1)
+        self.store.update(job.name, f"crashed (exit {codes_text}); retry in {wait:.0f} s",
+                          state=st.BACKOFF, failures=failures, retry_at=now + wait,
+                          message=f"exit {codes_text}")
+
+    # -- 3: the policy ---------------------------------------------------------------------
+    def cluster(self) -> ClusterSpec | None:
+        nodes = self.backend.nodes(frozenset(self.draining))
+        if not nodes:
+            return None
+        return ClusterSpec(num_nodes=len(nodes), gpus_per_node=int(min(a for _, a in nodes)))
+
+    def drain(self, node_id: str) -> list[str]:
+        """A preemption notice for ``node_id``: stop the jobs on it (each checkpoints on
+        SIGTERM) and place nothing there again; the jobs resume elsewhere. Their names."""
+        with self._lock:
+            return self._drain(node_id)
+
+    def undrain(self, node_id: str) -> None:
+        """Use ``node_id`` again (the notice was withdrawn, or the node was replaced)."""
+        with self._lock:
+            self.draining.discard(node_id)
+
+    def _drain(self, node_id: str) -> list[str]:
+        self.draining.add(node_id)
+        moved = []
+        for name, alloc in self.store.allocations().items():
+            try:
+                if node_id in self.backend.actor_nodes(self._launched(alloc)):
+                    self._stop_for_change(self.store.job(name), 0, "node drained")
+                    moved.append(name)
+            except Exception:  # the others still get drained
+                log.exception("draining %s", name)
+        return moved
+
+    def _autoscale(self, views: list[JobView], cluster: ClusterSpec) -> None:
+        opts = self.options.autoscale
+        if opts is None:
+            return
+        n = target_nodes(views, cluster.gpus_per_node, opts)
+        if n != self.autoscale_target:
+            request_nodes(n, {self.options.gpu_resource: float(cluster.gpus_per_node)})
+            self.autoscale_target = n
+
+    def view(self, job: st.JobRow, now: float) -> JobView:
+        spec = job.spec
+        hints = read_hints(job_dirs(self.directory, spec)[0]) if spec.adaptive else None
+        return JobView(
+            name=spec.name, submit_time=job.submitted, age=max(now - job.submitted, 0.0),
+            attained_service=job.service, num_restarts=job.restarts,
+            min_replicas=spec.min_replicas, max_replicas=spec.max_replicas,
+            preemptible=spec.preemptible, requested_replicas=spec.max_replicas,
+            goodput=hints.goodput if hints else None,
+            max_batch_size=hints.max_batch_size if hints else None,
+            local_bsz_bounds=hints.local_bsz_bounds if hints else (None, None),
+            gradient_accumulation=hints.gradient_accumulation if hints else True)
+
+    def _allocate(self, now: float) -> dict[str, int]:
+        cluster = self.cluster()
+        active = [j for j in self.store.jobs(include_final=False)
+                  if j.state in (st.PENDING, st.RUNNING)]
+        if cluster is None or not active:
+            return {}
+        current = {n: a.replicas for n, a in self.store.allocations().items()}
+        views = [self.view(j, now) for j in active]
+        self._autoscale(views, cluster)
+        target = self.policy.allocate(views, cluster, current, now)
+        counts = {j.name: len(target.get(j.name, ())) for j in active}
+        changed = [j for j in active if counts[j.name] != len(current.get(j.name, ()))]
+        if changed:  # (time, new count of each job it changed)
+            self.decisions.append((now, {j.name: counts[j.name] for j in changed}))
+        for job in changed:  # stops first, so that their resources are free for the starts
+            if job.name in current:
+                self._stop_for_change(job, counts[job.name])
+        for job in changed:
+            if counts[job.name]:
+                self._start(job, tuple(target[job.name]), now)
+        return counts
+
+    def _stop_for_change(self, job: st.JobRow, new: int, why: str = "rescaling") -> None:
+        alloc = self.store.allocations()[job.name]
+        try:
+            self.backend.stop(self._launched(alloc))
+        finally:
+            self.store.set_allocation(job.name, (), None, ())
+            self.store.update(job.name, f"{why}: {len(alloc.replicas)} -> {new} replicas "
+                              "(checkpoint-restart)", state=st.PENDING,
+                              restarts=job.restarts + 1)
+
+    def _start(self, job: st.JobRow, replicas: tuple[int, ...], now: float) -> None:
+        spec = job.spec
+        ckpt, logs = job_dirs(self.directory, spec)
+        generation = len(self.store.allocation_history(spec.name))
+        try:
+            launched = self.backend.launch(spec, len(replicas), generation,
+                                           job_env(spec, ckpt), logs)
+        except StratagemError as exc:
+            self.store.update(spec.name, f"start failed: {exc.problem}")
+            return
+        self.store.set_allocation(spec.name, replicas, launched.group_name, launched.actors)
+        self.store.update(spec.name, f"started with {len(replicas)} replicas",
+                          state=st.RUNNING, started=job.started or now)
+
+
+def status_table(rows: list[st.JobRow], allocations: Mapping[str, st.AllocationRow],
+                 directory: Path) -> str:
+    """``stratagem ls``: job, state, replicas, batch, goodput, progress; <= 80 columns."""
+    lines = [f"{'JOB':<20} {'STATE':<10} {'REPLICAS':>8} {'BATCH':>7} {'GOODPUT':>9} "
+             f"{'PROGRESS':>9} {'RESTARTS':>8}"]
+    for job in rows:
+        alloc = allocations.get(job.name)
+        hints = read_hints(job_dirs(directory, job.spec)[0])
+        reps = f"{len(alloc.replicas) if alloc else 0}/{job.spec.max_replicas}"
+        bsz = "-" if hints.global_bsz is None else str(hints.global_bsz)
+        good = "-" if hints.goodput_now is None else f"{hints.goodput_now:.4g}"
+        prog = "-" if hints.progress is None else f"{hints.progress:.4g}"
+        name = job.name if len(job.name) <= 20 else job.name[:19] + "~"
+        lines.append(f"{name:<20} {job.state:<10} {reps:>8} {bsz:>7} {good:>9} {prog:>9} "
+                     f"{job.restarts:>8}")
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""Durable state of the cluster service: one SQLite file in the cluster's working directory.
+
+Tables: ``jobs`` (the spec as JSON, state, counters, timestamps), ``allocations`` (each
+applied allocation of a job: replicas, the Ray placement group and worker actor names, so a
+restarted scheduler re-attaches instead of restarting) and ``events`` (state changes, for
+``stratagem logs`` and post-mortems). Every write is its own transaction; readers in other
+processes (the CLI) see committed state only (WAL mode).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stratagem.errors import StratagemError
+from stratagem.sched.service.jobfile import JobSpec, spec_from_dict
+
+# Job states. ``pending``: waiting for replicas; ``running``; ``backoff``: crashed, retried
+# at ``retry_at``; ``stopping``: deletion requested; final: succeeded, failed, deleted.
+PENDING, RUNNING, BACKOFF, STOPPING = "pending", "running", "backoff", "stopping"
+SUCCEEDED, FAILED, DELETED = "succeeded", "failed", "deleted"
+FINAL = (SUCCEEDED, FAILED, DELETED)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+  name TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT NOT NULL,
+  submitted REAL NOT NULL, started REAL, finished REAL,
+  restarts INTEGER NOT NULL DEFAULT 0, failures INTEGER NOT NULL DEFAULT 0,
+  retry_at REAL NOT NULL DEFAULT 0, service REAL NOT NULL DEFAULT 0,
+  message TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS allocations (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, time REAL NOT NULL,
+  replicas TEXT NOT NULL, group_name TEXT, actors TEXT NOT NULL DEFAULT '[]',
+  active INTEGER NOT NULL DEFAULT 1);
+CREATE TABLE IF NOT EXISTS events (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, time REAL NOT NULL,
+  text TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One job as stored."""
+
+    spec: JobSpec
+    state: str
+    submitted: float
+    started: float | None
+    finished: float | None
+    restarts: int
+    failures: int
+    retry_at: float
+    service: float  # replica-seconds received
+    message: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class AllocationRow:
+    """The live allocation of a running job (``active``)."""
+
+    name: str
+    time: float
+    replicas: tuple[int, ...]
+    group_name: str | None
+    actors: tuple[str, ...]
+
+
+class Store:
+    """The service's SQLite database (``<dir>/state.db``)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path = self.directory / "state.db"
+        self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None,
+                                   check_same_thread=False)
+        self._lock = threading.RLock()  # one connection, shared by the service's threads
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    # -- jobs ------------------------------------------------------------------------------
+    def add_job(self, spec: JobSpec, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM jobs WHERE name=?", (spec.name,)).fetchone()
+            if row is not None and row[0] not in FINAL:
+                raise StratagemError(f"a job named {spec.name!r} is already {row[0]}",
+                                     where="submit", fix="pick another name, or "
+                                     f"'stratagem delete {spec.name}' first")
+            db.execute("DELETE FROM jobs WHERE name=?", (spec.name,))
+            db.execute("UPDATE allocations SET active=0 WHERE name=?", (spec.name,))
+            db.execute("INSERT INTO jobs (name, spec, state, submitted) VALUES (?,?,?,?)",
+                       (spec.name, json.dumps(spec.to_dict()), PENDING, now))
+            db.execute("INSERT INTO events (name, time, text) VALUES (?,?,?)",
+                       (spec.name, now, "submitted"))
+
+    def jobs(self, include_final: bool = True) -> list[JobRow]:
+        rows = self._query("SELECT spec, state, submitted, started, finished, restarts, "
+                           "failures, retry_at, service, message FROM jobs "
+                           "ORDER BY submitted, name")
+        out = [JobRow(spec_from_dict(json.loads(r[0])), *r[1:]) for r in rows]
+        return out if include_final else [j for j in out if j.state not in FINAL]
+
+    def job(self, name: str) -> JobRow:
+        for j in self.jobs():
+            if j.name == name:
+                return j
+        raise StratagemError(f"no job named {name!r}", where=str(self.path),
+                             fix="'stratagem ls' lists the jobs")
+
+    def update(self, name: str, event: str | None = None, **fields: Any) -> None:
+        """Set columns of a job (and log ``event``) in one transaction."""
+        now = time.time()
+        with self._tx() as db:
+            if fields:
+                cols = ", ".join(f"{k}=?" for k in fields)
+                db.execute(f"UPDATE jobs SET {cols} WHERE name=?", (*fields.values(), name))
+            if event:
+                db.execute("INSERT INTO events (name, time, text) VALUES (?,?,?)",
+                           (name, now, event))
+
+    def request_delete(self, name: str) -> str:
+        """Mark a job for deletion; its state before."""
+        state = self.job(name).state
+        if state in FINAL:
+            return state
+        self.update(name, "delete requested", state=STOPPING)
+        return state
+
+    def events(self, name: str, after: int = 0) -> list[tuple[int, float, str]]:
+        return self._query("SELECT id, time, text FROM events WHERE name=? AND id>? "
+                           "ORDER BY id", (name, after))
+
+    # -- allocations -----------------------------------------------------------------------
+    def set_allocation(self, name: str, replicas: tuple[int, ...], group_name: str | None,
+                       actors: tuple[str, ...]) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE allocations SET active=0 WHERE name=?", (name,))
+            if replicas:
+                db.execute("INSERT INTO allocations (name, time, replicas, group_name, actors)"
+                           " VALUES (?,?,?,?,?)", (name, time.time(), json.dumps(replicas),
+                                                   group_name, json.dumps(actors)))
+
+    def allocations(self) -> dict[str, AllocationRow]:
+        rows = self._query("SELECT name, time, replicas, group_name, actors "
+                           "FROM allocations WHERE active=1")
+        return {r[0]: AllocationRow(r[0], r[1], tuple(json.loads(r[2])), r[3],
+                                    tuple(json.loads(r[4]))) for r in rows}
+
+    def allocation_history(self, name: str) -> list[tuple[float, int]]:
+        """(time, replica count) of every allocation a job received, oldest first."""
+        rows = self._query("SELECT time, replicas FROM allocations WHERE name=? "
+                           "ORDER BY id", (name,))
+        return [(t, len(json.loads(r))) for t, r in rows]

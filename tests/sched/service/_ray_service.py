@@ -1,0 +1,6 @@
+"""Shared names of the cluster-service tests."""
+
+from pathlib import Path
+
+JOB_SCRIPT = Path(__file__).resolve().parents[3] / "examples" / "cluster" / "classify.py"
+FAKE_GPU = "fake_gpu"

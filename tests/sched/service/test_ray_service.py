@@ -1,0 +1,160 @@
+"""End to end on a local Ray cluster: real adaptive jobs shared, rescaled, restarted, failed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from _ray_service import FAKE_GPU, JOB_SCRIPT
+
+from stratagem.sched.service import store as st
+from stratagem.sched.service.jobfile import parse_job
+from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
+
+pytestmark = pytest.mark.slow
+OPTS = SchedulerOptions(policy="pollux", interval=0.5, restart_delay=1.0, backoff=0.5,
+                        max_failures=2, grace=20.0, start_timeout=60.0,
+                        gpu_resource=FAKE_GPU)
+
+
+class Loop:
+    """A scheduler stepping in a background thread."""
+
+    def __init__(self, directory: Path) -> None:
+        self.scheduler = Scheduler(directory, OPTS)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.scheduler.run, args=(self.stop,),
+                                       daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=120)
+        assert not self.thread.is_alive()
+
+
+def job(tmp: Path, name: str, *args: str, low: int = 1, high: int = 2) -> object:
+    return parse_job({"name": name, "script": str(JOB_SCRIPT),
+                      "args": [*args, "--out", str(tmp / f"{name}.json")],
+                      "min_replicas": low, "max_replicas": high,
+                      "resources": {"CPU": 1, "GPU": 1}, "adaptive": True})
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def state(store: st.Store, name: str) -> str:
+    return store.job(name).state
+
+
+def accuracy_alone(tmp: Path, *args: str) -> float:
+    out = tmp / "alone.json"
+    subprocess.run([sys.executable, str(JOB_SCRIPT), *args, "--out", str(out)], check=True,
+                   capture_output=True, timeout=120)
+    return json.loads(out.read_text())["accuracy"]
+
+
+def test_two_adaptive_jobs_share_the_cluster_and_survive_a_scheduler_restart(ray_cluster,
+                                                                             tmp_path):
+    args = ("--epochs", "8", "--step-sleep", "0.03", "--adaptive")
+    store = st.Store(tmp_path)
+    store.add_job(job(tmp_path, "a", *args))
+    loop = Loop(tmp_path)
+    try:
+        wait_for(lambda: len(store.allocations().get("a", st.AllocationRow(
+            "a", 0, (), None, ())).replicas) == 2, 90, "a on both fake GPUs")
+        hints = tmp_path / "jobs" / "a" / "ckpt" / "hints.json"
+        wait_for(hints.is_file, 90, "a's first hints")
+        store.add_job(job(tmp_path, "b", *args))
+        wait_for(lambda: state(store, "b") == st.RUNNING, 120, "b to start")
+        assert len(store.allocations()["a"].replicas) == 1, "a was not shrunk to start b"
+        # restart the scheduler mid-run: nothing lost, running jobs left alone
+        loop.close()
+        before = store.allocations()
+        restarts = {n: store.job(n).restarts for n in ("a", "b")}
+        fresh = Scheduler(tmp_path, OPTS)  # a new scheduler: only the database carries over
+        fresh.step()
+        assert [state(store, n) for n in ("a", "b")] == [st.RUNNING, st.RUNNING]
+        assert store.allocations() == before, "the new scheduler restarted a running job"
+        assert {n: store.job(n).restarts for n in ("a", "b")} == restarts
+        loop = Loop(tmp_path)
+        wait_for(lambda: all(state(store, n) in st.FINAL for n in ("a", "b")), 180,
+                 "both jobs to finish")
+    finally:
+        loop.close()
+    assert [state(store, n) for n in ("a", "b")] == [st.SUCCEEDED, st.SUCCEEDED]
+    sizes = [count for _, count in store.allocation_history("a")]
+    assert sizes[:2] == [2, 1], sizes
+    assert store.job("a").restarts >= 1
+    reference = accuracy_alone(tmp_path, *args)
+    assert reference > 0.85
+    for n in ("a", "b"):
+        acc = json.loads((tmp_path / f"{n}.json").read_text())["accuracy"]
+        assert abs(acc - reference) < 0.03, (n, acc, reference)
+    log = (tmp_path / "jobs" / "a" / "logs" / "rank-0.log").read_text()
+    assert "on 2 replicas" in log and "on 1 replicas" in log
+
+
+def test_a_crashing_job_is_backed_off_then_failed_while_another_finishes(ray_cluster,
+                                                                         tmp_path):
+    store = st.Store(tmp_path)
+    store.add_job(job(tmp_path, "crash", "--crash", high=1))
+    store.add_job(job(tmp_path, "good", "--epochs", "2", high=1))
+    loop = Loop(tmp_path)
+    try:
+        wait_for(lambda: all(state(store, n) in st.FINAL for n in ("crash", "good")), 150,
+                 "both jobs to end")
+    finally:
+        loop.close()
+    assert state(store, "crash") == st.FAILED
+    assert state(store, "good") == st.SUCCEEDED
+    assert store.job("crash").failures == OPTS.max_failures
+    texts = [t for _, _, t in store.events("crash")]
+    assert any("retry in" in t for t in texts), texts
+    assert "crashed" in texts[-1] and "failed after 2 crashes" in texts[-1]
+    assert "crashing on purpose" in (tmp_path / "jobs" / "crash" / "logs"
+                                     / "rank-0.log").read_text()
+    assert json.loads((tmp_path / "good.json").read_text())["accuracy"] > 0.5
+
+
+def test_the_autoscaler_request_reaches_ray(ray_cluster):
+    from stratagem.sched.service.autoscale import request_nodes
+
+    # a live cluster accepts the request (locally no autoscaler acts on it); 0 withdraws it
+    assert len(request_nodes(2, {"CPU": 1.0})) == 2
+    assert request_nodes(0, {"CPU": 1.0}) == []
+
+
+def test_a_drained_node_checkpoints_its_jobs_which_resume_after(ray_cluster, tmp_path):
+    store = st.Store(tmp_path)
+    store.add_job(job(tmp_path, "d", "--epochs", "3", "--step-sleep", "0.03", high=1))
+    loop = Loop(tmp_path)
+    try:
+        hints = tmp_path / "jobs" / "d" / "ckpt" / "hints.json"
+        wait_for(lambda: state(store, "d") == st.RUNNING and hints.is_file(), 90,
+                 "d to train")
+        node = ray_cluster.get_runtime_context().get_node_id()
+        assert loop.scheduler.drain(node) == ["d"]
+        assert state(store, "d") == st.PENDING and "d" not in store.allocations()
+        saved = [p for p in (tmp_path / "jobs" / "d" / "ckpt").rglob("*")
+                 if p.is_file() and p.name != "hints.json"]
+        assert saved, "no checkpoint written on the drain notice"
+        time.sleep(1.5)  # decisions while drained: nothing placed on the node
+        assert state(store, "d") == st.PENDING
+        loop.scheduler.undrain(node)
+        wait_for(lambda: state(store, "d") in st.FINAL, 120, "d to finish")
+    finally:
+        loop.close()
+    assert state(store, "d") == st.SUCCEEDED and store.job("d").restarts == 1
+    assert any("node drained" in t for _, _, t in store.events("d"))
+    log = (tmp_path / "jobs" / "d" / "logs" / "rank-0.log").read_text()
+    assert log.count("start rank 0 of 1") == 2

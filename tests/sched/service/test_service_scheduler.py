@@ -1,0 +1,148 @@
+"""The scheduler's decisions against a scripted backend (no Ray): backoff, failure, deletion,
+restart without needless restarts, preemption and the policy's rescale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _ray_service import JOB_SCRIPT
+
+from stratagem.sched.service import store as st
+from stratagem.sched.service.jobfile import parse_job
+from stratagem.sched.service.ray_backend import LOST, Launched
+from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
+
+
+class FakeBackend:
+    """Replicas whose exit codes the test sets; records launches and stops."""
+
+    def __init__(self, gpus: int = 2) -> None:
+        self.gpus = gpus
+        self.codes: dict[str, list[int | None]] = {}
+        self.launches: list[tuple[str, int]] = []
+        self.stops: list[str] = []
+
+    def nodes(self, exclude=frozenset()):
+        return [] if "n0" in exclude else [("n0", float(self.gpus))]
+
+    def launch(self, spec, replicas, generation, env, log_dir):
+        group = f"{spec.name}.g{generation}"
+        self.launches.append((spec.name, replicas))
+        self.codes[group] = [None] * replicas
+        assert env["STRATAGEM_CHECKPOINT_DIR"] and env["STRATAGEM_JOB_ID"] == spec.name
+        return Launched(group, tuple(f"{group}.r{i}" for i in range(replicas)))
+
+    def poll(self, launched):
+        return list(self.codes[launched.group_name])
+
+    def stop(self, launched, grace=None):
+        self.stops.append(launched.group_name)
+        return [143] * len(launched.actors)
+
+    def actor_nodes(self, launched):
+        return {"n0"}
+
+
+def spec(name: str, low: int = 1, high: int = 2, **kw):
+    return parse_job({"name": name, "script": str(JOB_SCRIPT), "min_replicas": low,
+                      "max_replicas": high, **kw})
+
+
+def make(tmp: Path, backend: FakeBackend, **opts) -> Scheduler:
+    base = {"policy": "pollux", "restart_delay": 1.0, "backoff": 10.0, "max_failures": 3}
+    return Scheduler(tmp, SchedulerOptions(**{**base, **opts}), backend=backend)
+
+
+def group(sched: Scheduler, name: str) -> str:
+    return sched.store.allocations()[name].group_name
+
+
+def test_crashes_back_off_doubling_then_fail_and_spare_the_other_job(tmp_path):
+    be = FakeBackend()
+    s = make(tmp_path, be)
+    s.store.add_job(spec("bad", high=1), now=0.0)
+    s.store.add_job(spec("ok", high=1), now=0.0)
+    s.step(now=100.0)
+    assert be.launches == [("bad", 1), ("ok", 1)]
+    retry_waits = []
+    for attempt in range(3):
+        be.codes[group(s, "bad")] = [1]
+        now = 200.0 + 100 * attempt
+        s.step(now=now)
+        job = s.store.job("bad")
+        if attempt < 2:
+            assert job.state == st.BACKOFF and job.failures == attempt + 1
+            retry_waits.append(job.retry_at - now)
+            s.step(now=job.retry_at - 0.1)
+            assert s.store.job("bad").state == st.BACKOFF  # not before its time
+            s.step(now=job.retry_at)
+            assert s.store.job("bad").state == st.RUNNING
+    assert retry_waits == [10.0, 20.0]
+    assert s.store.job("bad").state == st.FAILED and s.store.job("bad").failures == 3
+    assert s.store.job("ok").state == st.RUNNING and s.store.job("ok").restarts == 0
+    be.codes[group(s, "ok")] = [0]
+    s.step(now=600.0)
+    assert s.store.job("ok").state == st.SUCCEEDED
+
+
+def test_a_new_scheduler_reattaches_without_restarting(tmp_path):
+    be = FakeBackend()
+    s = make(tmp_path, be)
+    s.store.add_job(spec("a"), now=0.0)
+    s.step(now=10.0)
+    assert be.launches == [("a", 2)]
+    s2 = make(tmp_path, be)  # the restarted service: only the database carries over
+    for t in (11.0, 12.0, 13.0):
+        s2.step(now=t)
+    assert be.launches == [("a", 2)] and be.stops == []
+    assert s2.store.job("a").state == st.RUNNING and s2.store.job("a").restarts == 0
+
+
+def test_a_second_job_shrinks_the_first_by_checkpoint_restart(tmp_path):
+    be = FakeBackend()
+    s = make(tmp_path, be)
+    s.store.add_job(spec("a"), now=0.0)
+    s.step(now=1.0)
+    s.store.add_job(spec("b"), now=20.0)
+    s.step(now=30.0)
+    assert be.stops == ["a.g0"] and be.launches == [("a", 2), ("a", 1), ("b", 1)]
+    assert s.store.job("a").restarts == 1
+    assert s.decisions[-1] == (30.0, {"a": 1, "b": 1})
+    assert [n for _, n in s.store.allocation_history("a")] == [2, 1]
+
+
+def test_non_preemptible_jobs_keep_their_replicas(tmp_path):
+    be = FakeBackend()
+    s = make(tmp_path, be)
+    s.store.add_job(spec("a", preemptible=False), now=0.0)
+    s.step(now=1.0)
+    s.store.add_job(spec("b"), now=20.0)
+    s.step(now=30.0)
+    assert be.stops == [] and s.store.job("b").state == st.PENDING
+
+
+def test_lost_workers_restart_without_counting_a_crash_and_delete_stops(tmp_path):
+    be = FakeBackend()
+    s = make(tmp_path, be)
+    s.store.add_job(spec("a", high=1), now=0.0)
+    s.step(now=1.0)
+    be.codes[group(s, "a")] = [LOST]
+    s.step(now=2.0)
+    job = s.store.job("a")
+    assert job.state == st.RUNNING and job.failures == 0 and job.restarts == 1
+    assert s.store.request_delete("a") == st.RUNNING
+    s.step(now=3.0)
+    assert s.store.job("a").state == st.DELETED and s.store.allocations() == {}
+
+
+def test_drain_moves_jobs_off_the_node(tmp_path):
+    be = FakeBackend()
+    s = make(tmp_path, be)
+    s.store.add_job(spec("a", high=1), now=0.0)
+    s.step(now=1.0)
+    assert s.drain("n0") == ["a"]
+    s.step(now=2.0)
+    assert s.store.job("a").state == st.PENDING and len(be.launches) == 1
+    s.undrain("n0")
+    s.step(now=3.0)
+    assert s.store.job("a").state == st.RUNNING and len(be.launches) == 2
