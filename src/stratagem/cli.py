@@ -92,6 +92,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", metavar="NAME|FILE", help="builder name or strategy file")
     p.add_argument("--out", metavar="FILE", help="save the strategy (.json/.yaml)")
     p.add_argument("--show-plan", action="store_true", help="also print rank 0's plan")
+    p.add_argument("--picture", metavar="FILE.png",
+                   help="also draw the strategy (parameters by size, coloured by synchronizer; "
+                        ".png, .svg or .pdf; needs matplotlib)")
     p.set_defaults(handler=cmd_plan, parser=p)
 
 
@@ -99,7 +102,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from stratagem.plan_command import explain
 
     print(explain(args.model, args.resource_spec, args.strategy, args.nproc, args.out,
-                  args.show_plan))
+                  args.show_plan, picture=args.picture))
     return 0
 
 

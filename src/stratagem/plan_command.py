@@ -50,8 +50,10 @@ def load_model(target: str) -> Any:
 
 
 def explain(model_target: str, spec_file: str | None, strategy: str | None,
-            nproc: int | None, out: str | None, show_plan: bool) -> str:
-    """The report ``stratagem plan`` prints; saves the strategy to ``out`` if given."""
+            nproc: int | None, out: str | None, show_plan: bool,
+            picture: str | None = None) -> str:
+    """The report ``stratagem plan`` prints; saves the strategy to ``out`` and draws it to
+    ``picture`` (PNG/SVG/PDF) if given."""
     import torch
 
     from stratagem.analysis import analyze
@@ -73,4 +75,8 @@ def explain(model_target: str, spec_file: str | None, strategy: str | None,
     if out:
         built.save(out)
         lines.append(f"strategy saved to {out} (edit it and pass it back with --strategy)")
+    if picture:
+        from stratagem.plan_picture import save_picture
+
+        lines.append(f"picture saved to {save_picture(built, profile, picture, model_target)}")
     return "\n".join(lines)
