@@ -3,10 +3,13 @@
 ``--jobs`` short jobs (examples/cluster/classify.py, 1-``--max-replicas`` replicas, epochs
 2-4) arrive every ``--gap`` seconds on a local Ray cluster whose ``--gpus`` CPU workers are
 presented as fake GPUs (a custom resource). The same trace runs under the ``pollux`` policy
-and under ``fifo`` (each job gets the replicas it asks for, first come first served).
-Reported: mean and max job completion time, and the scheduler's overhead: for every decision
-that (re)started a job, the seconds until its first training step at the new size
-(checkpoint-restart; rank 0 prints that moment).
+with in-process rescale where it applies (``rescale: auto``, the default), under ``pollux``
+with every resize a checkpoint-restart (``rescale: restart``, the baseline), and under
+``fifo`` (each job gets the replicas it asks for, first come first served).
+Reported: mean and max job completion time, and the scheduler's overhead: for every resize
+or start, the seconds from the decision until the job's first training step at the new
+size (its rank 0 prints that moment), split by how it was done: ``in-process`` shrink and
+grow, ``restart`` (checkpoint-restart) and ``start`` (a job's first start).
 
     python bench/ray_trace.py [--jobs 8] [--gpus 4] [--out bench/results/ray_trace.json]
 """
@@ -34,11 +37,16 @@ SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "cluster" / "classif
 TRAINING = re.compile(r"training on (\d+) replicas at ([0-9.]+)")
 
 
-def trace(jobs: int, max_replicas: int) -> list[dict]:
+def trace(jobs: int, max_replicas: int, rescale: str) -> list[dict]:
     return [{"name": f"j{i}", "script": str(SCRIPT), "min_replicas": 1,
              "max_replicas": max_replicas, "resources": {"CPU": 1, "GPU": 1},
-             "args": ["--epochs", str(2 + i % 3), "--step-sleep", "0.02", "--adaptive"]}
-            for i in range(jobs)]
+             "args": ["--epochs", str(2 + i % 3), "--step-sleep", "0.02", "--adaptive"],
+             "rescale": rescale} for i in range(jobs)]
+
+
+def summary(values: list[float]) -> dict:
+    return {"n": len(values), "median": statistics.median(values) if values else None,
+            "max": max(values, default=None)}
 
 
 def replay(policy: str, jobs: list[dict], gap: float, directory: Path) -> dict:
@@ -61,22 +69,22 @@ def replay(policy: str, jobs: list[dict], gap: float, directory: Path) -> dict:
         thread.join()
     rows = store.jobs()
     jct = [j.finished - j.submitted for j in rows if j.state == st.SUCCEEDED]
-    overhead = []
-    for decided, counts in sched.decisions:
-        for name, count in counts.items():
-            log = directory / "jobs" / name / "logs" / "rank-0.log"
-            starts = [(float(t), int(n)) for n, t in TRAINING.findall(
-                log.read_text() if log.is_file() else "")]
-            after = [t for t, n in starts if t > decided and n == count]
-            if count and after:
-                overhead.append(min(after) - decided)
-    return {"policy": policy, "completed": len(jct), "failed": sum(
-        j.state != st.SUCCEEDED for j in rows), "mean_jct_s": statistics.mean(jct),
-            "max_jct_s": max(jct), "makespan_s": max(j.finished for j in rows) - t0,
+    overhead: dict[str, list[float]] = {}
+    for decided, name, old, new, how in sched.resizes:
+        starts = []
+        for log in (directory / "jobs" / name / "logs").glob("rank-*.log"):
+            starts += [(float(t), int(n)) for n, t in TRAINING.findall(log.read_text())]
+        after = [t for t, n in starts if t > decided and n == new]
+        if new and after:
+            kind = how if how != "in-process" else ("shrink" if new < old else "grow")
+            overhead.setdefault(kind, []).append(min(after) - decided)
+    return {"policy": policy, "rescale": jobs[0]["rescale"], "completed": len(jct),
+            "failed": sum(j.state != st.SUCCEEDED for j in rows),
+            "mean_jct_s": statistics.mean(jct) if jct else None,
+            "max_jct_s": max(jct, default=None),
+            "makespan_s": max(j.finished or t0 for j in rows) - t0,
             "restarts": sum(j.restarts for j in rows), "decisions": len(sched.decisions),
-            "decision_to_training_s": {"n": len(overhead),
-                                       "median": statistics.median(overhead) if overhead
-                                       else None, "max": max(overhead, default=None)}}
+            "decision_to_training_s": {k: summary(v) for k, v in sorted(overhead.items())}}
 
 
 def main() -> None:
@@ -85,29 +93,34 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--max-replicas", type=int, default=2)
     p.add_argument("--gap", type=float, default=4.0, help="seconds between submissions")
-    p.add_argument("--policies", default="pollux,fifo")
+    p.add_argument("--runs", default="pollux:auto,pollux:restart,fifo:auto",
+                   help="policy:rescale pairs, replayed in this order")
     p.add_argument("--out", default="bench/results/ray_trace.json")
     a = p.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address="local", num_cpus=a.gpus, resources={"fake_gpu": a.gpus},
              include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024 * 1024)
-    jobs = trace(a.jobs, a.max_replicas)
     results = []
+    load = [os.getloadavg()[0]]
     try:
-        for policy in a.policies.split(","):
+        for run in a.runs.split(","):
+            policy, rescale = run.split(":")
             with tempfile.TemporaryDirectory() as tmp:
-                r = replay(policy, jobs, a.gap, Path(tmp))
+                r = replay(policy, trace(a.jobs, a.max_replicas, rescale), a.gap, Path(tmp))
+            load.append(os.getloadavg()[0])
             results.append(r)
-            d = r["decision_to_training_s"]
-            print(f"{policy:>7}: mean JCT {r['mean_jct_s']:.1f} s, max {r['max_jct_s']:.1f} s, "
-                  f"makespan {r['makespan_s']:.1f} s, restarts {r['restarts']}, "
-                  f"decision-to-training median {d['median']} s max {d['max']} s", flush=True)
+            d = ", ".join(f"{k} median {v['median']:.2f} s max {v['max']:.2f} s (n={v['n']})"
+                          for k, v in r["decision_to_training_s"].items())
+            print(f"{policy:>7}/{rescale:<7}: mean JCT {r['mean_jct_s']:.1f} s, max "
+                  f"{r['max_jct_s']:.1f} s, makespan {r['makespan_s']:.1f} s, restarts "
+                  f"{r['restarts']}; decision-to-training: {d}", flush=True)
     finally:
         ray.shutdown()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"load average (1 min) before and after each run: {load}")
     out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python":
-                                           platform.python_version()},
+                                           platform.python_version(), "loadavg_1min": load},
                                "options": vars(a), "results": results}, indent=1) + "\n")
 
 
