@@ -142,6 +142,25 @@ class RescaleStoreHost:
                 raise RuntimeError("no free port for the rescale store")
         return ray.util.get_node_ip_address(), self.port, self.token
 
+    def members(self) -> list[str] | None:
+        """The replicas (their ids) of the job's current generation; None before the first
+        generation formed."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from stratagem.elastic.rescale import Generation, namespace
+
+        if self.server is None:
+            return None
+        client = dist.TCPStore("127.0.0.1", self.port, is_master=False,
+                               timeout=timedelta(seconds=10))
+        prefix = namespace(self.token)
+        if not client.check([f"{prefix}/gen"]):
+            return None
+        number = int(client.get(f"{prefix}/gen"))
+        return list(Generation.from_json(client.get(f"{prefix}/gen/{number}")).members)
+
 
 @dataclass(frozen=True)
 class Launched:
@@ -370,11 +389,16 @@ class RayBackend:
         """Change an in-process allocation to ``replicas`` without a restart: a shrink sends
         SIGTERM to the last replicas (they leave at the next step boundary), a grow starts
         new ones on the same machine that join at one. None (nothing changed) when the
-        allocation has no store or the new replicas do not fit on its machine: the caller
+        allocation has no store, when not every replica is a member of the job's current
+        generation yet (one still starting would die of the SIGTERM instead of leaving, and
+        stall the others), or when the new replicas do not fit on its machine: the caller
         then falls back to checkpoint-restart."""
         store = self._actor(store_name(launched))
         if store is None:
             return None
+        members = self.ray.get(store.members.remote(), timeout=self.start_timeout)
+        if members is None or set(members) != set(launched.actors):
+            return None  # still forming, or a joiner not yet in: a SIGTERM could kill it
         current = len(launched.actors)
         if replicas < current:
             leave = launched.actors[replicas:]

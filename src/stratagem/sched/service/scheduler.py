@@ -234,10 +234,14 @@ class Scheduler:
         cluster = self.cluster()
         active = [j for j in self.store.jobs(include_final=False)
                   if j.state in (st.PENDING, st.RUNNING)]
-        if cluster is None or not active:
+        if not active:
+            return {}
+        views = [self.view(j, now) for j in active]
+        if cluster is None:  # no accelerators yet: only the autoscaler can help
+            if self.options.autoscale is not None:
+                self._autoscale(views, ClusterSpec(0, self.options.autoscale.node_gpus))
             return {}
         current = {n: a.replicas for n, a in self.store.allocations().items()}
-        views = [self.view(j, now) for j in active]
         self._autoscale(views, cluster)
         target = self.policy.allocate(views, cluster, current, now)
         counts = {j.name: len(target.get(j.name, ())) for j in active}
