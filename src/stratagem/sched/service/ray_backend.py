@@ -262,22 +262,7 @@ class RayBackend:
         nodes in ``near``, then the fullest that fits), only on ``ip`` if given; None when
         they do not fit."""
         nodes = [n for n in self.node_infos(exclude) if ip is None or n.ip == ip]
-        free = {n.node_id: dict(n.free) for n in nodes}
-        chosen: list[NodeInfo] = []
-        near_set = set(near)
-        for _ in range(count):
-            fits = [n for n in nodes if all(free[n.node_id].get(k, 0.0) >= v - 1e-9
-                                            for k, v in need.items())]
-            if not fits:
-                return None
-            mine = near_set | {c.node_id for c in chosen}
-            best = min(fits, key=lambda n: (n.spot, n.node_id not in mine,
-                                            free[n.node_id].get(self.gpu_resource, 0.0),
-                                            n.node_id))
-            for k, v in need.items():
-                free[best.node_id][k] = free[best.node_id].get(k, 0.0) - v
-            chosen.append(best)
-        return chosen
+        return choose_nodes(nodes, count, need, self.gpu_resource, near)
 
     def actor_nodes(self, launched: Launched) -> set[str]:
         """The nodes an allocation's replicas run on."""
@@ -475,6 +460,26 @@ class RayBackend:
         if store is not None:
             self.ray.kill(store)
         return codes
+
+
+def choose_nodes(nodes: Sequence[NodeInfo], count: int, need: Mapping[str, float],
+                 gpu_resource: str, near: Sequence[str] = ()) -> list[NodeInfo] | None:
+    """A node for each of ``count`` bundles of ``need`` (None: they do not fit): not-spot
+    nodes first, then nodes in ``near`` or already chosen, then the fullest that fits."""
+    free = {n.node_id: dict(n.free) for n in nodes}
+    chosen: list[NodeInfo] = []
+    for _ in range(count):
+        fits = [n for n in nodes if all(free[n.node_id].get(k, 0.0) >= v - 1e-9
+                                        for k, v in need.items())]
+        if not fits:
+            return None
+        mine = set(near) | {c.node_id for c in chosen}
+        best = min(fits, key=lambda n: (n.spot, n.node_id not in mine,
+                                        free[n.node_id].get(gpu_resource, 0.0), n.node_id))
+        for k, v in need.items():
+            free[best.node_id][k] = free[best.node_id].get(k, 0.0) - v
+        chosen.append(best)
+    return chosen
 
 
 def log_file(log_dir: Path, actor: str) -> str:
