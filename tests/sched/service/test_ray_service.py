@@ -67,7 +67,7 @@ def accuracy_alone(tmp: Path, *args: str) -> float:
 
 def test_two_adaptive_jobs_share_the_cluster_and_survive_a_scheduler_restart(ray_cluster,
                                                                              tmp_path):
-    args = ("--epochs", "8", "--step-sleep", "0.03", "--adaptive")
+    args = ("--epochs", "8", "--step-sleep", "0.06", "--adaptive")
     store = st.Store(tmp_path)
     store.add_job(job(tmp_path, "a", *args))
     loop = Loop(tmp_path)
