@@ -11,6 +11,11 @@ or start, the seconds from the decision until the job's first training step at t
 size (its rank 0 prints that moment), split by how it was done: ``in-process`` shrink and
 grow, ``restart`` (checkpoint-restart) and ``start`` (a job's first start).
 
+Then a direct probe of the two ways to resize (``--probe-rounds``, interleaved): one job of
+2 replicas is shrunk to 1 and grown back to 2, in-process (``RayBackend.resize``) and by
+checkpoint-restart (stop, which saves; launch at the new size, which restores); the seconds
+from the call to the first step at the new size.
+
     python bench/ray_trace.py [--jobs 8] [--gpus 4] [--out bench/results/ray_trace.json]
 """
 
@@ -31,7 +36,8 @@ import ray
 
 from stratagem.sched.service import store as st
 from stratagem.sched.service.jobfile import parse_job
-from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
+from stratagem.sched.service.ray_backend import RayBackend
+from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions, job_dirs, job_env
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "cluster" / "classify.py"
 TRAINING = re.compile(r"training on (\d+) replicas at ([0-9.]+)")
@@ -87,6 +93,56 @@ def replay(policy: str, jobs: list[dict], gap: float, directory: Path) -> dict:
             "decision_to_training_s": {k: summary(v) for k, v in sorted(overhead.items())}}
 
 
+def first_step_at(log_dir: Path, replicas: int, after: float, timeout: float = 300) -> float:
+    """When a job's rank 0 first trained on ``replicas`` after ``after`` (waits for it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for log in log_dir.glob("rank-*.log"):
+            hits = [float(t) for n, t in TRAINING.findall(log.read_text())
+                    if int(n) == replicas and float(t) > after]
+            if hits:
+                return min(hits)
+        time.sleep(0.05)
+    raise TimeoutError(f"no step on {replicas} replicas in {log_dir}")
+
+
+def probe(rounds: int, directory: Path) -> dict:
+    """Shrink 2 -> 1 and grow 1 -> 2, in-process and by checkpoint-restart, interleaved."""
+    backend = RayBackend("fake_gpu", start_timeout=300.0, grace=60.0)
+    out: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for rescale in ("auto", "restart"):
+            spec = parse_job({"name": f"probe-{rescale}-{r}", "script": str(SCRIPT),
+                              "min_replicas": 1, "max_replicas": 2, "rescale": rescale,
+                              "resources": {"CPU": 1, "GPU": 1},
+                              "args": ["--epochs", "200", "--step-sleep", "0.05"]})
+            ckpt, logs = job_dirs(directory, spec)
+            env = job_env(spec, ckpt)
+            launched = backend.launch(spec, 2, 0, env, logs, in_process=rescale == "auto")
+            try:
+                first_step_at(logs, 2, 0.0)
+                time.sleep(1.0)  # a few steps at 2
+                for new in (1, 2):
+                    t0 = time.time()
+                    if rescale == "auto":
+                        resized = backend.resize(spec, launched, new, env, logs)
+                        if resized is None:
+                            raise RuntimeError("in-process resize did not apply")
+                        launched = resized
+                    else:
+                        backend.stop(launched)
+                        launched = backend.launch(spec, new, new, env, logs)
+                    took = first_step_at(logs, new, t0) - t0
+                    kind = ("in-process " if rescale == "auto" else "restart ") + (
+                        "shrink" if new == 1 else "grow")
+                    out.setdefault(kind, []).append(took)
+                    print(f"  probe {kind}: {took:.2f} s", flush=True)
+                    time.sleep(1.0)
+            finally:
+                backend.stop(launched, grace=0.0)
+    return {k: summary(v) | {"values": v} for k, v in sorted(out.items())}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=8)
@@ -95,6 +151,7 @@ def main() -> None:
     p.add_argument("--gap", type=float, default=4.0, help="seconds between submissions")
     p.add_argument("--runs", default="pollux:auto,pollux:restart,fifo:auto",
                    help="policy:rescale pairs, replayed in this order")
+    p.add_argument("--probe-rounds", type=int, default=2)
     p.add_argument("--out", default="bench/results/ray_trace.json")
     a = p.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -103,7 +160,7 @@ def main() -> None:
     results = []
     load = [os.getloadavg()[0]]
     try:
-        for run in a.runs.split(","):
+        for run in filter(None, a.runs.split(",")):
             policy, rescale = run.split(":")
             with tempfile.TemporaryDirectory() as tmp:
                 r = replay(policy, trace(a.jobs, a.max_replicas, rescale), a.gap, Path(tmp))
@@ -114,6 +171,11 @@ def main() -> None:
             print(f"{policy:>7}/{rescale:<7}: mean JCT {r['mean_jct_s']:.1f} s, max "
                   f"{r['max_jct_s']:.1f} s, makespan {r['makespan_s']:.1f} s, restarts "
                   f"{r['restarts']}; decision-to-training: {d}", flush=True)
+        probed = {}
+        if a.probe_rounds:
+            with tempfile.TemporaryDirectory() as tmp:
+                probed = probe(a.probe_rounds, Path(tmp))
+            load.append(os.getloadavg()[0])
     finally:
         ray.shutdown()
     out = Path(a.out)
@@ -121,7 +183,8 @@ def main() -> None:
     print(f"load average (1 min) before and after each run: {load}")
     out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "python":
                                            platform.python_version(), "loadavg_1min": load},
-                               "options": vars(a), "results": results}, indent=1) + "\n")
+                               "options": vars(a), "results": results,
+                               "resize_probe_s": probed}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
