@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -254,8 +255,12 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
             for path in kept:
                 shutil.copyfile(path, tmp / path.name)
 
-    return ckpt.CheckpointDir(root_path, keep=KEEP).save(
+    path = ckpt.CheckpointDir(root_path, keep=KEEP).save(
         write, {"states": layout, "metadata": {}, "strategy_id": None})
+    if only is None:  # a full save: the periodic-checkpoint counters start over
+        ctx = current_job()
+        ctx.steps_since_save, ctx.last_save = 0, time.monotonic()
+    return path
 
 
 def restore_point() -> Path | None:
