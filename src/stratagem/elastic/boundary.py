@@ -27,6 +27,8 @@ from stratagem.elastic.signals import EXIT_CODE, install_signal_handler
 from stratagem.elastic.state import checkpoint_root, save_all_states
 from stratagem.process_group import rank_world
 
+clock = time.monotonic  # the periodic-checkpoint clock (a module attribute: tests set it)
+
 
 @contextlib.contextmanager
 def hold_exit() -> Iterator[None]:
@@ -69,7 +71,8 @@ def checkpoint_due(ctx: JobContext, now: float) -> bool:
     if seconds is None or rank_world()[0] != 0:
         return False
     if ctx.last_save is None:
-        ctx.last_save = now  # the clock starts at the first step boundary
+        ctx.last_save = now  # the clock starts at the first boundary after a save
+        return False
     return now - ctx.last_save >= seconds
 
 
@@ -89,7 +92,7 @@ def exit_point(step: bool = False) -> None:
         return
     install_signal_handler()
     ctx.steps_since_save += int(step)
-    stop, due = any_rank_flags(ctx.exit_requested, checkpoint_due(ctx, time.monotonic()))
+    stop, due = any_rank_flags(ctx.exit_requested, checkpoint_due(ctx, clock()))
     if not stop:
         if due:
             save_all_states()  # restarts the counters

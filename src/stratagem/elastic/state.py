@@ -19,7 +19,6 @@ import json
 import os
 import pickle
 import shutil
-import time
 import warnings
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -259,7 +258,7 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
         write, {"states": layout, "metadata": {}, "strategy_id": None})
     if only is None:  # a full save: the periodic-checkpoint counters start over
         ctx = current_job()
-        ctx.steps_since_save, ctx.last_save = 0, time.monotonic()
+        ctx.steps_since_save, ctx.last_save = 0, None  # the clock restarts at the next step
     return path
 
 

@@ -243,7 +243,7 @@ class Supervisor:
                     "from the newest checkpoint" if policy.checkpoint_dir
                     else "from the start (no checkpoint directory)")
                 self.say(f"failure {len(self.failures)}: {self.failures[-1].line}; "
-                         f"restarting in {delay:.1f} s {source} "
+                         f"restarting in {delay:.3g} s {source} "
                          f"(restart {self.restarts} of {policy.max_restarts})")
                 self._wait(delay)
                 if self._signal is not None:
