@@ -32,6 +32,7 @@ CHECKPOINT_STEPS = "STRATAGEM_CHECKPOINT_STEPS"
 CHECKPOINT_SECONDS = "STRATAGEM_CHECKPOINT_SECONDS"
 RESTART_COUNT = "STRATAGEM_RESTART_COUNT"
 PG_TIMEOUT = "STRATAGEM_PG_TIMEOUT_S"
+PEER_TIMEOUT = "STRATAGEM_PEER_TIMEOUT_S"
 PS_TIMEOUT_DEPRECATED = "STRATAGEM_PS_TIMEOUT"  # the parameter server's older name
 HINTS_FILE = "STRATAGEM_HINTS_FILE"
 HINTS_PORT = "STRATAGEM_HINTS_PORT"
@@ -63,6 +64,7 @@ ADAPTDL_SCHED_VERSION = "ADAPTDL_SCHED_VERSION"
 
 DEFAULT_PG_TIMEOUT_S = 300.0  # a collective that takes longer than this is a hang
 DEFAULT_RESCALE_TIMEOUT_S = 300.0
+DEFAULT_PEER_TIMEOUT_S = 10.0
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -141,6 +143,17 @@ def pg_timeout() -> timedelta:
                       DeprecationWarning, stacklevel=2)
     return timedelta(seconds=_number((PG_TIMEOUT, PS_TIMEOUT_DEPRECATED),
                                      DEFAULT_PG_TIMEOUT_S))
+
+
+def peer_timeout() -> float:
+    """``STRATAGEM_PEER_TIMEOUT_S``: seconds without a heartbeat after which a rank of a job
+    launched by torch elastic counts as lost and its peers leave their collective (default
+    10; 0 disables, leaving only the process-group timeout)."""
+    value = _number((PEER_TIMEOUT,), DEFAULT_PEER_TIMEOUT_S)
+    if value < 0:
+        raise StratagemError(f"{PEER_TIMEOUT}={value} is negative", where="environment",
+                             fix=f"set {PEER_TIMEOUT} to seconds, e.g. 10, or 0 to disable")
+    return value
 
 
 # -- job state and hints ----------------------------------------------------------------------
