@@ -151,3 +151,20 @@ def test_periodic_checkpoints_need_a_checkpoint_directory(
     script.write_text("")
     with pytest.raises(LaunchError, match="need a checkpoint directory"):
         plan_job(JobOptions(str(script), checkpoint_steps=10))
+
+
+@pytest.mark.parametrize(("message", "stop"), [("SystemExit: 143", True),
+                                               ("killed by SIGKILL", False),
+                                               ("SystemExit: 1", False)])
+def test_workers_that_saved_on_sigterm_are_a_stop_not_a_crash(message: str,
+                                                               stop: bool) -> None:
+    from stratagem.launch.supervisor import _Agent
+
+    launch = AgentLaunch(0, Node(address="127.0.0.1"), ("true",), {}, "local", True)
+    agent = _Agent(launch, proc=None, code=1)  # type: ignore[arg-type]
+    agent.failures = [{"kind": "exception", "rank": "0", "time": 1.0, "message": message,
+                       "traceback": ""}]
+    sup = Supervisor(LaunchPlan("j", "127.0.0.1:1", (launch,)), err=io.StringIO(),
+                     policy=RestartPolicy(max_restarts=3))
+    sup.agents = [agent]
+    assert sup.describe_failure(agent).stop_request is stop

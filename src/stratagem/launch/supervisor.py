@@ -33,6 +33,7 @@ from stratagem.launch.env import ENV_JOB_ID
 from stratagem.launch.job import AgentLaunch, LaunchPlan, RestartPolicy
 
 CKPT_NAME = re.compile(r"ckpt-(\d+)")
+STOP_CODE = 143  # a worker that saved and exited on SIGTERM (stratagem.elastic.EXIT_CODE)
 GRACE_S = 6.0  # after SIGTERM, before SIGKILL (longer than the agent's own grace)
 TAIL_LINES = 25
 POLL_S = 0.05
@@ -46,6 +47,7 @@ class Failure:
     summary: str  # failure_summary(): the cause with its traceback
     signature: str  # what "failing the same way" compares
     at: float  # time.monotonic() when the supervisor saw it
+    stop_request: bool = False  # the workers saved and exited on SIGTERM: never restarted
 
 
 def newest_checkpoint(root: str | None) -> str | None:
@@ -231,7 +233,7 @@ class Supervisor:
                 if self._signal is not None or failed is None:
                     break
                 self.failures.append(self.describe_failure(failed))
-                if self.restarts >= policy.max_restarts:
+                if self.restarts >= policy.max_restarts or self.failures[-1].stop_request:
                     break
                 resume = newest_checkpoint(policy.checkpoint_dir)
                 if self.restarts and (resume is None or resume == mark):
@@ -338,8 +340,11 @@ class Supervisor:
             message = str(record.get("message"))
             line = f"{who} on {agent.label}: {message}"
             signature = f"{record.get('kind')}: {message.splitlines()[0] if message else ''}"
+        # SIGTERM sent to the workers themselves (a scheduler, a node drain): they saved the
+        # job state and exited 143 (stratagem.elastic.EXIT_CODE) -- a stop, not a crash.
+        stop = lead is not None and str(lead[0].get("message")) == f"SystemExit: {STOP_CODE}"
         return Failure(line=line, summary=self.failure_summary(first), signature=signature,
-                       at=time.monotonic())
+                       at=time.monotonic(), stop_request=stop)
 
     def failure_summary(self, first: _Agent) -> str:
         """Name the failing rank and node and show its error.
