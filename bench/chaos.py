@@ -101,8 +101,8 @@ def launch(logs: Path, ckpt: Path, job_id: str, *, nproc: int, checkpoint_steps:
 
 def run_chaos(work: Path, *, nproc: int = 2, kills: int = 3, agent_kills: int = 0,
               seed: int = 0, checkpoint_steps: int = 3, step_sleep: float = 0.05,
-              backoff: float = 0.5, max_delay: float = 1.0, timeout: float = 300.0
-              ) -> dict[str, Any]:
+              backoff: float = 0.5, max_delay: float = 1.0, timeout: float = 300.0,
+              verbose: bool = False) -> dict[str, Any]:
     """Run the job, SIGKILL as planned, wait for the end; returns the raw measurements."""
     rng = random.Random(seed)
     targets = ["worker"] * kills + ["agent"] * agent_kills
@@ -145,17 +145,28 @@ def run_chaos(work: Path, *, nproc: int = 2, kills: int = 3, agent_kills: int = 
                 break  # the job finished first
             kills_done.append({"target": target, "rank": rank, "pid": pid, "time": now,
                                "attempt": attempt})
+            if verbose:
+                print(f"chaos: kill {len(kills_done)}: SIGKILL to the {target} "
+                      f"{'' if rank is None else f'of rank {rank} '}(pid {pid})",
+                      file=sys.stderr, flush=True)
         proc.wait(timeout=max(1.0, timeout - (time.monotonic() - started)))
+    except subprocess.TimeoutExpired:
+        pass  # reported: returncode None
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        timed_out = proc.poll() is None
+        if timed_out:
+            os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops its workers
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         reader.join(timeout=5)
     reports = [t for t, line in output if line.startswith("stratagem: failure ")]
     for kill, seen in zip(kills_done, reports, strict=False):
         kill["detected_s"] = seen - kill["time"]  # the kill to the supervisor's report
-    return {"returncode": proc.returncode, "output": "".join(line for _, line in output),
-            "kills": kills_done,
+    return {"returncode": None if timed_out else proc.returncode,
+            "output": "".join(line for _, line in output), "kills": kills_done,
             "steps": read_steps(logs), "final": logs / "final.pt",
             "wall_s": time.monotonic() - started}
 
@@ -226,6 +237,7 @@ def main() -> None:
     parser.add_argument("--checkpoint-steps", type=int, default=4)
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument("--backoff", type=float, default=1.0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
     args = parser.parse_args()
     import torch
@@ -233,12 +245,14 @@ def main() -> None:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="stratagem-chaos-") as tmp:
         work = Path(tmp)
-        calm = run_chaos(work / "calm", kills=0, seed=args.seed,
+        calm = run_chaos(work / "calm", kills=0, seed=args.seed, timeout=args.timeout,
                          checkpoint_steps=args.checkpoint_steps, step_sleep=args.step_sleep)
+        print(f"chaos: undisturbed run: {calm['wall_s']:.1f} s", file=sys.stderr, flush=True)
         calm_state = torch.load(calm["final"], map_location="cpu", weights_only=True)
         raw = run_chaos(work / "chaos", kills=args.kills, agent_kills=args.agent_kills,
                         seed=args.seed, checkpoint_steps=args.checkpoint_steps,
-                        step_sleep=args.step_sleep, backoff=args.backoff)
+                        step_sleep=args.step_sleep, backoff=args.backoff,
+                        timeout=args.timeout, verbose=True)
         result = analyse(raw)
         done = raw["returncode"] == 0 and raw["final"].is_file()
         exact, diff_calm = compare_params(raw["final"], calm_state) if done else (False, -1.0)
