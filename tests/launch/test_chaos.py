@@ -1,7 +1,8 @@
-"""Chaos: seeded SIGKILLs of random workers of a `stratagem run --max-restarts` job at random
-times. The job completes, trains every global batch of an undisturbed run exactly once
-(replayed steps see the same samples), ends with the parameters of the plain-torch
-reference, and no kill waits for the process-group timeout."""
+"""Chaos: seeded SIGKILLs of random workers (and of the node's agent) of a
+`stratagem run --max-restarts` job at random times. The job completes, trains every global
+batch of an undisturbed run exactly once (replayed steps see the same samples), ends with
+the parameters of the plain-torch reference, and no kill waits for the process-group
+timeout."""
 
 from __future__ import annotations
 
@@ -26,15 +27,18 @@ def chaos():  # noqa: ANN201 - the bench module
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_job_survives_random_sigkills_and_ends_like_an_undisturbed_run(
         chaos, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("STRATAGEM_PG_TIMEOUT_S", str(PG_TIMEOUT_S))
-    raw = chaos.run_chaos(tmp_path, nproc=2, kills=3, seed=5, checkpoint_steps=3,
-                          step_sleep=0.05, backoff=0.2, max_delay=0.8, timeout=240)
+    raw = chaos.run_chaos(tmp_path, nproc=2, kills=2, agent_kills=1, seed=5,
+                          checkpoint_steps=3, step_sleep=0.05, backoff=0.2, max_delay=0.8,
+                          timeout=420)
     assert raw["returncode"] == 0, raw["output"][-3000:]
     assert len(raw["kills"]) == 3, raw["output"][-3000:]
     assert raw["output"].count("stratagem: failure ") == 3
     assert "killed by SIGKILL" in raw["output"]
+    assert "agent exited with signal SIGKILL" in raw["output"]
     assert "(3 restarts)" in raw["output"]
     result = chaos.analyse(raw)
     assert all(k["resumed"] for k in result["per_kill"])
