@@ -101,14 +101,16 @@ class PeerWatchdog:
 
 
 def start_for_default_group() -> PeerWatchdog | None:
-    """A watchdog for the default group when torch elastic launched this process (its store
-    at MASTER_ADDR:MASTER_PORT), the world has peers and ``STRATAGEM_PEER_TIMEOUT_S`` is not
-    0; else None."""
+    """A watchdog for the default group when torch elastic launched this process with its
+    agent's store (at MASTER_ADDR:MASTER_PORT; it outlives the workers), the world has peers
+    and ``STRATAGEM_PEER_TIMEOUT_S`` is not 0; else None."""
     seconds = env.peer_timeout()
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not seconds or not (addr and port and run_id and port.isdigit()):
         return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # the store lives in rank 0, which may exit first: not a safe beacon
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
     try:
