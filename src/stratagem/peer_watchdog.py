@@ -39,9 +39,9 @@ class PeerWatchdog:
     """Heartbeats of ``rank`` among ``world`` ranks through ``store`` (see module doc)."""
 
     def __init__(self, store: Any, rank: int, world: int, timeout_s: float,
-                 exit_process: bool = True) -> None:
+                 exit_process: bool = True, beat_s: float = BEAT_S) -> None:
         self.store, self.rank, self.world = store, rank, world
-        self.timeout_s = timeout_s
+        self.timeout_s, self.beat_s = timeout_s, beat_s
         self.exit_process = exit_process
         self.lost: str | None = None  # why the watchdog fired (tests read it)
         self._stop = threading.Event()
@@ -82,7 +82,7 @@ class PeerWatchdog:
                 self._fire(f"the job's store is unreachable ({type(exc).__name__}: "
                            f"{str(exc)[:120]}): its host, node or link is down", None)
                 return
-            self._stop.wait(BEAT_S)
+            self._stop.wait(self.beat_s)
 
     def _fire(self, why: str, peer: int | None) -> None:
         self.lost = why

@@ -32,8 +32,8 @@ while True:
 
 def _pair(timeout: float) -> tuple[PeerWatchdog, PeerWatchdog]:
     store = dist.HashStore()
-    return (PeerWatchdog(store, 0, 2, timeout, exit_process=False),
-            PeerWatchdog(store, 1, 2, timeout, exit_process=False))
+    return (PeerWatchdog(store, 0, 2, timeout, exit_process=False, beat_s=0.05),
+            PeerWatchdog(store, 1, 2, timeout, exit_process=False, beat_s=0.05))
 
 
 def _wait_until(predicate, seconds: float) -> bool:  # noqa: ANN001
@@ -46,9 +46,9 @@ def _wait_until(predicate, seconds: float) -> bool:  # noqa: ANN001
 
 
 def test_a_silent_peer_is_named_lost() -> None:
-    a, b = _pair(1.5)
+    a, b = _pair(2.0)
     a.start(), b.start()
-    time.sleep(1.2)
+    time.sleep(0.5)
     b.stop(done=False)  # frozen: stops beating without saying it finished
     assert _wait_until(lambda: a.lost is not None, 10)
     assert a.lost is not None and a.lost.startswith("rank 1 stopped answering")
@@ -56,11 +56,11 @@ def test_a_silent_peer_is_named_lost() -> None:
 
 
 def test_a_peer_that_finished_is_not_lost() -> None:
-    a, b = _pair(1.0)
+    a, b = _pair(2.0)
     a.start(), b.start()
-    time.sleep(1.2)
+    time.sleep(0.5)
     b.stop(done=True)
-    assert not _wait_until(lambda: a.lost is not None, 3.5)
+    assert not _wait_until(lambda: a.lost is not None, 4.0)
     a.stop()
 
 
