@@ -24,7 +24,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
         description="Start one worker process per replica through torch elastic (torchrun): "
                     "on this machine, or on every node of --resource-spec (remote nodes "
                     "through ssh or --remote-shell). Stops every worker on the first "
-                    "failure, Ctrl-C or SIGTERM.")
+                    "failure, Ctrl-C or SIGTERM; with --max-restarts, starts a failed job "
+                    "again from its newest checkpoint.")
     p.add_argument("--resource-spec", metavar="FILE",
                    help="YAML resource spec (default: this machine alone)")
     p.add_argument("--nproc", type=int, metavar="N",
@@ -53,6 +54,23 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensorboard", metavar="DIR",
                    help="rank 0 also writes every step's metrics as TensorBoard scalars to "
                         "DIR (needs the tensorboard package)")
+    p.add_argument("--max-restarts", type=int, metavar="N",
+                   help="restart the whole job up to N times after a worker, agent or node "
+                        "fails, from its newest checkpoint, with exponential backoff "
+                        "(default: 3 with a checkpoint directory, else 0: fail at once)")
+    p.add_argument("--restart-backoff", type=float, default=1.0, metavar="SECONDS",
+                   help="wait before the first restart; doubled after each failure that "
+                        "made no new checkpoint, up to 30 s (default 1)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="the job's checkpoint directory, shared by every node "
+                        "(STRATAGEM_CHECKPOINT_DIR): saved on SIGTERM and periodically, "
+                        "restored on every start")
+    p.add_argument("--checkpoint-steps", type=int, metavar="K",
+                   help="also save the job state every K training steps "
+                        "(STRATAGEM_CHECKPOINT_STEPS): a killed worker costs at most K steps")
+    p.add_argument("--checkpoint-seconds", type=float, metavar="T",
+                   help="also save the job state at the first step after T seconds since "
+                        "the last save (STRATAGEM_CHECKPOINT_SECONDS)")
     level = p.add_mutually_exclusive_group()
     level.add_argument("-q", "--quiet", action="store_true",
                        help="only warnings and errors from Stratagem (STRATAGEM_LOG_LEVEL)")
@@ -75,7 +93,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         remote_shell=args.remote_shell, rdzv_port=args.rdzv_port, job_id=args.job_id,
         dry_run=args.dry_run, run_dir=args.run_dir, log_dir=args.log_dir,
         log_level="WARNING" if args.quiet else "DEBUG" if args.verbose else None,
-        tensorboard=args.tensorboard))
+        tensorboard=args.tensorboard, max_restarts=args.max_restarts,
+        restart_backoff=args.restart_backoff, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_steps=args.checkpoint_steps, checkpoint_seconds=args.checkpoint_seconds))
 
 
 # -- plan -----------------------------------------------------------------------------------

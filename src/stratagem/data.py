@@ -331,7 +331,7 @@ class DistributedDataLoader:
                 # below, after the step, resumes after it.
                 self.position.offset = info.start + info.size
                 if self.elastic:
-                    exit_point()
+                    exit_point(step=True)
                 if (self.batch_size, self.accum_steps, self.sampler.world_size,
                         self.sampler.rank) != config:
                     resized = True  # re-plan from the position (prefetched batches dropped)

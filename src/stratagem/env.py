@@ -28,7 +28,11 @@ NPROC = "STRATAGEM_NPROC"
 REMOTE_SHELL = "STRATAGEM_REMOTE_SHELL"
 VERBOSE = "STRATAGEM_VERBOSE"
 CHECKPOINT_DIR = "STRATAGEM_CHECKPOINT_DIR"
+CHECKPOINT_STEPS = "STRATAGEM_CHECKPOINT_STEPS"
+CHECKPOINT_SECONDS = "STRATAGEM_CHECKPOINT_SECONDS"
+RESTART_COUNT = "STRATAGEM_RESTART_COUNT"
 PG_TIMEOUT = "STRATAGEM_PG_TIMEOUT_S"
+PEER_TIMEOUT = "STRATAGEM_PEER_TIMEOUT_S"
 PS_TIMEOUT_DEPRECATED = "STRATAGEM_PS_TIMEOUT"  # the parameter server's older name
 HINTS_FILE = "STRATAGEM_HINTS_FILE"
 HINTS_PORT = "STRATAGEM_HINTS_PORT"
@@ -60,6 +64,7 @@ ADAPTDL_SCHED_VERSION = "ADAPTDL_SCHED_VERSION"
 
 DEFAULT_PG_TIMEOUT_S = 300.0  # a collective that takes longer than this is a hang
 DEFAULT_RESCALE_TIMEOUT_S = 300.0
+DEFAULT_PEER_TIMEOUT_S = 10.0
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -140,12 +145,52 @@ def pg_timeout() -> timedelta:
                                      DEFAULT_PG_TIMEOUT_S))
 
 
+def peer_timeout() -> float:
+    """``STRATAGEM_PEER_TIMEOUT_S``: seconds without a heartbeat after which a rank of a job
+    launched by torch elastic counts as lost and its peers leave their collective (default
+    10; 0 disables, leaving only the process-group timeout)."""
+    value = _number((PEER_TIMEOUT,), DEFAULT_PEER_TIMEOUT_S)
+    if value < 0:
+        raise StratagemError(f"{PEER_TIMEOUT}={value} is negative", where="environment",
+                             fix=f"set {PEER_TIMEOUT} to seconds, e.g. 10, or 0 to disable")
+    return value
+
+
 # -- job state and hints ----------------------------------------------------------------------
 def checkpoint_dir() -> Path | None:
     """``STRATAGEM_CHECKPOINT_DIR`` (else AdaptDL's ``ADAPTDL_CHECKPOINT_PATH``): the job's
     checkpoint directory; None disables checkpoint-restart."""
     value = _first(CHECKPOINT_DIR, ADAPTDL_CHECKPOINT_PATH)
     return Path(value) if value else None
+
+
+def _positive_or_none(name: str, kind: type) -> float | None:
+    value = _number((name,), 0, kind)
+    if value < 0:
+        raise StratagemError(f"{name}={value} is negative", where="environment",
+                             fix=f"set {name} to a positive number, or 0 / unset to disable")
+    return value or None
+
+
+def checkpoint_steps() -> int | None:
+    """``STRATAGEM_CHECKPOINT_STEPS`` (``stratagem run --checkpoint-steps``): save the job
+    state every this many training steps (with a checkpoint directory); None/0: only on
+    SIGTERM and explicit saves. Bounds the steps a killed worker costs."""
+    value = _positive_or_none(CHECKPOINT_STEPS, int)
+    return int(value) if value else None
+
+
+def checkpoint_seconds() -> float | None:
+    """``STRATAGEM_CHECKPOINT_SECONDS`` (``stratagem run --checkpoint-seconds``): save the
+    job state at the first step boundary after this many seconds since the last save
+    (rank 0's clock decides); None/0: no time-based saves."""
+    return _positive_or_none(CHECKPOINT_SECONDS, float)
+
+
+def restart_count() -> int:
+    """``STRATAGEM_RESTART_COUNT``: how many times ``stratagem run --max-restarts`` has
+    restarted this job before this attempt (0 on the first)."""
+    return int(_number((RESTART_COUNT,), 0, int))
 
 
 def run_dir() -> Path | None:

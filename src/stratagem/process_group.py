@@ -2,7 +2,9 @@
 
 AutoDist (under ``stratagem run``/``torchrun``), AdaptDL's ``init_process_group``, the
 in-process rescale and the parameter-server start-up all join a default group here, with
-one timeout (:func:`stratagem.env.pg_timeout`) and one exit rule: a group created here is
+one timeout (:func:`stratagem.env.pg_timeout`), peer heartbeats under torch elastic
+(:mod:`stratagem.peer_watchdog`: a frozen or unreachable peer ends the job in seconds, not at
+the timeout) and one exit rule: a group created here is
 destroyed before the interpreter tears down (left to interpreter exit, gloo's threads can
 be destroyed while joinable, which aborts the process with "terminate called without an
 active exception" after a successful run).
@@ -18,6 +20,9 @@ import torch
 import torch.distributed as dist
 
 from stratagem import env
+from stratagem.peer_watchdog import PeerWatchdog, start_for_default_group
+
+_watchdogs: list[PeerWatchdog] = []  # the default group's, when it has one
 
 
 def default_backend(device: torch.device | str | None = None) -> str:
@@ -42,6 +47,10 @@ def init_process_group(backend: str | None = None, *, store: Any = None,
     if rank is not None:
         kwargs["rank"], kwargs["world_size"] = rank, world_size
     dist.init_process_group(**kwargs)
+    if store is None and init_method is None and rank is None:  # env://: torch elastic's
+        watchdog = start_for_default_group()
+        if watchdog is not None:
+            _watchdogs.append(watchdog)
     atexit.unregister(destroy_process_group)  # one hook per process, however many groups
     atexit.register(destroy_process_group)
 
@@ -54,7 +63,9 @@ def init_single_process_group(backend: str = "gloo") -> None:
 
 def destroy_process_group() -> None:
     """Destroy the default group if there is one (no barrier: a rank exiting on an error
-    must not block here)."""
+    must not block here). The peer watchdog stops first: this rank is done, not lost."""
+    while _watchdogs:
+        _watchdogs.pop().stop(done=True)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

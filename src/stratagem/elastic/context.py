@@ -57,6 +57,8 @@ class JobContext:
         self.leave_requested = False  # in-process rescale: leave at the next boundary
         self.exit_holds = 0  # hold_exit() depth
         self.loader_iterations = 0  # data-loader iterations in progress (all loaders)
+        self.steps_since_save = 0  # training steps since the last periodic/explicit save
+        self.last_save: float | None = None  # rank 0: when the periodic clock (re)started
         self.signal_installed = False
         self.previous_signal_handler: Any = None
         self.group: Any = None  # stratagem.elastic.rescale.ElasticGroup, when in one

@@ -254,8 +254,12 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
             for path in kept:
                 shutil.copyfile(path, tmp / path.name)
 
-    return ckpt.CheckpointDir(root_path, keep=KEEP).save(
+    path = ckpt.CheckpointDir(root_path, keep=KEEP).save(
         write, {"states": layout, "metadata": {}, "strategy_id": None})
+    if only is None:  # a full save: the periodic-checkpoint counters start over
+        ctx = current_job()
+        ctx.steps_since_save, ctx.last_save = 0, None  # the clock restarts at the next step
+    return path
 
 
 def restore_point() -> Path | None:

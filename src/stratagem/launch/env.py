@@ -92,6 +92,20 @@ def observe_env(job_id: str, run_dir: str | None, log_dir: str | None,
     return out
 
 
+def checkpoint_env(checkpoint_dir: str | None, steps: int | None, seconds: float | None,
+                   restart: int) -> dict[str, str]:
+    """The workers' checkpoint settings (``--checkpoint-dir/-steps/-seconds``, absolute
+    path) and how many times the job was restarted before this attempt."""
+    out = {env.RESTART_COUNT: str(restart)}
+    if checkpoint_dir:
+        out[env.CHECKPOINT_DIR] = str(Path(checkpoint_dir).resolve())
+    if steps:
+        out[env.CHECKPOINT_STEPS] = str(steps)
+    if seconds:
+        out[env.CHECKPOINT_SECONDS] = repr(float(seconds))
+    return out
+
+
 def nproc_override(environ: Mapping[str, str] | None = None) -> int | None:
     """``STRATAGEM_NPROC``: the worker count ``stratagem run --nproc`` gave a single-node
     spec, so every worker applies the launcher's override to the spec it loads."""

@@ -11,6 +11,7 @@ from stratagem.resource import Node
 AGENT_MODULE = "stratagem.launch.agent"
 WORKER_MODULE = "stratagem.launch.worker"
 DEFAULT_RDZV_PORT = 29400  # torch elastic's c10d default, used when the host is remote
+DEFAULT_MAX_RESTARTS = 3  # for a job with a checkpoint directory (it resumes, not restarts)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,21 @@ class JobOptions:
     log_dir: str | None = None  # per-rank stdout/stderr files
     log_level: str | None = None  # the workers' STRATAGEM_LOG_LEVEL
     tensorboard: str | None = None  # TensorBoard scalars directory
+    max_restarts: int | None = None  # None: DEFAULT_MAX_RESTARTS with a checkpoint dir, else 0
+    restart_backoff: float = 1.0  # seconds before the first restart (doubled while no progress)
+    checkpoint_dir: str | None = None  # the workers' STRATAGEM_CHECKPOINT_DIR
+    checkpoint_steps: int | None = None  # the workers' STRATAGEM_CHECKPOINT_STEPS
+    checkpoint_seconds: float | None = None  # the workers' STRATAGEM_CHECKPOINT_SECONDS
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a failed job is started again (``stratagem run --max-restarts``)."""
+
+    max_restarts: int = 0  # 0: the first failure ends the job
+    backoff_s: float = 1.0  # wait before the first restart; doubled while no progress
+    max_backoff_s: float = 30.0
+    checkpoint_dir: str | None = None  # where progress shows (a newer checkpoint)
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,12 @@ import os
 import re
 import secrets
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from stratagem import env
 from stratagem.errors import LaunchError
-from stratagem.launch.job import JobOptions, LaunchPlan
+from stratagem.launch.job import DEFAULT_MAX_RESTARTS, JobOptions, LaunchPlan, RestartPolicy
 from stratagem.launch.local import plan_local
 from stratagem.launch.multinode import plan_multinode
 from stratagem.resource import MAX_WORKERS_PER_NODE, ResourceSpec
@@ -18,6 +19,7 @@ from stratagem.strategy.resolve import is_strategy_path, resolve_builder
 
 # A job id names temporary directories and goes on every node's command line.
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MAX_RESTARTS = 10_000
 
 
 def new_job_id() -> str:
@@ -46,13 +48,33 @@ def check_options(opts: JobOptions) -> None:
         raise LaunchError(f"invalid job id {opts.job_id!r}", where="--job-id",
                           fix="use 1-64 letters, digits, '_', '.' or '-', starting with a "
                               "letter or digit")
+    if opts.max_restarts is not None and not 0 <= opts.max_restarts <= MAX_RESTARTS:
+        raise LaunchError(f"--max-restarts must be 0 to {MAX_RESTARTS}, got "
+                          f"{opts.max_restarts}", where="--max-restarts",
+                          fix="pass how many times a failed job may be restarted (0: never)")
+    if not 0 <= opts.restart_backoff <= 3600:
+        raise LaunchError(f"--restart-backoff must be 0 to 3600 s, got {opts.restart_backoff}",
+                          where="--restart-backoff", fix="e.g. --restart-backoff 1")
+    if opts.checkpoint_steps is not None and opts.checkpoint_steps < 0:
+        raise LaunchError(f"--checkpoint-steps must be >= 0, got {opts.checkpoint_steps}",
+                          where="--checkpoint-steps", fix="e.g. --checkpoint-steps 100 (0: off)")
+    if opts.checkpoint_seconds is not None and not opts.checkpoint_seconds >= 0:
+        raise LaunchError(f"--checkpoint-seconds must be >= 0, got {opts.checkpoint_seconds}",
+                          where="--checkpoint-seconds",
+                          fix="e.g. --checkpoint-seconds 60 (0: off)")
+    if ((opts.checkpoint_steps or opts.checkpoint_seconds) and not opts.checkpoint_dir
+            and env.checkpoint_dir() is None):
+        raise LaunchError("periodic checkpoints need a checkpoint directory",
+                          where="--checkpoint-steps/--checkpoint-seconds",
+                          fix=f"pass --checkpoint-dir DIR (or set {env.CHECKPOINT_DIR})")
     if not Path(opts.script).is_file():
         raise LaunchError(f"training script {opts.script!r} not found",
                           fix=f"check the path (relative to {os.getcwd()})")
 
 
-def plan_job(opts: JobOptions) -> LaunchPlan:
-    """Validate ``opts`` and turn them into a LaunchPlan (raises StratagemError subclasses)."""
+def plan_job(opts: JobOptions, restart: int = 0) -> LaunchPlan:
+    """Validate ``opts`` and turn them into a LaunchPlan (raises StratagemError subclasses).
+    ``restart``: how many times the job was restarted before (the workers' environment)."""
     check_options(opts)
     spec_path = str(Path(opts.resource_spec).resolve()) if opts.resource_spec else None
     spec = ResourceSpec.from_file(spec_path) if spec_path else ResourceSpec.local(opts.nproc)
@@ -61,12 +83,24 @@ def plan_job(opts: JobOptions) -> LaunchPlan:
     if spec.is_local:
         if opts.nproc is not None and spec_path:  # the workers apply it too (STRATAGEM_NPROC)
             spec = spec.with_local_workers(opts.nproc)
-        return plan_local(opts, spec, job_id, spec_path, strategy)
+        return plan_local(opts, spec, job_id, spec_path, strategy, restart=restart)
     if opts.nproc is not None:
         raise LaunchError("--nproc only applies to single-node runs", where="--nproc",
                           fix=f"set 'workers' per node in {spec.source} instead")
     shell = opts.remote_shell or env.remote_shell()
-    return plan_multinode(opts, spec, job_id, spec_path, strategy, remote_shell=shell)
+    return plan_multinode(opts, spec, job_id, spec_path, strategy, remote_shell=shell,
+                          restart=restart)
+
+
+def restart_policy(opts: JobOptions) -> RestartPolicy:
+    """``--max-restarts`` (default: DEFAULT_MAX_RESTARTS when the job has a checkpoint
+    directory to resume from, else 0) and the backoff."""
+    where = opts.checkpoint_dir or env.checkpoint_dir()
+    limit = opts.max_restarts
+    if limit is None:
+        limit = DEFAULT_MAX_RESTARTS if where else 0
+    return RestartPolicy(max_restarts=limit, backoff_s=opts.restart_backoff,
+                         checkpoint_dir=str(Path(where).resolve()) if where else None)
 
 
 def run_job(opts: JobOptions) -> int:
@@ -74,11 +108,18 @@ def run_job(opts: JobOptions) -> int:
     from stratagem.launch.supervisor import Supervisor
 
     plan = plan_job(opts)
-    sup = Supervisor(plan)
+    opts = replace(opts, job_id=plan.job_id)  # a restart keeps the job id
+    policy = restart_policy(opts)
+    sup = Supervisor(plan, policy=policy, replan=lambda n: plan_job(opts, restart=n))
     sup.say(plan.describe())
     where = plan.agents[0].env.get(env.RUN_DIR) if plan.agents else None
     if where:
         sup.say(f"metrics: {where}/metrics.jsonl (plots: stratagem report {where})")
+    if policy.max_restarts:
+        sup.say(f"restarts: up to {policy.max_restarts}, from the newest checkpoint in "
+                f"{policy.checkpoint_dir}" if policy.checkpoint_dir else
+                f"restarts: up to {policy.max_restarts}, from the start (no checkpoint "
+                "directory)")
     if opts.dry_run:
         for agent in plan.agents:
             print(f"node {agent.index}: {agent.command_line()}")

@@ -6,7 +6,7 @@ import os
 import socket
 import sys
 
-from stratagem.launch.env import job_env, observe_env
+from stratagem.launch.env import checkpoint_env, job_env, observe_env
 from stratagem.launch.job import AgentLaunch, JobOptions, LaunchPlan, agent_argv, torchrun_args
 from stratagem.resource import ResourceSpec
 
@@ -19,7 +19,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def plan_local(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path: str | None,
-               strategy: str | None) -> LaunchPlan:
+               strategy: str | None, restart: int = 0) -> LaunchPlan:
     """All of ``spec``'s (single) node's workers as local processes under one torchrun."""
     node = spec.nodes[0]
     endpoint = f"127.0.0.1:{opts.rdzv_port or free_port()}"
@@ -29,6 +29,8 @@ def plan_local(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path: str
     env.update(spec.ssh_for(node).shared_envs)
     env.update(observe_env(job_id, opts.run_dir, opts.log_dir, opts.log_level,
                            tensorboard=opts.tensorboard))
+    env.update(checkpoint_env(opts.checkpoint_dir, opts.checkpoint_steps,
+                              opts.checkpoint_seconds, restart))
     agent = AgentLaunch(
         index=0, node=node,
         argv=tuple(agent_argv(sys.executable, torchrun, opts.script, opts.script_args)),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from stratagem.launch.env import ENV_ROLE, job_env, observe_env
+from stratagem.launch.env import ENV_ROLE, checkpoint_env, job_env, observe_env
 from stratagem.launch.job import (
     DEFAULT_RDZV_PORT,
     AgentLaunch,
@@ -37,7 +37,8 @@ from stratagem.resource import ResourceSpec
 
 
 def plan_multinode(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path: str | None,
-                   strategy: str | None, remote_shell: str | None = None) -> LaunchPlan:
+                   strategy: str | None, remote_shell: str | None = None,
+                   restart: int = 0) -> LaunchPlan:
     """One agent per node: ``workers`` processes, or one server process for ``workers: 0``."""
     indexed = list(enumerate(spec.nodes))
     working = [(i, n) for i, n in indexed if n.workers > 0]
@@ -55,7 +56,9 @@ def plan_multinode(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path:
                                  is_host=node is host)
         env = {**job_env(job_id, node, spec_path, strategy), **ssh.shared_envs,
                **observe_env(job_id, opts.run_dir, opts.log_dir, opts.log_level,
-                             tensorboard=opts.tensorboard)}
+                             tensorboard=opts.tensorboard),
+               **checkpoint_env(opts.checkpoint_dir, opts.checkpoint_steps,
+                                opts.checkpoint_seconds, restart)}
         if node.workers == 0:
             env[ENV_ROLE] = "server"
         here = host_is_here if node is host else is_local_address(node.address)

@@ -1,5 +1,12 @@
 """Run a LaunchPlan: start every agent in its own session, stream its output with a
-``[node i]`` prefix, and stop the whole job at the first failure or on SIGINT/SIGTERM."""
+``[node i]`` prefix, and stop the whole job at the first failure or on SIGINT/SIGTERM.
+
+With a :class:`RestartPolicy` allowing restarts (``stratagem run --max-restarts N``), a
+failed job is stopped everywhere and started again -- every agent, from a fresh plan -- after
+an exponential backoff; the workers resume from the newest good checkpoint. Each failure and
+each restart gets one line; the final summary counts the restarts. When the restarts are used
+up, the job fails with the *first* failure's cause (later ones are often its echoes).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import contextlib
 import hmac
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -16,16 +24,42 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 from stratagem.errors import LaunchError
 from stratagem.launch.agent import FAILURE_MARKER
 from stratagem.launch.env import ENV_JOB_ID
-from stratagem.launch.job import AgentLaunch, LaunchPlan
+from stratagem.launch.job import AgentLaunch, LaunchPlan, RestartPolicy
 
+CKPT_NAME = re.compile(r"ckpt-(\d+)")
+STOP_CODE = 143  # a worker that saved and exited on SIGTERM (stratagem.elastic.EXIT_CODE)
 GRACE_S = 6.0  # after SIGTERM, before SIGKILL (longer than the agent's own grace)
 TAIL_LINES = 25
 POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure of the job, as reported: a one-line cause and the full summary."""
+
+    line: str  # "rank 1 on node 0 (127.0.0.1): killed by SIGKILL"
+    summary: str  # failure_summary(): the cause with its traceback
+    signature: str  # what "failing the same way" compares
+    at: float  # time.monotonic() when the supervisor saw it
+    stop_request: bool = False  # the workers saved and exited on SIGTERM: never restarted
+
+
+def newest_checkpoint(root: str | None) -> str | None:
+    """The name of the newest complete ``ckpt-N`` directory under ``root`` (None when there
+    is none or the launcher cannot see the directory)."""
+    if not root:
+        return None
+    try:
+        names = [p.name for p in Path(root).iterdir() if CKPT_NAME.fullmatch(p.name)]
+    except OSError:
+        return None
+    return max(names, key=lambda n: int(n[5:])) if names else None
 
 
 @dataclass
@@ -65,8 +99,14 @@ class Supervisor:
     the launcher's exit code (0 ok, 1 failed, 128+N stopped by signal N)."""
 
     def __init__(self, plan: LaunchPlan, out: IO[str] | None = None,
-                 err: IO[str] | None = None, grace: float = GRACE_S) -> None:
+                 err: IO[str] | None = None, grace: float = GRACE_S,
+                 policy: RestartPolicy | None = None,
+                 replan: Callable[[int], LaunchPlan] | None = None) -> None:
         self.plan = plan
+        self.policy = policy or RestartPolicy()
+        self.replan = replan  # restart number -> the plan to start (default: the same)
+        self.failures: list[Failure] = []
+        self.restarts = 0
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.grace = grace
@@ -144,12 +184,10 @@ class Supervisor:
         else:
             self._hurry = True
 
-    def run(self) -> int:
-        started = time.monotonic()
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, self._on_signal)
+    def _run_once(self) -> _Agent | None:
+        """Start the plan's agents and watch them until all finished (None), one failed
+        (it is returned) or a signal arrived; every agent is stopped on the way out."""
+        self.agents = []
         first_failure: _Agent | None = None
         try:
             for launch in self.plan.agents:
@@ -168,21 +206,77 @@ class Supervisor:
                 time.sleep(POLL_S)
         finally:
             self.stop_all()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
         hidden = sum(a.hidden for a in self.agents)
         if hidden:
             self.say(f"({hidden} lines of shutdown output from stopped agents not shown)")
+        return first_failure
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep, but return at once when a stop signal arrives."""
+        deadline = time.monotonic() + seconds
+        while self._signal is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+    def run(self) -> int:
+        started = time.monotonic()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._on_signal)
+        policy = self.policy
+        delay = policy.backoff_s
+        failed: _Agent | None = None
+        try:
+            while True:
+                mark = newest_checkpoint(policy.checkpoint_dir)
+                failed = self._run_once()
+                if self._signal is not None or failed is None:
+                    break
+                self.failures.append(self.describe_failure(failed))
+                if self.restarts >= policy.max_restarts or self.failures[-1].stop_request:
+                    break
+                resume = newest_checkpoint(policy.checkpoint_dir)
+                if self.restarts and (resume is None or resume == mark):
+                    delay = min(delay * 2, policy.max_backoff_s)  # no progress since
+                else:
+                    delay = policy.backoff_s
+                self.restarts += 1
+                source = f"from {resume}" if resume else (
+                    "from the newest checkpoint" if policy.checkpoint_dir
+                    else "from the start (no checkpoint directory)")
+                self.say(f"failure {len(self.failures)}: {self.failures[-1].line}; "
+                         f"restarting in {delay:.3g} s {source} "
+                         f"(restart {self.restarts} of {policy.max_restarts})")
+                self._wait(delay)
+                if self._signal is not None:
+                    break
+                if self.replan is not None:
+                    self.plan = self.replan(self.restarts)
+                self.say(f"restart {self.restarts}: starting job {self.plan.job_id} again "
+                         f"({self.plan.num_workers} workers)")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        again = (f" ({self.restarts} restart{'s' * (self.restarts != 1)})"
+                 if policy.max_restarts else "")
         if self._signal is not None:
             name = signal.Signals(self._signal).name
             self.say(f"job {self.plan.job_id}: {name} received; stopped every worker "
-                     f"on {len(self.agents)} node{'s' * (len(self.agents) != 1)}")
+                     f"on {len(self.agents)} node{'s' * (len(self.agents) != 1)}{again}")
             return 128 + self._signal
-        if first_failure is not None:
-            self.say(self.failure_summary(first_failure))
+        if failed is not None:
+            first = self.failures[0]
+            self.say(first.summary)
+            if self.restarts:
+                same = len({f.signature for f in self.failures}) == 1
+                self.say(f"job {self.plan.job_id} gave up after {self.restarts} restart"
+                         f"{'s' * (self.restarts != 1)}: it failed {len(self.failures)} times"
+                         + (", the same way each time" if same
+                            else f"; the first cause is shown above, the last was: "
+                                 f"{self.failures[-1].line}"))
             return 1
         self.say(f"job {self.plan.job_id} finished: {self.plan.num_workers} workers, "
-                 f"{time.monotonic() - started:.1f} s")
+                 f"{time.monotonic() - started:.1f} s{again}")
         return 0
 
     def stop_all(self) -> None:
@@ -221,6 +315,37 @@ class Supervisor:
             os.killpg(agent.proc.pid, sig)
 
     # -- reporting --------------------------------------------------------------------
+    def _lead(self) -> tuple[dict[str, Any], _Agent] | None:
+        """The failure record that names the cause (see :meth:`failure_summary`)."""
+        records = [(r, a) for a in self.agents for r in a.failures]
+
+        def pick(ok: Callable[[dict[str, Any]], bool]) -> tuple[dict[str, Any], _Agent] | None:
+            found = [(r, a) for r, a in records if ok(r)]
+            return min(found, key=lambda ra: ra[0].get("time") or 0) if found else None
+
+        return (pick(lambda r: r.get("kind") == "signal")
+                or pick(lambda r: r.get("kind", "exception") == "exception")
+                or pick(lambda r: r.get("kind") == "exit"))
+
+    def describe_failure(self, first: _Agent) -> Failure:
+        """The failure of the attempt just stopped, as one line plus the full summary."""
+        lead = self._lead()
+        if lead is None:
+            cause = f"agent exited with {_describe_code(first.code)}"
+            line, signature = f"{first.label}: {cause}", f"agent {cause}"
+        else:
+            record, agent = lead
+            rank = record.get("rank")
+            who = f"rank {rank}" if rank is not None else "a worker"
+            message = str(record.get("message"))
+            line = f"{who} on {agent.label}: {message}"
+            signature = f"{record.get('kind')}: {message.splitlines()[0] if message else ''}"
+        # SIGTERM sent to the workers themselves (a scheduler, a node drain): they saved the
+        # job state and exited 143 (stratagem.elastic.EXIT_CODE) -- a stop, not a crash.
+        stop = lead is not None and str(lead[0].get("message")) == f"SystemExit: {STOP_CODE}"
+        return Failure(line=line, summary=self.failure_summary(first), signature=signature,
+                       at=time.monotonic(), stop_request=stop)
+
     def failure_summary(self, first: _Agent) -> str:
         """Name the failing rank and node and show its error.
 
@@ -230,17 +355,9 @@ class Supervisor:
         that only lost their peer fail later); else a worker that exited non-zero; else the
         first agent to fail. Workers that torchrun stopped (``kind: stopped``) are never it.
         """
-        records = [(r, a) for a in self.agents for r in a.failures]
         others = " and stopped the other nodes" if len(self.agents) > 1 else ""
         lines = [f"job {self.plan.job_id} failed{others}"]
-
-        def pick(ok: Callable[[dict[str, Any]], bool]) -> tuple[dict[str, Any], _Agent] | None:
-            found = [(r, a) for r, a in records if ok(r)]
-            return min(found, key=lambda ra: ra[0].get("time") or 0) if found else None
-
-        lead = (pick(lambda r: r.get("kind") == "signal")
-                or pick(lambda r: r.get("kind", "exception") == "exception")
-                or pick(lambda r: r.get("kind") == "exit"))
+        lead = self._lead()
         if lead is None:
             lines.append(f"first failure: {first.label}: agent exited with "
                          f"{_describe_code(first.code)}; its last output:")

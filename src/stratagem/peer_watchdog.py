@@ -1,0 +1,124 @@
+"""Peer heartbeats for the default process group: a peer that stops answering ends the job
+in seconds instead of at the collective timeout.
+
+A SIGKILLed peer closes its sockets and gloo fails at once; a *frozen* peer, or one behind a
+link or node that went down, closes nothing, and the survivors would wait in their
+all-reduce for the whole process-group timeout (default 300 s). So each rank of a job
+launched by torch elastic (``stratagem run``/``torchrun``) runs a daemon thread that bumps its
+counter in the job's store every :data:`BEAT_S` and watches the others' counters (on its own
+clock: no clock sync needed). When a peer's counter has not moved for
+``STRATAGEM_PEER_TIMEOUT_S`` (default 10 s; 0 disables), or the store itself is unreachable,
+the thread writes a torch elastic error file naming the lost rank and leaves the process
+(``os._exit``): its blocked collective cannot be interrupted from Python. The launcher then
+stops the job and, with ``--max-restarts``, starts it again from the newest checkpoint.
+
+A rank that finishes normally marks itself done when its group is destroyed, so its
+silence afterwards is not a loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from stratagem import env
+
+BEAT_S = 1.0
+EXIT_CODE = 75  # a rank that left its collective because a peer was lost
+
+
+class PeerWatchdog:
+    """Heartbeats of ``rank`` among ``world`` ranks through ``store`` (see module doc)."""
+
+    def __init__(self, store: Any, rank: int, world: int, timeout_s: float,
+                 exit_process: bool = True, beat_s: float = BEAT_S) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.timeout_s, self.beat_s = timeout_s, beat_s
+        self.exit_process = exit_process
+        self.lost: str | None = None  # why the watchdog fired (tests read it)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stratagem-peer-watchdog",
+                                        daemon=True)
+
+    def start(self) -> PeerWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self, done: bool = True) -> None:
+        """Stop beating; ``done``: tell the others this rank finished (not lost)."""
+        self._stop.set()
+        if done:
+            with contextlib.suppress(Exception):
+                self.store.set(f"done/{self.rank}", "1")
+
+    def _run(self) -> None:
+        peers = [r for r in range(self.world) if r != self.rank]
+        seen: dict[int, tuple[int, float]] = {}  # peer -> (last counter, when it moved)
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                for peer in peers:
+                    count = self.store.add(f"beat/{peer}", 0)
+                    if peer not in seen or seen[peer][0] != count:
+                        seen[peer] = (count, now)
+                    elif (now - seen[peer][1] > self.timeout_s
+                          and not self.store.check([f"done/{peer}"])):
+                        self._fire(f"rank {peer} stopped answering: no heartbeat for "
+                                   f"{now - seen[peer][1]:.0f} s (frozen, or its node or "
+                                   "link is down)", peer)
+                        return
+            except Exception as exc:  # noqa: BLE001 - the store (its host) is unreachable
+                if self._stop.is_set():
+                    return
+                self._fire(f"the job's store is unreachable ({type(exc).__name__}: "
+                           f"{str(exc)[:120]}): its host, node or link is down", None)
+                return
+            self._stop.wait(self.beat_s)
+
+    def _fire(self, why: str, peer: int | None) -> None:
+        self.lost = why
+        message = f"PeerLost: {why}; rank {self.rank} left its collective"
+        print(f"stratagem: {message}", file=sys.stderr, flush=True)
+        if not self.exit_process:
+            return
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if path:  # the launcher's failure summary names the lost rank (see launch.worker)
+            with contextlib.suppress(OSError), open(path, "w") as fp:
+                json.dump({"message": {"message": message, "extraInfo": {
+                    "py_callstack": "", "timestamp": str(int(time.time())),
+                    "stratagem": {"time": time.time(), "rank": str(self.rank),
+                                  "lost_rank": peer, "node": env.node_address()}}}}, fp)
+        os._exit(EXIT_CODE)
+
+
+def start_for_default_group() -> PeerWatchdog | None:
+    """A watchdog for the default group when torch elastic launched this process with its
+    agent's store (at MASTER_ADDR:MASTER_PORT; it outlives the workers), the world has peers
+    and ``STRATAGEM_PEER_TIMEOUT_S`` is not 0; else None."""
+    seconds = env.peer_timeout()
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not seconds or not (addr and port and run_id and port.isdigit()):
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # the store lives in rank 0, which may exit first: not a safe beacon
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    try:
+        client = dist.TCPStore(addr, int(port), is_master=False,
+                               timeout=timedelta(seconds=max(seconds, 1.0)),
+                               wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - no store to beat in: the collective timeout applies
+        return None
+    attempt = f"{env.restart_count()}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = dist.PrefixStore(f"stratagem/peers/{run_id}/{attempt}/", client)
+    return PeerWatchdog(store, dist.get_rank(), dist.get_world_size(), seconds).start()

@@ -1,0 +1,124 @@
+"""Periodic checkpoints (``STRATAGEM_CHECKPOINT_STEPS``/``_SECONDS``) and resuming from one
+after a crash: the job continues as if nothing happened (single process, in-process)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import stratagem as sg
+from stratagem import env
+from stratagem.checkpoint import CheckpointDir
+from stratagem.elastic import boundary, exit_point, job_context, register_state
+from stratagem.elastic.state import ObjectState, load_state
+
+N, BATCH, EPOCHS = 20, 2, 2  # 10 steps per epoch
+
+
+class Crash(Exception):
+    pass
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.arange(N), torch.randn(N, 4, generator=g),
+                         torch.randn(N, 1, generator=g))
+
+
+def _train(crash_at: int | None = None, seen: list[int] | None = None) -> nn.Module:
+    """The job: Adam on a linear model, shuffled; raises Crash before step ``crash_at``'s
+    optimizer step (like a SIGKILL: nothing saved after the previous checkpoint)."""
+    with job_context():
+        torch.manual_seed(0)
+        plain = nn.Linear(4, 1)
+        ad = sg.AutoDist(verbose=False)
+        model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.05))
+        loader = ad.data_loader(_data(), batch_size=BATCH, shuffle=True, seed=7)
+        steps = {"n": 0}
+        load_state(ObjectState("steps", lambda: dict(steps), steps.update, format="json"))
+        for _ in ad.remaining_epochs_until(EPOCHS):
+            for ids, x, y in loader:
+                steps["n"] += 1
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                if steps["n"] == crash_at:
+                    raise Crash
+                if seen is not None:
+                    seen += ids.tolist()
+                opt.step()
+        return plain
+
+
+def _newest(root: Path) -> Path:
+    newest = CheckpointDir(root).latest_good()
+    assert newest is not None
+    return newest
+
+
+def test_a_checkpoint_every_k_steps(job_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.CHECKPOINT_STEPS, "3")
+    with pytest.raises(Crash):
+        _train(crash_at=8)
+    newest = _newest(job_state)
+    assert newest.name == "ckpt-00000002"  # saved after steps 3 and 6 (numbered from 1)
+    loader = json.loads((newest / "loader.json").read_text())
+    assert (loader["epoch"], loader["offset"]) == (0, 6 * BATCH)
+    assert json.loads((newest / "steps.json").read_text()) == {"n": 6}
+
+
+def test_resuming_after_a_crash_trains_every_sample_once_and_ends_the_same(
+        job_state: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(env.CHECKPOINT_STEPS, "4")
+    monkeypatch.setenv(env.CHECKPOINT_DIR, str(tmp_path / "calm"))
+    calm = _train()
+    monkeypatch.setenv(env.CHECKPOINT_DIR, str(job_state))
+    before: list[int] = []
+    with pytest.raises(Crash):
+        _train(crash_at=15, seen=before)  # epoch 1, step 5; checkpoint after step 12
+    after: list[int] = []
+    resumed = _train(seen=after)
+    kept = before[:12 * BATCH]  # what the checkpoint holds: 12 steps
+    assert sorted(kept[:N]) == list(range(N))  # epoch 0 once
+    assert sorted(kept[N:] + after) == list(range(N))  # epoch 1 once, across the crash
+    for name, value in calm.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], value), name
+
+
+def test_a_checkpoint_every_t_seconds_on_rank_0s_clock(
+        job_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.CHECKPOINT_SECONDS, "10")
+    now = [0.0]
+    monkeypatch.setattr(boundary, "clock", lambda: now[0])
+    with job_context():
+        value = {"v": 0}
+        register_state("value", type("S", (), {"state_dict": lambda self: dict(value),
+                                               "load_state_dict": value.update})())
+        saved = []
+        for t in (0, 5, 10, 12, 20, 22):  # the clock starts at the first boundary
+            now[0] = float(t)
+            value["v"] = t
+            exit_point(step=True)
+            newest = CheckpointDir(job_state).latest_good()
+            saved.append(newest.name if newest else None)
+    # due at 10 (10 s after 0); then the clock restarts at 12: due at 22, not 20
+    assert saved == [None, None, "ckpt-00000001", "ckpt-00000001", "ckpt-00000001",
+                     "ckpt-00000002"]
+
+
+def test_no_periodic_checkpoint_without_the_settings(job_state: Path) -> None:
+    with job_context():
+        for _ in range(5):
+            exit_point(step=True)
+    assert CheckpointDir(job_state).latest_good() is None
+
+
+@pytest.mark.parametrize("var", [env.CHECKPOINT_STEPS, env.CHECKPOINT_SECONDS])
+def test_bad_settings_name_the_variable(var: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(var, "-2")
+    with pytest.raises(sg.StratagemError, match=var):
+        env.checkpoint_steps() if var == env.CHECKPOINT_STEPS else env.checkpoint_seconds()
