@@ -1,0 +1,130 @@
+"""Models and spawned-worker cases of the planner tests (2 gloo workers on 127.0.0.1).
+
+Every case trains the same global batches as :func:`reference` (plain torch, one process)
+and returns the final state, so the parent compares the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+STEPS = 12
+BATCH = 8
+VOCAB = 40
+DIM = 6
+NEG = 5
+
+
+class SampledLM(nn.Module):
+    """A table read with ``F.embedding`` (no module, dense gradient) and an output layer
+    used through a sampled softmax: both are declared dense and row-sparse in practice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(VOCAB, DIM) * 0.3)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(F.embedding(ids, self.table).sum(dim=1)))
+        return h @ self.out.weight[cand].t() + self.out.bias[cand]
+
+
+class DenseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12)
+        self.fc2 = nn.Linear(12, 9)
+        self.fc3 = nn.Linear(9, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def make(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return (SampledLM() if name == "sampled" else DenseNet()).double()
+
+
+def batch(name: str, step: int, n: int = BATCH) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """(model inputs, target) of global batch ``step``; the sampled softmax's candidates
+    (the batch's targets, then NEG shared negatives) are the same for every worker."""
+    g = torch.Generator().manual_seed(77 + step)
+    if name == "sampled":
+        ids = torch.randint(0, VOCAB // 2, (n, 3), generator=g)
+        y = torch.randint(0, VOCAB, (n,), generator=g)
+        neg = torch.randint(0, VOCAB, (NEG,), generator=g)
+        cand, inverse = torch.unique(torch.cat([y, neg]), return_inverse=True)
+        return (ids, cand), inverse[:n]
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    return (x,), torch.randn(n, 4, generator=g, dtype=torch.float64)
+
+
+def slice_inputs(name: str, inputs: tuple, target: Any, sl: slice) -> tuple[tuple, Any]:
+    if name == "sampled":
+        return (inputs[0][sl], inputs[1]), target[sl]
+    return (inputs[0][sl],), target[sl]
+
+
+def loss(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if name == "sampled":
+        return F.cross_entropy(out, target)
+    return F.mse_loss(out, target)
+
+
+def reference(name: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """Plain torch, one process, the global batch, SGD without momentum."""
+    m = make(name)
+    opt = torch.optim.SGD(m.parameters(), lr=0.3)
+    for step in range(steps):
+        inputs, target = batch(name, step)
+        opt.zero_grad()
+        loss(name, m(*inputs), target).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def train_with(rank: int, world: int, name: str, strategy_json: str) -> dict[str, Any]:
+    """One worker: ``strategy_json`` compiled and run for STEPS steps, inside a PS cluster
+    joined the way AutoDist does (colocated owners: each worker node owns some pieces)."""
+    import json
+
+    from stratagem.analysis import analyze
+    from stratagem.runtime import DistributedModel, compile_plan
+    from stratagem.runtime.ps import join_cluster
+    from stratagem.strategy import Strategy, validate
+
+    spec = two_nodes()
+    cluster = join_cluster(spec.replicas, [])
+    model = make(name, seed=rank)  # different seeds: worker 0's values are broadcast
+    profile = analyze(model)
+    strategy = validate(Strategy.from_dict(json.loads(strategy_json)), profile, spec)
+    plan = compile_plan(strategy, profile, rank=rank, world_size=world,
+                        device=torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    dm = DistributedModel(model, plan, optimizer=opt, cluster=cluster)
+    per = BATCH // world
+    sl = slice(rank * per, (rank + 1) * per)
+    for step in range(STEPS):
+        inputs, target = batch(name, step)
+        mine, y = slice_inputs(name, inputs, target, sl)
+        opt.zero_grad()
+        loss(name, dm(*mine), y).backward()
+        opt.step()
+    dm.refresh_parameters()
+    state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
+    out = {"state": state, "plan": plan.summary()}
+    dm.close()
+    return out
+
+
+def two_nodes() -> Any:
+    from stratagem.resource import ResourceSpec
+
+    return ResourceSpec.from_dict({"nodes": [
+        {"address": "10.0.0.1", "chief": True, "workers": 1, "cpus": [0]},
+        {"address": "10.0.0.2", "workers": 1, "cpus": [0]}]})
