@@ -142,20 +142,27 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     owned_bytes = [0.0] * (ps.size if ps else 0)
     if ps is not None:
         # Dense buckets: push as ready (launch order), pull values after the update.
+        # Buckets of different owners travel at the same time on different links: the
+        # pushes together take transfer_time(all of them), shared out by bytes.
         pull_flows: list[tuple[str, str, float]] = []
+        push_flows_all: list[tuple[str, str, float]] = []
+        buckets = []
         for b in ps.buckets:
             pieces = [ps.pieces[i] for i in b.pieces]
             nbytes = b.numel * _itemsize(b.dtype)
             owner = owners_dev[b.owner]
             flows = [(w, owner, nbytes) for w in replicas if w != owner]
-            back = [(owner, w, nbytes) for w in replicas if w != owner]
-            events.append((_ready(cal, [p.param for p in pieces]),
-                           f"push bucket {b.id}", links.transfer_time(flows)
-                           + links.latency_s))
-            pull_flows += back
-            all_flows += flows + back
+            pull_flows += [(owner, w, nbytes) for w in replicas if w != owner]
+            push_flows_all += flows
+            buckets.append((b, pieces, nbytes))
             messages += 2 * len(flows)  # per worker: one push and one pull per remote owner
             owned_bytes[b.owner] += nbytes
+        push_total = links.transfer_time(push_flows_all)
+        dense_bytes = sum(n for *_, n in buckets) or 1
+        for b, pieces, nbytes in buckets:
+            events.append((_ready(cal, [p.param for p in pieces]), f"push bucket {b.id}",
+                           push_total * nbytes / dense_bytes + links.latency_s))
+        all_flows += push_flows_all + pull_flows
         pull_s = links.transfer_time(pull_flows) + (links.latency_s if pull_flows else 0.0)
         # Sparse pieces: rows per worker, by owner.
         fwd_flows: list[tuple[str, str, float]] = []
@@ -180,8 +187,9 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
                     push_flows.append((w, owner, u * row_bytes))
             if p.local_replication:
                 replicated = True
-                union = (stats.union_rows(W) * p.rows / max(rows, 1)
-                         if stats is not None else u * W)
+                # the workers' rows together: disjoint (which rows other workers touch
+                # is not measured, so the upper bound)
+                union = min(float(p.rows), u * W)
                 ref_flows += [(owner, w, union * (row_bytes + ID_BYTES))
                               for w in replicas if w != owner]
             else:

@@ -5,8 +5,9 @@ Transfers are *flows* ``(source device, destination device, bytes)`` that run at
 time. Flows between two nodes cross both nodes' links; a link carries its egress and its
 ingress at full rate each (full duplex), so the time is the most loaded direction of the
 most loaded link. Flows inside a node (two workers on one machine) go through memory at
-``intra_bps``. Several nodes sending into one node at once lose some of their rate to
-incast (TCP losses in a shallow queue), ``incast_penalty`` per extra sender.
+``intra_bps`` per sending process. Several nodes sending into one node at once lose some
+of their rate to incast (TCP losses in a shallow queue), ``incast_penalty`` per extra
+sender.
 
 Constants (see docs/concepts/auto-strategy.md for where each comes from):
 """
@@ -76,23 +77,24 @@ class LinkModel:
     def transfer_time(self, flows: Iterable[tuple[str, str, float]]) -> float:
         """Seconds until every flow has arrived (they start together; no latency term)."""
         n = len(self.nic_bps)
-        egress, ingress, intra = [0.0] * n, [0.0] * n, [0.0] * n
+        egress, ingress = [0.0] * n, [0.0] * n
+        intra: dict[str, float] = {}  # per sending process: its copies run in parallel
         senders: list[set[int]] = [set() for _ in range(n)]
         for src, dst, nbytes in flows:
             if nbytes <= 0 or src == dst:
                 continue
             a, b = self.node_of[src], self.node_of[dst]
             if a == b:
-                intra[a] += nbytes
+                intra[src] = intra.get(src, 0.0) + nbytes
                 continue
             egress[a] += nbytes
             ingress[b] += nbytes
             senders[b].add(a)
-        worst = 0.0
+        worst = max(intra.values(), default=0.0) / self.intra_bps
         for i in range(n):
             incast = 1.0 + self.incast_penalty * max(0, len(senders[i]) - 1)
             worst = max(worst, egress[i] / self.nic_bps[i],
-                        ingress[i] * incast / self.nic_bps[i], intra[i] / self.intra_bps)
+                        ingress[i] * incast / self.nic_bps[i])
         return worst
 
     def flow_bytes(self, flows: Iterable[tuple[str, str, float]]) -> dict[str, float]:
