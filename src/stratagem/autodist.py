@@ -8,10 +8,12 @@ for this rank and wraps the model. With one process it does no communication at 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +29,31 @@ from stratagem.data import DistributedDataLoader
 from stratagem.errors import StratagemError, install_excepthook
 from stratagem.launch.env import nproc_override
 from stratagem.observe import MetricsFile, ProgressDisplay, logger
+from stratagem.planner import Choice, choose, explain_text
 from stratagem.process_group import default_backend, init_process_group
 from stratagem.resource import ResourceSpec
 from stratagem.runtime import DistributedModel, compile_plan
 from stratagem.runtime.ps import Cluster, join_cluster, run_server
-from stratagem.strategy import Strategy, StrategyBuilder, resolve_builder, validate
+from stratagem.runtime.ps.optim import sparse_class
+from stratagem.strategy import Auto, Strategy, StrategyBuilder, resolve_builder, validate
 from stratagem.strategy.validate import server_devices
 
 ENV_SPEC = env.RESOURCE_SPEC
 ENV_STRATEGY = env.STRATEGY
 
 __all__ = ["AutoDist", "resolve_builder"]
+
+
+def _rows_allowed(model: nn.Module, optimizer: Any) -> bool:
+    """Whether the optimizer has a sparse rule for every parameter (PS rows need one)."""
+    if optimizer is None:
+        return True
+    for group in optimizer.param_groups:
+        try:
+            sparse_class(optimizer, group, "Auto")
+        except StratagemError:
+            return False
+    return True
 
 
 def _env_int(name: str, default: int) -> int:
@@ -80,6 +96,7 @@ class AutoDist:
         self.strategy: Strategy | None = None
         self.profile: ModelProfile | None = None
         self.model: DistributedModel | None = None
+        self.choice: Choice | None = None  # the planner's choice, when the builder is Auto
         self.optimizer: torch.optim.Optimizer | None = None
         self.adaptive: AdaptiveTrainer | None = None  # the adaptive loop, once distributed
         # Fully built: follow in-process rescales (the lifecycle calls back, see below).
@@ -218,28 +235,76 @@ class AutoDist:
     def is_chief(self) -> bool:
         return self.rank == 0
 
-    def build_strategy(self, model: nn.Module) -> Strategy:
-        """Analyze ``model`` and build (and validate) its strategy without wrapping it."""
+    def build_strategy(self, model: nn.Module, sample_input: Any = None,
+                       optimizer: Any = None) -> Strategy:
+        """Analyze ``model`` and build (and validate) its strategy without wrapping it.
+
+        With the Auto builder, ``sample_input`` (one worker's batch, as ``model(*it)``
+        takes it) lets the planner measure the model; rank 0's choice is then sent to the
+        other workers, since measurements differ between processes."""
         self.profile = analyze(model)
+        if isinstance(self._builder, Auto):
+            return validate(self._plan(model, sample_input, optimizer), self.profile,
+                            self.resource_spec)
         strategy = self._builder.build(self.profile, self.resource_spec)
         return validate(strategy, self.profile, self.resource_spec)
 
+    def _plan(self, model: nn.Module, sample_input: Any, optimizer: Any) -> Strategy:
+        options = self._builder
+        if options.rows and not _rows_allowed(model, optimizer):
+            options = replace(options, rows=False)
+        if self.cluster is not None and sample_input is not None:
+            self.log("Auto: dedicated parameter servers plan from the profile (no "
+                     "calibration), so that every process chooses alike")
+            sample_input = None
+        self.choice = choose(model, self.resource_spec, sample_input=sample_input,
+                             options=options)
+        if sample_input is None or self.world_size == 1:
+            return self.choice.strategy
+        return self._agree(self.choice.strategy)
+
+    def _agree(self, strategy: Strategy) -> Strategy:
+        """Rank 0's strategy on every worker (sent as JSON bytes, parsed strictly)."""
+        payload = strategy.to_json().encode() if self.rank == 0 else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, 0)
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+               if self.rank == 0 else
+               torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
+        dist.broadcast(buf, 0)
+        if self.rank == 0:
+            return strategy
+        return Strategy.from_dict(json.loads(bytes(buf.cpu().tolist()).decode()),
+                                  source="rank 0's Auto strategy")
+
+    def explain(self) -> str:
+        """What Auto chose and why: groups, predicted step split into compute, exposed
+        communication and overheads, bytes per link, the alternatives it rejected."""
+        if self.choice is None:
+            raise StratagemError("explain() needs a strategy chosen by Auto",
+                                 where="AutoDist.explain",
+                                 fix='use strategy_builder="Auto" and call distribute() '
+                                     "(or build_strategy()) first")
+        return explain_text(self.choice)
+
     def distribute(self, model: nn.Module, optimizer: Any = None, *,
                    scaling_rule: Any = None, scaler: Any = None,
-                   adaptive: TrainerConfig | None = None) -> tuple[nn.Module, Any]:
+                   adaptive: TrainerConfig | None = None,
+                   sample_input: Any = None) -> tuple[nn.Module, Any]:
         """Return (distributed model, optimizer); the optimizer object is the same, its
         ``step``/``zero_grad`` wrapped by the adaptive loop (``stratagem.adapt.loop``): LR
         scaled by ``scaling_rule`` (default by optimizer type) when the batch size changes,
         gradient accumulation over the loader's micro-batches. ``scaler``: a
         ``torch.amp.GradScaler`` for mixed precision (``DistributedModel.attach_scaler``).
         ``adaptive`` tunes the adaptive loop (:class:`stratagem.adapt.TrainerConfig`:
-        decision interval, smoothing, preconditioner refresh)."""
+        decision interval, smoothing, preconditioner refresh). ``sample_input``: one
+        worker's batch for the Auto builder to calibrate on (see :meth:`build_strategy`)."""
         if not isinstance(model, nn.Module):
             raise StratagemError(f"expected a torch.nn.Module, got {type(model).__name__}",
                                  where="AutoDist.distribute", fix="pass the model object")
         model.to(self.device)
-        self.strategy = self.build_strategy(model)
         self._check_optimizer(model, optimizer)
+        self.strategy = self.build_strategy(model, sample_input, optimizer)
         self.log(self.profile.summary() if self.profile else "")
         self.log(self.strategy.summary())
         plan = compile_plan(self.strategy, self.profile, rank=self.rank,

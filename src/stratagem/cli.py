@@ -92,6 +92,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", metavar="NAME|FILE", help="builder name or strategy file")
     p.add_argument("--out", metavar="FILE", help="save the strategy (.json/.yaml)")
     p.add_argument("--show-plan", action="store_true", help="also print rank 0's plan")
+    p.add_argument("--sample", metavar="MODULE:CALLABLE",
+                   help="callable returning one worker's batch: the planner measures the "
+                        "model on it (Auto, and predicted step times)")
+    p.add_argument("--batch-size", type=int, metavar="N",
+                   help="samples per worker when no --sample is given (default 32)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=cmd_plan, parser=p)
 
 
@@ -99,7 +105,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from stratagem.plan_command import explain
 
     print(explain(args.model, args.resource_spec, args.strategy, args.nproc, args.out,
-                  args.show_plan))
+                  args.show_plan, sample_target=args.sample, batch_size=args.batch_size,
+                  as_json=args.json))
     return 0
 
 

@@ -20,8 +20,17 @@ def load_model(target: str) -> Any:
     """Call ``module:callable`` (or ``file.py:callable``) and return the nn.Module it makes."""
     from torch import nn
 
+    model = _call_target(target, "--model")
+    if not isinstance(model, nn.Module):
+        raise StratagemError(f"{target} returned {type(model).__name__}, not an nn.Module",
+                             where="--model", fix="return the model from the callable")
+    return model
+
+
+def _call_target(target: str, option: str) -> Any:
+    """Import ``module:callable`` (or ``file.py:callable``) and call it."""
     if ":" not in target:
-        raise StratagemError(f"cannot read model {target!r}", where="--model",
+        raise StratagemError(f"cannot read {option} {target!r}", where=option,
                              fix="write MODULE:CALLABLE or path/to/file.py:CALLABLE")
     where, name = target.rsplit(":", 1)
     try:
@@ -36,41 +45,88 @@ def load_model(target: str) -> Any:
         else:
             module = importlib.import_module(where)
     except (ImportError, FileNotFoundError) as exc:
-        raise StratagemError(f"cannot import {where!r}: {exc}", where="--model",
+        raise StratagemError(f"cannot import {where!r}: {exc}", where=option,
                              fix="check the module path or file name") from None
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise StratagemError(f"{where} has no callable {name!r}", where="--model",
-                             fix="name a function or class that builds the model")
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise StratagemError(f"{target} returned {type(model).__name__}, not an nn.Module",
-                             where="--model", fix="return the model from the callable")
-    return model
+        raise StratagemError(f"{where} has no callable {name!r}", where=option,
+                             fix="name a function or class that builds it")
+    return factory()
 
 
 def explain(model_target: str, spec_file: str | None, strategy: str | None,
-            nproc: int | None, out: str | None, show_plan: bool) -> str:
-    """The report ``stratagem plan`` prints; saves the strategy to ``out`` if given."""
+            nproc: int | None, out: str | None, show_plan: bool,
+            sample_target: str | None = None, batch_size: int | None = None,
+            as_json: bool = False) -> str:
+    """The report ``stratagem plan`` prints; saves the strategy to ``out`` if given.
+
+    With ``--strategy Auto`` the planner chooses (calibrating on the batch that
+    ``sample_target`` returns, else estimating at ``batch_size`` per worker) and the report
+    is its explanation; any other strategy gets its predicted step split too."""
+    import json
+
     import torch
 
     from stratagem.analysis import analyze
+    from stratagem.planner import (
+        Auto,
+        choose,
+        estimate,
+        explain_json,
+        explain_text,
+        predict,
+    )
+    from stratagem.planner.calibrate import calibrate
     from stratagem.resource import ResourceSpec
     from stratagem.runtime import compile_plan
     from stratagem.strategy import resolve_builder, validate
 
     spec = ResourceSpec.from_file(spec_file) if spec_file else ResourceSpec.local(nproc or 1)
     model = load_model(model_target)
+    sample = load_sample(sample_target) if sample_target else None
+    if batch_size is not None and batch_size < 1:
+        raise StratagemError(f"--batch-size must be >= 1, got {batch_size}",
+                             where="--batch-size", fix="give the samples per worker")
+    builder = resolve_builder(strategy)
     profile = analyze(model)
-    built = validate(resolve_builder(strategy).build(profile, spec), profile, spec)
     lines = [f"resource spec: {spec.source}: {len(spec.nodes)} node(s), "
              f"{spec.num_workers} worker(s): {', '.join(spec.replicas)}",
-             f"model: {profile.summary()}", built.summary()]
+             f"model: {profile.summary()}"]
+    report: dict[str, Any] = {"spec": spec.source, "workers": spec.num_workers}
+    if isinstance(builder, Auto):
+        options = builder if batch_size is None else Auto(
+            compressors=builder.compressors, rows=builder.rows,
+            detect_sparse=builder.detect_sparse, batch_size=batch_size)
+        choice = choose(model, spec, sample_input=sample, options=options)
+        built = validate(choice.strategy, profile, spec)
+        lines += [explain_text(choice), "", built.summary()]
+        report["auto"] = explain_json(choice)
+    else:
+        built = validate(builder.build(profile, spec), profile, spec)
+        cal = (calibrate(model, sample) if sample is not None
+               else estimate(profile, batch_size or Auto().batch_size))
+        cost = predict(built, profile.with_access(cal.access) if sample is not None
+                       else profile, spec, cal)
+        lines += [built.summary(),
+                  f"predicted step {cost.total_s * 1e3:.1f} ms = compute "
+                  f"{cost.compute_s * 1e3:.1f} + exposed comm {cost.exposed_comm_s * 1e3:.1f}"
+                  f" + overheads {cost.overhead_s * 1e3:.1f}"]
+        report["predicted"] = cost.to_dict()
+    report["strategy"] = built.to_dict()
     if show_plan:
         plan = compile_plan(built, profile, rank=0, world_size=spec.num_workers,
                             device=torch.device("cpu"))
         lines.append(plan.summary())
+        report["plan"] = plan.summary()
     if out:
         built.save(out)
         lines.append(f"strategy saved to {out} (edit it and pass it back with --strategy)")
+    if as_json:
+        return json.dumps(report, indent=2, default=str)
     return "\n".join(lines)
+
+
+def load_sample(target: str) -> Any:
+    """Call ``module:callable`` (or ``file.py:callable``) for one worker's sample batch: a
+    tensor, or a tuple/dict of the model's inputs."""
+    return _call_target(target, "--sample")

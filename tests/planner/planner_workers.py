@@ -128,3 +128,40 @@ def two_nodes() -> Any:
     return ResourceSpec.from_dict({"nodes": [
         {"address": "10.0.0.1", "chief": True, "workers": 1, "cpus": [0]},
         {"address": "10.0.0.2", "workers": 1, "cpus": [0]}]})
+
+
+class EmbeddingHeavy(nn.Module):
+    """A large dense-declared embedding table (sparse=False) and a small tower."""
+
+    def __init__(self, rows: int = 20000, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(rows, dim)
+        self.fc1 = nn.Linear(dim, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.emb(ids).sum(dim=1))))
+
+
+def autodist_case(rank: int, world: int, name: str) -> dict[str, Any]:
+    """A user's script with ``strategy_builder="Auto"``: calibrate on this worker's first
+    batch, train STEPS steps on this worker's slice, return the state and explanation."""
+    import stratagem as sg
+
+    ad = sg.AutoDist(strategy_builder="Auto", verbose=False)
+    model = make(name, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    per = BATCH // world
+    sl = slice(rank * per, (rank + 1) * per)
+    inputs, target = batch(name, 0)
+    sample, _ = slice_inputs(name, inputs, target, sl)
+    dm, opt = ad.distribute(model, opt, sample_input=sample)
+    for step in range(STEPS):
+        inputs, target = batch(name, step)
+        mine, y = slice_inputs(name, inputs, target, sl)
+        opt.zero_grad()
+        loss(name, dm(*mine), y).backward()
+        opt.step()
+    dm.refresh_parameters()
+    state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
+    return {"state": state, "strategy": ad.strategy.to_json(), "explain": ad.explain()}

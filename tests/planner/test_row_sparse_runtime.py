@@ -28,8 +28,9 @@ def rows(dest: str) -> PSSynchronizer:
 
 
 def rows_strategy() -> Strategy:
-    """Table on worker 1, output weight split over both workers, bias on worker 0: all as
-    rows; the hidden layer all-reduced."""
+    """Table on worker 1, output weight and bias split over both workers: all as rows
+    (the 1-D bias's parts go dense, see test_plan_marks_rows_from_gradient); the hidden
+    layer all-reduced."""
     return Strategy(node_config=(
         NodeConfig("table", rows(W1)),
         NodeConfig("hidden.weight", AllReduceSynchronizer()),
@@ -37,7 +38,9 @@ def rows_strategy() -> Strategy:
         NodeConfig("out.weight", partitioner=Partitioner((2, 1)), part_config=(
             NodeConfig("out.weight/part_0", rows(W0)),
             NodeConfig("out.weight/part_1", rows(W1)))),
-        NodeConfig("out.bias", rows(W0))))
+        NodeConfig("out.bias", partitioner=Partitioner((2,)), part_config=(
+            NodeConfig("out.bias/part_0", rows(W0)),
+            NodeConfig("out.bias/part_1", rows(W1))))))
 
 
 def test_rows_of_dense_gradients_match_single_process(tmp_path) -> None:
@@ -59,8 +62,10 @@ def test_plan_marks_rows_from_gradient() -> None:
     plan = compile_plan(strategy, profile, rank=0, world_size=2, device=torch.device("cpu"))
     by_param = {p.param: p for p in plan.ps.pieces}
     assert by_param["table"].sparse and by_param["table"].rows_from_grad
-    assert by_param["out.bias"].sparse and by_param["out.bias"].rows_from_grad
-    assert all(p.sparse for p in plan.ps.pieces_of("out.weight"))
+    assert all(p.sparse and p.rows_from_grad for p in plan.ps.pieces_of("out.weight"))
+    # parts of a 1-D parameter stay dense: torch's dense.add_(sparse) on a 1-D view at an
+    # offset misses the view (it lost part 1's updates before this rule)
+    assert not any(p.sparse for p in plan.ps.pieces_of("out.bias"))
 
 
 def test_row_sparse_without_local_replication_is_refused() -> None:

@@ -307,11 +307,18 @@ def calibrate(model: nn.Module, sample_input: Any, *,
     return cal
 
 
+NOMINAL_COPY_BPS = 2e9
+NOMINAL_FLOPS = 1e10
+"""Rates of :func:`estimate`: fixed, so that every rank plans the same strategy from the
+same profile (a 2-core CPU's order of magnitude; calibration measures the real ones)."""
+
+
 def estimate(profile: ModelProfile, batch_size: int) -> Calibration:
     """Costs from the profile alone (no sample batch): 2 FLOPs per value and sample
     forward (embedding tables: one row per sample), twice that backward, gradients ready
-    in reverse registration order; row access of untied embeddings: one row per sample."""
-    copy_bps, flops = machine_rates()
+    in reverse registration order; row access of untied embeddings: one row per sample.
+    Deterministic: nominal rates, nothing measured."""
+    copy_bps, flops = NOMINAL_COPY_BPS, NOMINAL_FLOPS
     work = []
     for p in profile.params:
         row = p.numel // p.shape[0] if p.shape and p.shape[0] else 1

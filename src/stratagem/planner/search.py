@@ -48,7 +48,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Choice:
-    """The search's answer: the chosen candidate and the others, best first."""
+    """The search's answer: the chosen candidate and the others, best first (a built-in
+    builder by its name, or ``hybrid``: per-parameter choices made here)."""
 
     best: Candidate
     candidates: tuple[Candidate, ...]
@@ -123,7 +124,7 @@ def build_hybrid(h: Hybrid, profile: ModelProfile, spec: ResourceSpec,
         info = profile.get(name)
         keep = name in h.replicate or not pullable(info)
         make = PSSynchronizer(local_replication=keep, row_sparse=not pullable(info))
-        if len(placer.servers) > 1 and info.shape[0] >= 2:
+        if len(placer.servers) > 1 and info.shape[0] >= 2 and len(info.shape) >= 2:
             pieces = placer.even(info.shape[0], info.bytes // info.shape[0])
         else:
             pieces = placer.whole(info.bytes)
@@ -222,7 +223,7 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
                 s, c = run(h)
                 if c is not None and c.total_s < best_c.total_s:
                     best_h, best_s, best_c = h, s, c
-    hybrid = Candidate("Auto", best_s, best_c)
+    hybrid = Candidate("hybrid", best_s, best_c)
     allowed_lossless = "none" in options.compressors
     pool = [c for c in found if allowed_lossless] + [hybrid]
     chosen = min(pool, key=lambda c: c.cost.total_s)

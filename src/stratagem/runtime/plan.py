@@ -273,7 +273,11 @@ def _compile_ps(leaves: list[tuple[PSSynchronizer, ParamInfo, int, dict[str, Any
         by_rows = uses_sparse_path(info) or s.row_sparse
         if s.row_sparse:
             check_row_sparse(s, info, nwhere)
-        sparse = by_rows and piece.get("axis") in (None, 0)
+        # A part of a 1-D parameter stays dense: torch's dense.add_(sparse) on a 1-D view at
+        # a non-zero offset writes outside the view (torch 2.x), so rows of such a part
+        # would be lost or corrupt memory at the owner's update.
+        sparse = by_rows and (piece.get("axis") is None
+                              or (piece.get("axis") == 0 and len(info.shape) >= 2))
         out.append(PSPiece(id=len(out), param=info.name, index=index, shape=piece["shape"],
                            dtype=info.dtype, owner=owner,
                            destination=s.reduction_destination, axis=piece.get("axis"),
