@@ -88,18 +88,26 @@ def reference(name: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 
-def train_with(rank: int, world: int, name: str, strategy_json: str) -> dict[str, Any]:
-    """One worker: ``strategy_json`` compiled and run for STEPS steps, inside a PS cluster
-    joined the way AutoDist does (colocated owners: each worker node owns some pieces)."""
+def suite(rank: int, world: int, cases: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Every case ``name -> (model, strategy JSON)`` in one PS cluster joined the way
+    AutoDist does (colocated owners: each worker node owns some pieces)."""
+    from stratagem.runtime.ps import join_cluster
+
+    cluster = join_cluster(two_nodes().replicas, [])
+    return {case: train_with(cluster, rank, world, name, strategy_json)
+            for case, (name, strategy_json) in cases.items()}
+
+
+def train_with(cluster: Any, rank: int, world: int, name: str, strategy_json: str
+               ) -> dict[str, Any]:
+    """One worker: ``strategy_json`` compiled and run for STEPS steps."""
     import json
 
     from stratagem.analysis import analyze
     from stratagem.runtime import DistributedModel, compile_plan
-    from stratagem.runtime.ps import join_cluster
     from stratagem.strategy import Strategy, validate
 
     spec = two_nodes()
-    cluster = join_cluster(spec.replicas, [])
     model = make(name, seed=rank)  # different seeds: worker 0's values are broadcast
     profile = analyze(model)
     strategy = validate(Strategy.from_dict(json.loads(strategy_json)), profile, spec)
@@ -165,3 +173,30 @@ def autodist_case(rank: int, world: int, name: str) -> dict[str, Any]:
     dm.refresh_parameters()
     state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
     return {"state": state, "strategy": ad.strategy.to_json(), "explain": ad.explain()}
+
+
+W0, W1 = "10.0.0.1:CPU:0", "10.0.0.2:CPU:0"
+
+
+def rows(dest: str) -> Any:
+    from stratagem.strategy import PSSynchronizer
+
+    return PSSynchronizer(reduction_destination=dest, local_replication=True, row_sparse=True)
+
+
+def rows_strategy() -> Any:
+    """Table on worker 1, output weight and bias split over both workers: all as rows
+    (the 1-D bias's parts go dense, see test_plan_marks_rows_from_gradient); the hidden
+    layer all-reduced."""
+    from stratagem.strategy import AllReduceSynchronizer, NodeConfig, Partitioner, Strategy
+
+    return Strategy(node_config=(
+        NodeConfig("table", rows(W1)),
+        NodeConfig("hidden.weight", AllReduceSynchronizer()),
+        NodeConfig("hidden.bias", AllReduceSynchronizer()),
+        NodeConfig("out.weight", partitioner=Partitioner((2, 1)), part_config=(
+            NodeConfig("out.weight/part_0", rows(W0)),
+            NodeConfig("out.weight/part_1", rows(W1)))),
+        NodeConfig("out.bias", partitioner=Partitioner((2,)), part_config=(
+            NodeConfig("out.bias/part_0", rows(W0)),
+            NodeConfig("out.bias/part_1", rows(W1))))))

@@ -75,29 +75,6 @@ def test_sampled_output_layer_goes_as_rows_when_bytes_matter() -> None:
     assert choice.profile.access_of("out.weight").rows_touched < pw.VOCAB
 
 
-def test_auto_strategy_trains_like_one_process(tmp_path) -> None:  # noqa: ANN001
-    """Auto's choice for the sampled model on a slow link (rows, sharded over both
-    workers) and for the dense model, each run by 2 workers, equal single-process SGD."""
-    (ids, cand), _ = pw.batch("sampled", 0)
-    cases = {"sampled": choose(pw.make("sampled"), pw.two_nodes(),
-                               sample_input=(ids[:4], cand),
-                               options=Auto()).strategy,
-             "dense": choose(pw.make("dense"), pw.two_nodes(),
-                             sample_input=dense_sample()).strategy}
-    slow = ResourceSpec.from_dict({"nodes": [
-        dict(n, network_bandwidth=0.001) for n in pw.two_nodes().to_dict()["nodes"]]})
-    cases["sampled"] = choose(pw.make("sampled"), slow, sample_input=(ids[:4], cand)).strategy
-    assert any(getattr(s, "row_sparse", False) for s in syncs(cases["sampled"], "out.weight"))
-    for name, strategy in cases.items():
-        results = _spawn.run(pw.train_with, 2, tmp_path / name,
-                             {"name": name, "strategy_json": strategy.to_json()},
-                             _spawn.Setup(args=(2,), local_rank=True, roles=("worker",) * 2))
-        want = pw.reference(name)
-        for r in results:
-            for k, v in want.items():
-                torch.testing.assert_close(r["state"][k], v, rtol=1e-6, atol=1e-9, msg=k)
-
-
 def test_autodist_with_auto_agrees_across_ranks_and_explains(tmp_path) -> None:  # noqa: ANN001
     results = _spawn.run(pw.autodist_case, 2, tmp_path, {"name": "sampled"},
                          _spawn.Setup(args=(2,), local_rank=True, init_group=True))
