@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from stratagem.cli import main
 from stratagem.strategy import Strategy
 
@@ -44,3 +46,31 @@ def test_bad_model_target_is_one_clear_error() -> None:
         assert proc.returncode == 2
         assert needle in proc.stderr and "fix:" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_plan_with_auto_explains_within_80_columns(capsys) -> None:  # noqa: ANN001
+    assert main(["plan", "--model", f"{MODELS}:Recommender", "--nproc", "2",
+                 "--strategy", "Auto"]) == 0
+    text = capsys.readouterr().out
+    for needle in ("Auto chose", "predicted step", "parameter groups", "best alternatives",
+                   "why it lost", "builder Auto"):
+        assert needle in text
+    explanation = text[text.index("Auto chose"):text.index("strategy ", text.index(
+        "best alternatives"))]
+    assert max(len(line) for line in explanation.splitlines()) <= 80
+
+
+def test_plan_json_has_the_prediction(capsys) -> None:  # noqa: ANN001
+    import json
+
+    assert main(["plan", "--model", f"{MODELS}:mlp", "--nproc", "2", "--strategy",
+                 "AllReduce", "--json", "--batch-size", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    predicted = report["predicted"]
+    assert predicted["total_s"] == pytest.approx(
+        predicted["compute_s"] + predicted["exposed_comm_s"] + predicted["overhead_s"])
+    assert report["strategy"]["builder"] == "AllReduce"
+    assert main(["plan", "--model", f"{MODELS}:mlp", "--nproc", "2", "--strategy",
+                 "Auto", "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)["auto"]
+    assert auto["alternatives"] and auto["groups"]
