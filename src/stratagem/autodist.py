@@ -307,6 +307,8 @@ class AutoDist:
         self.strategy = self.build_strategy(model, sample_input, optimizer)
         self.log(self.profile.summary() if self.profile else "")
         self.log(self.strategy.summary())
+        if self.choice is not None:  # Auto: the prediction behind the choice
+            self.log("\n".join(explain_text(self.choice).splitlines()[:3]))
         plan = compile_plan(self.strategy, self.profile, rank=self.rank,
                             world_size=self.world_size, device=self.device,
                             servers=self._servers_for(self.strategy))

@@ -115,6 +115,15 @@ def train_with(cluster: Any, rank: int, world: int, name: str, strategy_json: st
                         device=torch.device("cpu"))
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
     dm = DistributedModel(model, plan, optimizer=opt, cluster=cluster)
+    state = train_steps(dm, opt, name, rank, world)
+    out = {"state": state, "plan": plan.summary()}
+    dm.close()
+    return out
+
+
+def train_steps(dm: Any, opt: torch.optim.Optimizer, name: str, rank: int, world: int
+                ) -> dict[str, torch.Tensor]:
+    """STEPS steps on this worker's slice of each global batch; the current state."""
     per = BATCH // world
     sl = slice(rank * per, (rank + 1) * per)
     for step in range(STEPS):
@@ -125,9 +134,7 @@ def train_with(cluster: Any, rank: int, world: int, name: str, strategy_json: st
         opt.step()
     dm.refresh_parameters()
     state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
-    out = {"state": state, "plan": plan.summary()}
-    dm.close()
-    return out
+    return state
 
 
 def two_nodes() -> Any:
@@ -164,14 +171,7 @@ def autodist_case(rank: int, world: int, name: str) -> dict[str, Any]:
     inputs, target = batch(name, 0)
     sample, _ = slice_inputs(name, inputs, target, sl)
     dm, opt = ad.distribute(model, opt, sample_input=sample)
-    for step in range(STEPS):
-        inputs, target = batch(name, step)
-        mine, y = slice_inputs(name, inputs, target, sl)
-        opt.zero_grad()
-        loss(name, dm(*mine), y).backward()
-        opt.step()
-    dm.refresh_parameters()
-    state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
+    state = train_steps(dm, opt, name, rank, world)
     return {"state": state, "strategy": ad.strategy.to_json(), "explain": ad.explain()}
 
 

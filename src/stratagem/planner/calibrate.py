@@ -223,6 +223,19 @@ def _one_pass(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tens
     return t1 - t0, t2 - t1, ready, layer, touched
 
 
+def _half_pass(model: nn.Module, sample: Any, batch: int,
+               loss_fn: Callable[[Any], torch.Tensor], params: dict[str, nn.Parameter],
+               touched: dict[str, int]) -> dict[str, int]:
+    """Touched rows on half of the batch; the full batch's when halving does not make a
+    valid input for this model (then no growth with the batch is assumed: overlap 0)."""
+    if batch < 2:
+        return touched
+    try:
+        return _one_pass(model, _half(sample, batch), loss_fn, params, timed=False)[4]
+    except (RuntimeError, ValueError, IndexError, TypeError):
+        return touched
+
+
 def _median(values: list[float]) -> float:
     s = sorted(values)
     return s[len(s) // 2] if s else 0.0
@@ -263,9 +276,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
         for h in hooks:
             h.remove()
         hooks = []
-        half = _half(sample_input, batch)
-        touched_half = (_one_pass(model, half, loss_fn, params, timed=False)[4]
-                        if batch >= 2 else touched)
+        touched_half = _half_pass(model, sample_input, batch, loss_fn, params, touched)
         t = time.perf_counter()
         with torch.no_grad():
             for p in params.values():
