@@ -74,3 +74,26 @@ def test_plan_json_has_the_prediction(capsys) -> None:  # noqa: ANN001
                  "Auto", "--json"]) == 0
     auto = json.loads(capsys.readouterr().out)["auto"]
     assert auto["alternatives"] and auto["groups"]
+
+
+def test_plan_a_training_script_stops_at_distribute(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    spec = ROOT / "examples" / "specs" / "two-node.yml"
+    out = tmp_path / "auto.json"
+    assert main(["plan", "--resource-spec", str(spec), str(ROOT / "examples" / "train_mlp.py"),
+                 "--strategy", "Auto", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "4 worker(s)" in text and "Auto chose" in text and "predicted step" in text
+    assert Strategy.load(out).builder.startswith("Auto")
+    # the script's own builder when --strategy is not given
+    assert main(["plan", "--resource-spec", str(spec),
+                 str(ROOT / "examples" / "train_mlp.py")]) == 0
+    assert "builder AllReduce" in capsys.readouterr().out
+
+
+def test_plan_a_script_that_never_distributes_is_a_clear_error(tmp_path: Path) -> None:
+    script = tmp_path / "noop.py"
+    script.write_text("print('hello')\n")
+    proc = subprocess.run([sys.executable, "-m", "stratagem", "plan", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "without calling AutoDist.distribute()" in proc.stderr and "fix:" in proc.stderr

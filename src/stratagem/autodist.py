@@ -8,6 +8,7 @@ for this rank and wraps the model. With one process it does no communication at 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -41,7 +42,31 @@ from stratagem.strategy.validate import server_devices
 ENV_SPEC = env.RESOURCE_SPEC
 ENV_STRATEGY = env.STRATEGY
 
-__all__ = ["AutoDist", "resolve_builder"]
+__all__ = ["AutoDist", "PlanOnly", "plan_only", "resolve_builder"]
+
+
+_PLAN_ONLY: list[tuple[ResourceSpec, str | None]] = []
+
+
+class PlanOnly(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by :meth:`AutoDist.distribute` under :func:`plan_only` once the strategy is
+    built: the script stops there and the caller reads ``autodist``."""
+
+    def __init__(self, autodist: AutoDist) -> None:
+        super().__init__("strategy built (plan only)")
+        self.autodist = autodist
+
+
+@contextlib.contextmanager
+def plan_only(spec: ResourceSpec, strategy: str | None = None) -> Iterator[None]:
+    """Within it, AutoDist plans for ``spec`` as its rank 0 without joining any group, and
+    ``distribute`` raises :class:`PlanOnly` (``stratagem plan SCRIPT``); ``strategy``
+    overrides the script's builder."""
+    _PLAN_ONLY.append((spec, strategy))
+    try:
+        yield
+    finally:
+        _PLAN_ONLY.pop()
 
 
 def _rows_allowed(model: nn.Module, optimizer: Any) -> bool:
@@ -75,6 +100,9 @@ class AutoDist:
                  resource_spec: ResourceSpec | None = None, seed: int = 0,
                  verbose: bool = True) -> None:
         install_excepthook()
+        if _PLAN_ONLY:  # `stratagem plan SCRIPT`: build the strategy, join nothing
+            self._plan_only(_PLAN_ONLY[-1], strategy_builder, seed)
+            return
         # In-process elastic jobs (STRATAGEM_RESCALE_STORE): join the group, set RANK etc.
         self.elastic_group: elastic.ElasticGroup | None = elastic.join_job()
         self.rank = _env_int("RANK", 0)
@@ -103,6 +131,22 @@ class AutoDist:
         elastic.current_job().add_participant(self)
 
     # -- set-up -------------------------------------------------------------------------
+    def _plan_only(self, plan: tuple[ResourceSpec, str | None], builder: Any,
+                   seed: int) -> None:
+        """Rank 0 of the spec's job as far as choosing a strategy needs: no process group,
+        no job context; ``distribute`` raises :class:`PlanOnly` once it has the strategy."""
+        spec, override = plan
+        self.elastic_group = None
+        self.rank, self.local_rank, self.world_size = 0, 0, spec.num_workers
+        self.seed, self.verbose = seed, False
+        self.resource_spec = spec
+        self._builder = resolve_builder(override or builder)
+        self.device = torch.device("cpu")
+        self.cluster, self.role = None, "worker"
+        self.rank_devices = list(spec.replicas)
+        self.strategy, self.profile, self.model = None, None, None
+        self.choice, self.optimizer, self.adaptive = None, None, None
+
     def _load_spec(self, path: Any, spec: ResourceSpec | None) -> ResourceSpec:
         if spec is None:
             path = path or env.resource_spec_path()
@@ -259,7 +303,7 @@ class AutoDist:
             sample_input = None
         self.choice = choose(model, self.resource_spec, sample_input=sample_input,
                              options=options)
-        if sample_input is None or self.world_size == 1:
+        if sample_input is None or self.world_size == 1 or _PLAN_ONLY:
             return self.choice.strategy
         return self._agree(self.choice.strategy)
 
@@ -305,6 +349,8 @@ class AutoDist:
         model.to(self.device)
         self._check_optimizer(model, optimizer)
         self.strategy = self.build_strategy(model, sample_input, optimizer)
+        if _PLAN_ONLY:
+            raise PlanOnly(self)
         self.log(self.profile.summary() if self.profile else "")
         self.log(self.strategy.summary())
         if self.choice is not None:  # Auto: the prediction behind the choice

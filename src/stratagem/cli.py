@@ -85,7 +85,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         description="Profile a model, build and validate its strategy for a resource spec, "
                     "and print it (optionally with rank 0's compiled plan); --out saves it "
                     "for hand editing.")
-    p.add_argument("--model", required=True, metavar="MODULE:CALLABLE",
+    p.add_argument("script", nargs="?", metavar="SCRIPT.py",
+                   help="a training script: run until its ad.distribute(...), as rank 0 of "
+                        "the spec's job without joining anything (or use --model)")
+    p.add_argument("--model", metavar="MODULE:CALLABLE",
                    help="callable that returns the nn.Module, e.g. examples/models.py:mlp")
     p.add_argument("--resource-spec", metavar="FILE", help="YAML resource spec")
     p.add_argument("--nproc", type=int, metavar="N", help="workers on this machine (no spec)")
@@ -102,8 +105,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from stratagem.plan_command import explain
+    from stratagem.plan_command import explain, explain_script
 
+    if (args.script is None) == (args.model is None):
+        args.parser.error("give a training script or --model MODULE:CALLABLE (one of them)")
+    if args.script is not None:
+        print(explain_script(args.script, args.resource_spec, args.strategy, args.nproc,
+                             args.out, args.show_plan, as_json=args.json))
+        return 0
     print(explain(args.model, args.resource_spec, args.strategy, args.nproc, args.out,
                   args.show_plan, sample_target=args.sample, batch_size=args.batch_size,
                   as_json=args.json))

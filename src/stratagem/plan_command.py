@@ -63,10 +63,6 @@ def explain(model_target: str, spec_file: str | None, strategy: str | None,
     With ``--strategy Auto`` the planner chooses (calibrating on the batch that
     ``sample_target`` returns, else estimating at ``batch_size`` per worker) and the report
     is its explanation; any other strategy gets its predicted step split too."""
-    import json
-
-    import torch
-
     from stratagem.analysis import analyze
     from stratagem.planner import (
         Auto,
@@ -78,7 +74,6 @@ def explain(model_target: str, spec_file: str | None, strategy: str | None,
     )
     from stratagem.planner.calibrate import calibrate
     from stratagem.resource import ResourceSpec
-    from stratagem.runtime import compile_plan
     from stratagem.strategy import resolve_builder, validate
 
     spec = ResourceSpec.from_file(spec_file) if spec_file else ResourceSpec.local(nproc or 1)
@@ -112,6 +107,18 @@ def explain(model_target: str, spec_file: str | None, strategy: str | None,
                   f"{cost.compute_s * 1e3:.1f} + exposed comm {cost.exposed_comm_s * 1e3:.1f}"
                   f" + overheads {cost.overhead_s * 1e3:.1f}"]
         report["predicted"] = cost.to_dict()
+    return _finish(lines, report, built, profile, spec, show_plan, out, as_json)
+
+
+def _finish(lines: list[str], report: dict[str, Any], built: Any, profile: Any, spec: Any,
+            show_plan: bool, out: str | None, as_json: bool) -> str:
+    """The common end of a report: the compiled plan, the saved file, text or JSON."""
+    import json
+
+    import torch
+
+    from stratagem.runtime import compile_plan
+
     report["strategy"] = built.to_dict()
     if show_plan:
         plan = compile_plan(built, profile, rank=0, world_size=spec.num_workers,
@@ -124,6 +131,54 @@ def explain(model_target: str, spec_file: str | None, strategy: str | None,
     if as_json:
         return json.dumps(report, indent=2, default=str)
     return "\n".join(lines)
+
+
+def explain_script(script: str, spec_file: str | None, strategy: str | None,
+                   nproc: int | None, out: str | None, show_plan: bool,
+                   as_json: bool = False) -> str:
+    """Run a training script until its ``ad.distribute(...)``, as rank 0 of the spec's job
+    but joining nothing, and report the strategy it gets (Auto's explanation if Auto)."""
+    import runpy
+
+    from stratagem.autodist import PlanOnly, plan_only
+    from stratagem.planner import estimate, explain_json, explain_text, predict
+    from stratagem.resource import ResourceSpec
+
+    path = Path(script)
+    if not path.is_file() or path.suffix != ".py":
+        raise StratagemError(f"no Python script at {script!r}", where="stratagem plan",
+                             fix="pass the training script (train.py), or --model")
+    spec = ResourceSpec.from_file(spec_file) if spec_file else ResourceSpec.local(nproc or 1)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path)]
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        with plan_only(spec, strategy):
+            runpy.run_path(str(path), run_name="__main__")
+    except PlanOnly as stop:
+        ad = stop.autodist
+    else:
+        raise StratagemError(f"{script} ended without calling AutoDist.distribute()",
+                             where="stratagem plan",
+                             fix="plan a script that builds its model and calls "
+                                 "ad.distribute(model, optimizer), or use --model")
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    built, profile = ad.strategy, ad.profile
+    lines = [f"resource spec: {spec.source}: {len(spec.nodes)} node(s), "
+             f"{spec.num_workers} worker(s): {', '.join(spec.replicas)}",
+             f"model: {profile.summary()}"]
+    report: dict[str, Any] = {"spec": spec.source, "workers": spec.num_workers,
+                              "script": str(path)}
+    if ad.choice is not None:
+        lines += [explain_text(ad.choice), "", built.summary()]
+        report["auto"] = explain_json(ad.choice)
+    else:
+        cost = predict(built, profile, spec, estimate(profile, 32))
+        lines += [built.summary(), f"predicted step {cost.total_s * 1e3:.1f} ms (estimated "
+                  "from the profile at 32 samples per worker)"]
+        report["predicted"] = cost.to_dict()
+    return _finish(lines, report, built, profile, spec, show_plan, out, as_json)
 
 
 def load_sample(target: str) -> Any:
