@@ -125,3 +125,15 @@ def test_explanation_fits_80_columns() -> None:
     for needle in ("predicted step", "parameter groups", "bytes per step per link",
                    "best alternatives", "exposed comm"):
         assert needle in text
+
+
+def test_rows_off_means_no_candidate_sends_rows() -> None:
+    """An optimizer without a sparse rule (AutoDist turns rows off): neither the hybrids
+    nor a built-in builder that puts the embedding on servers may be chosen."""
+    from stratagem.planner.search import sends_rows
+
+    torch.manual_seed(0)
+    model = pw.EmbeddingHeavy()
+    choice = choose(model, spec(2), sample_input=torch.randint(0, 20000, (32, 4)),
+                    options=Auto(rows=False))
+    assert not any(sends_rows(c.strategy, choice.profile) for c in choice.candidates)

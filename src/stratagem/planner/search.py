@@ -35,6 +35,7 @@ from stratagem.strategy.validate import validate
 MIB = 2 ** 20
 BYTE_CAPS = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, None)  # None: one group
 BUDGET_S = 8.0  # the search stops improving after this long (the bound is 10 s)
+TOLERANCE = 0.05  # predictions this close count as equal (see prefer_simple)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,39 @@ def row_candidates(profile: ModelProfile, cal: Calibration, options: Auto) -> li
     out = [p for p in profile.params if p.shape and p.shape[0] >= 2 and (
         pullable(p) or (options.detect_sparse and row_sparse(access.get(p.name))))]
     return [p.name for p in sorted(out, key=lambda p: -p.bytes)]
+
+
+def dense_on_servers(strategy: Strategy, profile: ModelProfile) -> int:
+    """Bytes of parameters that go to parameter servers densely (not as rows)."""
+    total = 0
+    for nc in strategy.node_config:
+        info = profile.get(nc.var_name)
+        leaves = nc.leaves()
+        for leaf in leaves:
+            s = leaf.synchronizer
+            if isinstance(s, PSSynchronizer) and not (s.row_sparse or pullable(info)):
+                total += info.bytes // len(leaves)
+    return total
+
+
+def prefer_simple(pool: list[Candidate], profile: ModelProfile) -> Candidate:
+    """The cheapest candidate, except that among those predicted within ``TOLERANCE`` of
+    it (the model's own error) the one with the fewest dense bytes on parameter servers
+    wins: dense parameters go to servers only when that clearly pays."""
+    best = min(c.cost.total_s for c in pool)
+    close = [c for c in pool if c.cost.total_s <= best * (1 + TOLERANCE)]
+    return min(close, key=lambda c: (dense_on_servers(c.strategy, profile), c.cost.total_s))
+
+
+def sends_rows(strategy: Strategy, profile: ModelProfile) -> bool:
+    """Whether a parameter of ``strategy`` goes to a parameter server as rows."""
+    for nc in strategy.node_config:
+        info = profile.get(nc.var_name)
+        for leaf in nc.leaves():
+            s = leaf.synchronizer
+            if isinstance(s, PSSynchronizer) and (s.row_sparse or pullable(info)):
+                return True
+    return False
 
 
 @dataclass
@@ -172,6 +206,9 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
         except StratagemError as exc:
             notes.append(f"{name}: not applicable ({exc.problem})")
             continue
+        if not options.rows and sends_rows(strategy, profile):
+            notes.append(f"{name}: skipped (it sends rows; rows are off)")
+            continue
         cost = price(strategy)
         if cost is not None:
             found.append(Candidate(name, strategy, cost))
@@ -226,7 +263,7 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
     hybrid = Candidate("hybrid", best_s, best_c)
     allowed_lossless = "none" in options.compressors
     pool = [c for c in found if allowed_lossless] + [hybrid]
-    chosen = min(pool, key=lambda c: c.cost.total_s)
+    chosen = prefer_simple(pool, profile)
     others = sorted((c for c in [*found, hybrid] if c is not chosen),
                     key=lambda c: c.cost.total_s)
     best = chosen if chosen is hybrid else Candidate(
