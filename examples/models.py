@@ -27,3 +27,20 @@ class Recommender(nn.Module):
 
     def forward(self, ids, offsets):  # noqa: ANN001, ANN201 - example
         return self.tower(self.embedding(ids, offsets))
+
+
+class TinyLM(nn.Module):
+    """A small language model with a couple of hundred parameter tensors (an embedding
+    table, 16 transformer layers, a head): what `stratagem plan --picture` has to keep
+    readable."""
+
+    def __init__(self, vocab: int = 30_000, dim: int = 128, layers: int = 16) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, ids):  # noqa: ANN001, ANN201 - example
+        return self.head(self.encoder(self.embedding(ids)).mean(dim=1))

@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("autodist",),
     ("adaptdl",),
     # "": the package's own __init__ (public API)
-    ("plan_command", "report_command", "cli", "__main__", ""),
+    ("plan_command", "plan_picture", "report_command", "cli", "__main__", ""),
 )
 ENV_NAME = re.compile(r"(STRATAGEM|ADAPTDL)_[A-Z0-9_]+")
 

@@ -23,6 +23,7 @@ PLANS = {
     "mlp-gpu-cluster": ("mlp", "specs/gpu-cluster.yml", "PS"),
     "mixed-strategy": ("small_mlp", "specs/two-node.yml", "strategies/mlp-mixed.yaml"),
     "recommender": ("Recommender", "specs/two-node.yml", "Parallax"),
+    "tiny-lm": ("TinyLM", "specs/two-node.yml", "Parallax"),  # ~200 tensors (docs' picture)
 }
 SCRIPTS = {"train_mlp.py": ["--epochs", "1"]}
 # The cluster service's example job files (checked below) and the script its end-to-end

@@ -3,14 +3,19 @@
 Four Gaussian classes in 8 dimensions (fixed seed), an MLP, SGD; ``--epochs`` epochs of the
 elastic data loader (global batch 32, autoscaled up to 256 with ``--adaptive``), sleeping
 ``--step-sleep`` seconds per 32 local samples (simulated compute, so that a scheduler has
-time to act and more replicas go faster). Rank 0 writes the
-held-out accuracy to ``--out`` (JSON) at the end. ``--crash``: exit with status 3 at once.
+time to act and more replicas go faster). Rank 0 prints ``training on N replicas at T``
+after its first step at every new world size (the benchmark's decision-to-training end), and
+writes the held-out accuracy and the final parameters to ``--out`` (JSON) at the end.
+``--ids DIR``: every replica appends the sample indices of each of its steps to a file there
+(the tests check that every sample is seen exactly once per epoch). ``--crash``: exit with
+status 3 at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,6 +40,7 @@ def main() -> None:
     p.add_argument("--adaptive", action="store_true")
     p.add_argument("--crash", action="store_true")
     p.add_argument("--out", default="")
+    p.add_argument("--ids", default="")
     a = p.parse_args()
     if a.crash:
         print("crashing on purpose", flush=True)
@@ -44,25 +50,33 @@ def main() -> None:
     plain = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     model, opt = ad.distribute(plain, torch.optim.SGD(plain.parameters(), lr=0.05))
     x, y = data(1024, 1)
-    loader = ad.data_loader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True)
+    index = torch.arange(len(x))
+    loader = ad.data_loader(torch.utils.data.TensorDataset(x, y, index), batch_size=32,
+                            shuffle=True)
     if a.adaptive:
         loader.autoscale_batch_size(256, (8, 128), gradient_accumulation=False)
-    first = True
+    ids = Path(a.ids) / f"ids-{os.getpid()}.jsonl" if a.ids else None
+    world = 0
     for epoch in ad.remaining_epochs_until(a.epochs):
-        for xb, yb in loader:
+        for xb, yb, ib in loader:
             opt.zero_grad()
             nn.functional.cross_entropy(model(xb), yb).backward()
             opt.step()
-            if first:  # the benchmark's decision-to-training time ends here
+            if ids is not None:
+                with ids.open("a") as f:
+                    f.write(json.dumps({"epoch": epoch, "world": ad.world_size,
+                                        "ids": ib.tolist()}) + "\n")
+            if world != ad.world_size and ad.rank == 0:  # decision-to-training ends here
                 print(f"training on {ad.world_size} replicas at {time.time():.3f}", flush=True)
-                first = False
+            world = ad.world_size
             time.sleep(a.step_sleep * len(xb) / 32)  # "compute" grows with the local batch
         print(f"epoch {epoch} done on {ad.world_size} replicas", flush=True)
     if ad.rank == 0 and a.out:
         xt, yt = data(2000, 2)
         with torch.no_grad():
             acc = (model(xt).argmax(1) == yt).float().mean().item()
-        Path(a.out).write_text(json.dumps({"accuracy": acc}))
+        params = [v for t in plain.parameters() for v in t.detach().flatten().tolist()]
+        Path(a.out).write_text(json.dumps({"accuracy": acc, "params": params}))
 
 
 if __name__ == "__main__":

@@ -101,6 +101,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, metavar="N",
                    help="samples per worker when no --sample is given (default 32)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--picture", metavar="FILE.png",
+                   help="also draw the strategy (parameters by size, coloured by synchronizer; "
+                        ".png, .svg or .pdf; needs matplotlib)")
     p.set_defaults(handler=cmd_plan, parser=p)
 
 
@@ -111,11 +114,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.parser.error("give a training script or --model MODULE:CALLABLE (one of them)")
     if args.script is not None:
         print(explain_script(args.script, args.resource_spec, args.strategy, args.nproc,
-                             args.out, args.show_plan, as_json=args.json))
+                             args.out, args.show_plan, as_json=args.json,
+                             picture=args.picture))
         return 0
     print(explain(args.model, args.resource_spec, args.strategy, args.nproc, args.out,
                   args.show_plan, sample_target=args.sample, batch_size=args.batch_size,
-                  as_json=args.json))
+                  as_json=args.json, picture=args.picture))
     return 0
 
 

@@ -57,8 +57,9 @@ def _call_target(target: str, option: str) -> Any:
 def explain(model_target: str, spec_file: str | None, strategy: str | None,
             nproc: int | None, out: str | None, show_plan: bool,
             sample_target: str | None = None, batch_size: int | None = None,
-            as_json: bool = False) -> str:
-    """The report ``stratagem plan`` prints; saves the strategy to ``out`` if given.
+            as_json: bool = False, picture: str | None = None) -> str:
+    """The report ``stratagem plan`` prints; saves the strategy to ``out`` and draws it to
+    ``picture`` (PNG/SVG/PDF) if given.
 
     With ``--strategy Auto`` the planner chooses (calibrating on the batch that
     ``sample_target`` returns, else estimating at ``batch_size`` per worker) and the report
@@ -107,12 +108,15 @@ def explain(model_target: str, spec_file: str | None, strategy: str | None,
                   f"{cost.compute_s * 1e3:.1f} + exposed comm {cost.exposed_comm_s * 1e3:.1f}"
                   f" + overheads {cost.overhead_s * 1e3:.1f}"]
         report["predicted"] = cost.to_dict()
-    return _finish(lines, report, built, profile, spec, show_plan, out, as_json)
+    return _finish(lines, report, built, profile, spec, show_plan, out, as_json, picture,
+                   model_target)
 
 
 def _finish(lines: list[str], report: dict[str, Any], built: Any, profile: Any, spec: Any,
-            show_plan: bool, out: str | None, as_json: bool) -> str:
-    """The common end of a report: the compiled plan, the saved file, text or JSON."""
+            show_plan: bool, out: str | None, as_json: bool, picture: str | None = None,
+            title: str = "") -> str:
+    """The common end of a report: the compiled plan, the saved file, the picture, text or
+    JSON."""
     import json
 
     import torch
@@ -128,6 +132,12 @@ def _finish(lines: list[str], report: dict[str, Any], built: Any, profile: Any, 
     if out:
         built.save(out)
         lines.append(f"strategy saved to {out} (edit it and pass it back with --strategy)")
+    if picture:
+        from stratagem.plan_picture import save_picture
+
+        saved = save_picture(built, profile, picture, title)
+        lines.append(f"picture saved to {saved}")
+        report["picture"] = str(saved)
     if as_json:
         return json.dumps(report, indent=2, default=str)
     return "\n".join(lines)
@@ -135,7 +145,7 @@ def _finish(lines: list[str], report: dict[str, Any], built: Any, profile: Any, 
 
 def explain_script(script: str, spec_file: str | None, strategy: str | None,
                    nproc: int | None, out: str | None, show_plan: bool,
-                   as_json: bool = False) -> str:
+                   as_json: bool = False, picture: str | None = None) -> str:
     """Run a training script until its ``ad.distribute(...)``, as rank 0 of the spec's job
     but joining nothing, and report the strategy it gets (Auto's explanation if Auto)."""
     import runpy
@@ -178,7 +188,8 @@ def explain_script(script: str, spec_file: str | None, strategy: str | None,
         lines += [built.summary(), f"predicted step {cost.total_s * 1e3:.1f} ms (estimated "
                   "from the profile at 32 samples per worker)"]
         report["predicted"] = cost.to_dict()
-    return _finish(lines, report, built, profile, spec, show_plan, out, as_json)
+    return _finish(lines, report, built, profile, spec, show_plan, out, as_json, picture,
+                   str(path))
 
 
 def load_sample(target: str) -> Any:

@@ -38,11 +38,13 @@ class Loop:
         assert not self.thread.is_alive()
 
 
-def job(tmp: Path, name: str, *args: str, low: int = 1, high: int = 2) -> object:
+def job(tmp: Path, name: str, *args: str, low: int = 1, high: int = 2,
+        rescale: str = "auto") -> object:
     return parse_job({"name": name, "script": str(JOB_SCRIPT),
                       "args": [*args, "--out", str(tmp / f"{name}.json")],
                       "min_replicas": low, "max_replicas": high,
-                      "resources": {"CPU": 1, "GPU": 1}, "adaptive": True})
+                      "resources": {"CPU": 1, "GPU": 1}, "adaptive": True,
+                      "rescale": rescale})
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
@@ -65,7 +67,7 @@ def accuracy_alone(tmp: Path, *args: str) -> float:
 
 def test_two_adaptive_jobs_share_the_cluster_and_survive_a_scheduler_restart(ray_cluster,
                                                                              tmp_path):
-    args = ("--epochs", "8", "--step-sleep", "0.03", "--adaptive")
+    args = ("--epochs", "8", "--step-sleep", "0.06", "--adaptive")
     store = st.Store(tmp_path)
     store.add_job(job(tmp_path, "a", *args))
     loop = Loop(tmp_path)
@@ -94,7 +96,8 @@ def test_two_adaptive_jobs_share_the_cluster_and_survive_a_scheduler_restart(ray
     assert [state(store, n) for n in ("a", "b")] == [st.SUCCEEDED, st.SUCCEEDED]
     sizes = [count for _, count in store.allocation_history("a")]
     assert sizes[:2] == [2, 1], sizes
-    assert store.job("a").restarts >= 1
+    shrink = [t for _, _, t in store.events("a") if "2 -> 1" in t]
+    assert shrink and "(in-process)" in shrink[0], shrink  # a kept training: no restart
     reference = accuracy_alone(tmp_path, *args)
     assert reference > 0.85
     for n in ("a", "b"):
@@ -102,13 +105,15 @@ def test_two_adaptive_jobs_share_the_cluster_and_survive_a_scheduler_restart(ray
         assert abs(acc - reference) < 0.03, (n, acc, reference)
     log = (tmp_path / "jobs" / "a" / "logs" / "rank-0.log").read_text()
     assert "on 2 replicas" in log and "on 1 replicas" in log
+    assert "rescaled 2 -> 1 workers" in log
 
 
 def test_a_crashing_job_is_backed_off_then_failed_while_another_finishes(ray_cluster,
                                                                          tmp_path):
     store = st.Store(tmp_path)
     store.add_job(job(tmp_path, "crash", "--crash", high=1))
-    store.add_job(job(tmp_path, "good", "--epochs", "2", high=1))
+    # checkpoint-restart form (torch.distributed's environment, no rescale store)
+    store.add_job(job(tmp_path, "good", "--epochs", "2", high=1, rescale="restart"))
     loop = Loop(tmp_path)
     try:
         wait_for(lambda: all(state(store, n) in st.FINAL for n in ("crash", "good")), 150,
@@ -157,4 +162,4 @@ def test_a_drained_node_checkpoints_its_jobs_which_resume_after(ray_cluster, tmp
     assert state(store, "d") == st.SUCCEEDED and store.job("d").restarts == 1
     assert any("node drained" in t for _, _, t in store.events("d"))
     log = (tmp_path / "jobs" / "d" / "logs" / "rank-0.log").read_text()
-    assert log.count("start rank 0 of 1") == 2
+    assert log.count("start d.g") == 2  # started, drained, started again

@@ -21,15 +21,31 @@ class FakeBackend:
         self.codes: dict[str, list[int | None]] = {}
         self.launches: list[tuple[str, int]] = []
         self.stops: list[str] = []
+        self.resizes: list[tuple[str, int]] = []
+        self.in_process: set[str] = set()
+        self.grow_fits = True  # whether added replicas fit on the job's machine
 
     def nodes(self, exclude=frozenset()):
         return [] if "n0" in exclude else [("n0", float(self.gpus))]
 
-    def launch(self, spec, replicas, generation, env, log_dir):
+    def launch(self, spec, replicas, generation, env, log_dir, exclude=frozenset(),
+               in_process=False):
+        assert "n0" not in exclude
         group = f"{spec.name}.g{generation}"
         self.launches.append((spec.name, replicas))
         self.codes[group] = [None] * replicas
+        if in_process:
+            self.in_process.add(group)
         assert env["STRATAGEM_CHECKPOINT_DIR"] and env["STRATAGEM_JOB_ID"] == spec.name
+        return Launched(group, tuple(f"{group}.r{i}" for i in range(replicas)))
+
+    def resize(self, spec, launched, replicas, env, log_dir, exclude=frozenset()):
+        group = launched.group_name
+        if group not in self.in_process or (replicas > len(launched.actors)
+                                            and not self.grow_fits):
+            return None
+        self.resizes.append((spec.name, replicas))
+        self.codes[group] = [None] * replicas
         return Launched(group, tuple(f"{group}.r{i}" for i in range(replicas)))
 
     def poll(self, launched):
@@ -101,7 +117,7 @@ def test_a_new_scheduler_reattaches_without_restarting(tmp_path):
 def test_a_second_job_shrinks_the_first_by_checkpoint_restart(tmp_path):
     be = FakeBackend()
     s = make(tmp_path, be)
-    s.store.add_job(spec("a"), now=0.0)
+    s.store.add_job(spec("a", rescale="restart"), now=0.0)
     s.step(now=1.0)
     s.store.add_job(spec("b"), now=20.0)
     s.step(now=30.0)
@@ -109,6 +125,41 @@ def test_a_second_job_shrinks_the_first_by_checkpoint_restart(tmp_path):
     assert s.store.job("a").restarts == 1
     assert s.decisions[-1] == (30.0, {"a": 1, "b": 1})
     assert [n for _, n in s.store.allocation_history("a")] == [2, 1]
+    assert [r[1:] for r in s.resizes] == [("a", 0, 2, "start"), ("a", 2, 1, "restart"),
+                                          ("b", 0, 1, "start")]
+
+
+def test_a_second_job_shrinks_the_first_in_process_which_grows_back_after(tmp_path):
+    be = FakeBackend()
+    s = make(tmp_path, be)
+    s.store.add_job(spec("a"), now=0.0)
+    s.step(now=1.0)
+    assert be.in_process == {"a.g0"}
+    s.store.add_job(spec("b", high=1), now=20.0)
+    s.step(now=30.0)
+    assert be.stops == [] and be.resizes == [("a", 1)]  # a kept running: no restart
+    assert be.launches == [("a", 2), ("b", 1)] and s.store.job("a").restarts == 0
+    assert s.store.allocations()["a"].actors == ("a.g0.r0",)
+    assert "(in-process)" in s.store.events("a")[-1][2]
+    be.codes[group(s, "b")] = [0]  # b finishes: a grows back in-process
+    s.step(now=40.0)
+    assert be.resizes == [("a", 1), ("a", 2)] and be.stops == ["b.g0"]
+    assert [r[1:] for r in s.resizes if r[1] == "a"] == [
+        ("a", 0, 2, "start"), ("a", 2, 1, "in-process"), ("a", 1, 2, "in-process")]
+
+
+def test_a_grow_that_does_not_fit_in_process_falls_back_to_checkpoint_restart(tmp_path):
+    be = FakeBackend()
+    s = make(tmp_path, be)
+    s.store.add_job(spec("b", high=1), now=0.0)
+    s.store.add_job(spec("a"), now=0.0)
+    s.step(now=1.0)
+    assert sorted(be.launches) == [("a", 1), ("b", 1)]
+    be.grow_fits = False
+    be.codes[group(s, "b")] = [0]
+    s.step(now=10.0)
+    assert be.resizes == [] and be.stops == ["b.g0", "a.g0"]
+    assert be.launches[-1] == ("a", 2) and s.store.job("a").restarts == 1
 
 
 def test_non_preemptible_jobs_keep_their_replicas(tmp_path):

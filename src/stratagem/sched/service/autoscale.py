@@ -23,11 +23,14 @@ from stratagem.sched.policy import JobView, PolluxPolicy
 @dataclass(frozen=True)
 class AutoscaleOptions:
     """``node_cost``: speedup units one node must add to be worth it (e.g. 0.5: half a
-    replica's worth of goodput per node); ``min_nodes``/``max_nodes``: bounds."""
+    replica's worth of goodput per node); ``min_nodes``/``max_nodes``: bounds;
+    ``node_gpus``: accelerators of a node the autoscaler adds, used while the cluster has
+    no node with accelerators yet (afterwards its nodes say)."""
 
     node_cost: float = 1.0
     min_nodes: int = 0
     max_nodes: int = 16
+    node_gpus: int = 1
 
 
 def speedup_table(job: JobView, max_r: int, gpus_per_node: int) -> np.ndarray:

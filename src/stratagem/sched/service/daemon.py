@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-resource", default="GPU")
     p.add_argument("--node-cost", type=float, help="autoscale: speedup a node must add")
     p.add_argument("--max-nodes", type=int, default=16)
+    p.add_argument("--node-gpus", type=int, default=1,
+                   help="autoscale: accelerators of a node the autoscaler adds")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     import ray
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from stratagem.sched.service.api import ControlServer
 
     ray.init(address=a.address, namespace="stratagem", log_to_driver=False)
-    scale = (AutoscaleOptions(node_cost=a.node_cost, max_nodes=a.max_nodes)
+    scale = (AutoscaleOptions(node_cost=a.node_cost, max_nodes=a.max_nodes,
+                              node_gpus=a.node_gpus)
              if a.node_cost is not None else None)
     options = SchedulerOptions(policy=a.policy, interval=a.interval,
                                restart_delay=a.restart_delay, gpu_resource=a.gpu_resource,

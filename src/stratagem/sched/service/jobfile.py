@@ -12,6 +12,7 @@ A job file is YAML (or the same mapping from Python)::
     adaptive: true             # may the scheduler resize it (and the job pick its batch)
     checkpoint_dir: ckpt/a     # default: <cluster dir>/jobs/<name>/ckpt
     preemptible: true          # false: once running, never moved or stopped
+    rescale: auto              # auto: in-process rescale where it applies; restart: never
 
 Every problem raises :class:`StratagemError` naming the field and the fix. Nothing in a job
 file reaches a shell: the script and arguments are passed to ``exec`` as a list.
@@ -31,7 +32,10 @@ from stratagem.errors import StratagemError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 FIELDS = ("name", "script", "args", "min_replicas", "max_replicas", "resources", "strategy",
-          "adaptive", "checkpoint_dir", "preemptible", "env")
+          "adaptive", "checkpoint_dir", "preemptible", "env", "rescale")
+RESCALE_MODES = ("auto", "restart")
+# strategies whose workers all-reduce (no parameter servers): in-process rescale applies
+ALL_REDUCE_STRATEGIES = ("auto", "allreduce", "partitionedar", "randomaxispartitionar")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -50,6 +54,15 @@ class JobSpec:
     checkpoint_dir: str | None = None
     preemptible: bool = True
     env: tuple[tuple[str, str], ...] = field(default=())
+    rescale: str = "auto"
+
+    @property
+    def in_process_rescale(self) -> bool:
+        """Whether a resize may use the in-process rescale: ``rescale: auto``, adaptive,
+        and an all-reduce strategy (``auto`` is the script's own, AllReduce by default;
+        strategy files and parameter-server builders resize by checkpoint-restart)."""
+        return (self.rescale == "auto" and self.adaptive
+                and self.strategy.lower() in ALL_REDUCE_STRATEGIES)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -142,6 +155,11 @@ def parse_job(data: Any, where: str = "job", base_dir: str | Path | None = None)
             for k, v in env.items()):
         raise _fail(where, "env", f"must map variable names to values, got {env!r}",
                     "write e.g. 'env: {OMP_NUM_THREADS: \"1\"}'")
+    rescale = data.get("rescale", "auto")
+    if rescale not in RESCALE_MODES:
+        raise _fail(where, "rescale", f"must be one of {', '.join(RESCALE_MODES)}, got "
+                    f"{rescale!r}", "write 'rescale: auto' (in-process where it applies) or "
+                    "'rescale: restart' (always checkpoint-restart)")
     return JobSpec(
         name=name, script=str(path.resolve()), args=tuple(str(a) for a in args),
         min_replicas=low, max_replicas=high,
@@ -149,7 +167,7 @@ def parse_job(data: Any, where: str = "job", base_dir: str | Path | None = None)
         strategy=strategy, adaptive=adaptive,
         checkpoint_dir=str(Path(ckpt).resolve()) if ckpt else None,
         preemptible=_bool(data, "preemptible", True, where),
-        env=tuple(sorted((k, str(v)) for k, v in env.items())))
+        env=tuple(sorted((k, str(v)) for k, v in env.items())), rescale=rescale)
 
 
 def load_job_file(path: str | Path) -> JobSpec:
@@ -174,4 +192,5 @@ def spec_from_dict(d: Mapping[str, Any]) -> JobSpec:
                    min_replicas=d["min_replicas"], max_replicas=d["max_replicas"],
                    resources=tuple(sorted(d["resources"].items())), strategy=d["strategy"],
                    adaptive=d["adaptive"], checkpoint_dir=d["checkpoint_dir"],
-                   preemptible=d["preemptible"], env=tuple(sorted(d.get("env", {}).items())))
+                   preemptible=d["preemptible"], env=tuple(sorted(d.get("env", {}).items())),
+                   rescale=d.get("rescale", "auto"))

@@ -1,20 +1,37 @@
-"""Jobs' workers on Ray: one placement group per allocation, one actor per replica.
+"""Jobs' workers on Ray: one actor per replica, each in a one-bundle placement group pinned
+to the node the backend chose for it.
 
-Each actor starts the job's training script as a child process with torch.distributed's
-environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of the rank-0 actor's
-node), so the replicas form one gloo (CPU) or nccl (GPU) process group over the nodes Ray
-placed them on. Actors and placement groups are *detached* and named, so they outlive the
-scheduler process: a restarted scheduler finds them by the names the store kept.
+Placement: the backend picks the nodes itself (:meth:`RayBackend.place`): nodes that are not
+preemptible first (a ``spot`` resource, or the label ``ray.io/market-type: spot``), then
+spot nodes; among equals, the nodes this allocation already uses, then the fullest that
+still fits (so jobs pack onto few nodes and whole nodes stay free). Each replica's bundle is
+pinned there with a ``ray.io/node-id`` label selector, so Ray cannot put it elsewhere; one
+group per replica lets a shrink free exactly the leavers' resources and a grow add bundles
+without touching the running ones. The replicas of an allocation share its name prefix.
 
-Stopping an allocation sends SIGTERM to every replica: Stratagem's elastic exit point saves
-the job's state and exits with status 143, and the next allocation resumes from it
-(checkpoint-restart). After ``grace`` seconds a replica is killed.
+Each actor starts the job's training script as a child process. Two ways to form the job:
+
+* *checkpoint-restart*: torch.distributed's environment (``RANK``, ``WORLD_SIZE``,
+  ``MASTER_ADDR``/``MASTER_PORT`` of the rank-0 actor's node), one gloo (CPU) or nccl (GPU)
+  group over the nodes Ray placed them on. Stopping sends SIGTERM to every replica: the
+  elastic exit point saves the job state and exits with status 143; the next allocation
+  resumes from it. After ``grace`` seconds a replica is killed.
+* *in-process* (all replicas on one machine): a store actor (``<allocation>.store``) hosts
+  the job's rescale store on loopback with a fresh token, and the replicas join it
+  (``STRATAGEM_RESCALE_*``). :meth:`RayBackend.resize` then shrinks by sending SIGTERM to
+  the leavers only (they leave at the next step boundary, the others keep training) and
+  grows by starting new replicas that join at a step boundary (see
+  :mod:`stratagem.elastic.rescale`).
+
+Actors and placement groups are *detached* and named, so they outlive the scheduler process:
+a restarted scheduler finds them by the names the store kept.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,11 +41,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from stratagem import env as sg_env
 from stratagem.errors import StratagemError
 from stratagem.sched.service.jobfile import JobSpec
 
 NAMESPACE = "stratagem"
 LOST = -1000  # exit status reported for a replica whose actor or node is gone
+NODE_ID_LABEL = "ray.io/node-id"
+MARKET_LABEL = "ray.io/market-type"
 
 
 def _own_session_dies_with_parent() -> None:
@@ -60,9 +80,10 @@ class ReplicaWorker:
         log.parent.mkdir(parents=True, exist_ok=True)
         full = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         full.update(env)
+        who = (f"rank {env['RANK']} of {env['WORLD_SIZE']}" if "RANK" in env else
+               f"{env.get(sg_env.RESCALE_ID, '?')} (in-process rescale)")
         with log.open("ab") as out:
-            out.write(f"--- {time.strftime('%H:%M:%S')} start rank {env['RANK']} of "
-                      f"{env['WORLD_SIZE']} ---\n".encode())
+            out.write(f"--- {time.strftime('%H:%M:%S')} start {who} ---\n".encode())
             out.flush()
             self.proc = subprocess.Popen(list(argv), env=full, stdout=out,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -91,12 +112,74 @@ class ReplicaWorker:
             return self.proc.wait()
 
 
+class RescaleStoreHost:
+    """A Ray actor hosting one job's in-process rescale store on its node's loopback."""
+
+    def __init__(self) -> None:
+        self.server: object | None = None
+        self.token = ""
+        self.port = 0
+
+    def serve(self) -> tuple[str, int, str]:
+        """Start the store (once); (node IP, port, token) for the job's replicas."""
+        import ray
+
+        from stratagem.elastic.rescale import host_store
+
+        if self.server is None:
+            self.token = secrets.token_hex(16)
+            for _ in range(5):  # a free port can be taken between the probe and the bind
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = int(s.getsockname()[1])
+                try:
+                    self.server = host_store("127.0.0.1", port, token=self.token)
+                    self.port = port
+                    break
+                except Exception:
+                    continue
+            else:
+                raise RuntimeError("no free port for the rescale store")
+        return ray.util.get_node_ip_address(), self.port, self.token
+
+    def members(self) -> list[str] | None:
+        """The replicas (their ids) of the job's current generation; None before the first
+        generation formed."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from stratagem.elastic.rescale import Generation, namespace
+
+        if self.server is None:
+            return None
+        client = dist.TCPStore("127.0.0.1", self.port, is_master=False,
+                               timeout=timedelta(seconds=10))
+        prefix = namespace(self.token)
+        if not client.check([f"{prefix}/gen"]):
+            return None
+        number = int(client.get(f"{prefix}/gen"))
+        return list(Generation.from_json(client.get(f"{prefix}/gen/{number}")).members)
+
+
 @dataclass(frozen=True)
 class Launched:
-    """A started allocation: its placement group and actor names."""
+    """A started allocation: its name and its replicas' actor names (each actor's placement
+    group has the actor's name)."""
 
     group_name: str
     actors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One alive node: its id, IP, whether it is preemptible, and its resources."""
+
+    node_id: str
+    ip: str
+    spot: bool
+    total: dict[str, float]
+    free: dict[str, float]
 
 
 def _ray():
@@ -145,63 +228,187 @@ class RayBackend:
     def nodes(self, exclude: frozenset[str] = frozenset()) -> list[tuple[str, float]]:
         """(node id, accelerators) of every alive node that has some, not in ``exclude``
         (draining); preemptible nodes (a ``spot`` resource) last, so used last."""
+        out = [(n.spot, n.node_id, n.total.get(self.gpu_resource, 0.0))
+               for n in self.node_infos(exclude)]
+        return [(node, amount) for _, node, amount in sorted(out) if amount >= 1]
+
+    def node_infos(self, exclude: frozenset[str] = frozenset()) -> list[NodeInfo]:
+        """Every alive node not in ``exclude``, with what placement groups left free."""
+        from ray.util.placement_group import placement_group_table
+
+        used: dict[str, dict[str, float]] = {}
+        for pg in placement_group_table().values():
+            if pg.get("state") not in ("CREATED", "RESCHEDULING"):
+                continue
+            for index, node in pg.get("bundles_to_node_id", {}).items():
+                for key, amount in pg["bundles"].get(index, {}).items():
+                    slot = used.setdefault(node, {})
+                    slot[key] = slot.get(key, 0.0) + float(amount)
         out = []
         for n in self.ray.nodes():
-            res = n.get("Resources", {})
-            amount = res.get(self.gpu_resource, 0.0)
-            if n.get("Alive") and amount >= 1 and n["NodeID"] not in exclude:
-                out.append((res.get("spot", 0.0) > 0, n["NodeID"], float(amount)))
-        return [(node, amount) for _, node, amount in sorted(out)]
+            if not n.get("Alive") or n["NodeID"] in exclude:
+                continue
+            res = {k: float(v) for k, v in n.get("Resources", {}).items()}
+            spot = res.get("spot", 0.0) > 0 or n.get("Labels", {}).get(MARKET_LABEL) == "spot"
+            taken = used.get(n["NodeID"], {})
+            out.append(NodeInfo(n["NodeID"], n.get("NodeManagerAddress", ""), spot, res,
+                                {k: v - taken.get(k, 0.0) for k, v in res.items()}))
+        return out
+
+    def place(self, count: int, need: Mapping[str, float],
+              exclude: frozenset[str] = frozenset(), near: Sequence[str] = (),
+              ip: str | None = None) -> list[NodeInfo] | None:
+        """Nodes for ``count`` bundles of ``need`` (module doc: not-spot first, then the
+        nodes in ``near``, then the fullest that fits), only on ``ip`` if given; None when
+        they do not fit."""
+        nodes = [n for n in self.node_infos(exclude) if ip is None or n.ip == ip]
+        return choose_nodes(nodes, count, need, self.gpu_resource, near)
 
     def actor_nodes(self, launched: Launched) -> set[str]:
         """The nodes an allocation's replicas run on."""
         actors = [a for a in map(self._actor, launched.actors) if a is not None]
         return set(self.ray.get([a.node_id.remote() for a in actors], timeout=30))
 
+    def in_process(self, launched: Launched) -> bool:
+        """Whether the allocation was formed for in-process rescale (it has a store)."""
+        return self._actor(store_name(launched)) is not None
+
     # -- one allocation --------------------------------------------------------------------
     def launch(self, spec: JobSpec, replicas: int, generation: int, env: Mapping[str, str],
-               log_dir: Path) -> Launched:
-        """Start ``replicas`` workers of ``spec`` in a new placement group."""
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        res = dict(spec.resources)
+               log_dir: Path, exclude: frozenset[str] = frozenset(),
+               in_process: bool = False) -> Launched:
+        """Start ``replicas`` workers of ``spec`` on nodes chosen by :meth:`place`. With
+        ``in_process`` and every replica on one machine, the job is formed for in-process
+        rescale (module doc); otherwise for checkpoint-restart."""
         group_name = f"{spec.name}.g{generation}"
-        pg = placement_group([bundle(res, self.gpu_resource)] * replicas, strategy="PACK",
-                             name=group_name, lifetime="detached")
-        try:
-            self.ray.get(pg.ready(), timeout=self.start_timeout)
-        except Exception as exc:
-            remove_placement_group(pg)
-            raise StratagemError(f"Ray could not place {replicas} replicas of {res}: {exc}",
+        res = dict(spec.resources)
+        need = bundle(res, self.gpu_resource)
+        nodes = self.place(replicas, need, exclude)
+        if nodes is None:
+            raise StratagemError(f"Ray has no room for {replicas} replicas of {res}",
                                  where=spec.name, fix="check 'stratagem cluster status'; "
-                                 "lower resources per replica") from exc
+                                 "lower resources per replica")
         names = tuple(f"{group_name}.r{i}" for i in range(replicas))
-        opts = actor_options(res, self.gpu_resource)
-        actors = [self._remote.options(
-            name=n, namespace=NAMESPACE, lifetime="detached", max_restarts=0, **opts,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=i),
-        ).remote() for i, n in enumerate(names)]
+        in_process = in_process and len({n.ip for n in nodes}) == 1
         try:
-            addrs = self.ray.get([a.address.remote() for a in actors], timeout=self.start_timeout)
-            master, port = addrs[0]
-            local: dict[str, int] = {}
-            starts = []
-            for rank, (actor, (ip, _)) in enumerate(zip(actors, addrs, strict=True)):
-                local_rank = local.get(ip, 0)
-                local[ip] = local_rank + 1
-                renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(replicas),
-                        "LOCAL_RANK": str(local_rank), "MASTER_ADDR": master,
-                        "MASTER_PORT": str(port), "GROUP_RANK": "0"}
-                starts.append(actor.start.remote([sys.executable, spec.script, *spec.args],
-                                                 renv, str(log_dir / f"rank-{rank}.log")))
+            actors = self._place_actors(names, nodes, res, spec.name)
+            if in_process:
+                renv = {**env, **self._serve_store(group_name, nodes[0].node_id),
+                        sg_env.RESCALE_NPROC: str(replicas)}
+                starts = [a.start.remote(self._argv(spec), {**renv, sg_env.RESCALE_ID: n},
+                                         log_file(log_dir, n))
+                          for a, n in zip(actors, names, strict=True)]
+            else:
+                starts = self._start_ranked(spec, actors, names, env, log_dir)
             self.ray.get(starts, timeout=self.start_timeout)
         except Exception as exc:
             self.stop(Launched(group_name, names), grace=0.0)
+            if isinstance(exc, StratagemError):
+                raise
             raise StratagemError(f"starting the workers failed: {exc}", where=spec.name,
                                  fix="see 'stratagem logs NAME'") from exc
         return Launched(group_name, names)
+
+    @staticmethod
+    def _argv(spec: JobSpec) -> list[str]:
+        # through the worker wrapper: a clean exit is never reported as a gloo abort
+        return [sys.executable, "-m", "stratagem.launch.worker", spec.script, *spec.args]
+
+    def _start_ranked(self, spec: JobSpec, actors: list, names: Sequence[str],
+                      env: Mapping[str, str], log_dir: Path) -> list:
+        """Checkpoint-restart form: fixed ranks, rank 0's node hosts the rendezvous."""
+        addrs = self.ray.get([a.address.remote() for a in actors], timeout=self.start_timeout)
+        master, port = addrs[0]
+        local: dict[str, int] = {}
+        starts = []
+        for rank, (actor, (ip, _)) in enumerate(zip(actors, addrs, strict=True)):
+            local_rank = local.get(ip, 0)
+            local[ip] = local_rank + 1
+            renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(len(actors)),
+                    "LOCAL_RANK": str(local_rank), "MASTER_ADDR": master,
+                    "MASTER_PORT": str(port), "GROUP_RANK": "0"}
+            starts.append(actor.start.remote(self._argv(spec), renv,
+                                             log_file(log_dir, names[rank])))
+        return starts
+
+    def _place_actors(self, names: Sequence[str], nodes: Sequence[NodeInfo],
+                      res: Mapping[str, float], job: str) -> list:
+        """One pinned one-bundle placement group and one actor per name."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        need = bundle(res, self.gpu_resource)
+        groups = [placement_group([need], strategy="STRICT_PACK", name=name,
+                                  lifetime="detached",
+                                  bundle_label_selector=[{NODE_ID_LABEL: node.node_id}])
+                  for name, node in zip(names, nodes, strict=True)]
+        try:
+            self.ray.get([pg.ready() for pg in groups], timeout=self.start_timeout)
+        except Exception as exc:
+            for pg in groups:
+                remove_placement_group(pg)
+            raise StratagemError(f"Ray could not place {len(names)} replicas of {dict(res)}: "
+                                 f"{exc}", where=job, fix="check 'stratagem cluster status'; "
+                                 "lower resources per replica") from exc
+        opts = actor_options(res, self.gpu_resource)
+        return [self._remote.options(
+            name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=0, **opts,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0),
+        ).remote() for name, pg in zip(names, groups, strict=True)]
+
+    def _serve_store(self, group_name: str, node_id: str) -> dict[str, str]:
+        """Start (or find) the allocation's rescale store on ``node_id``; the replicas'
+        environment for it."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        host = self._actor(f"{group_name}.store") or self.ray.remote(RescaleStoreHost).options(
+            name=f"{group_name}.store", namespace=NAMESPACE, lifetime="detached",
+            max_restarts=0, num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote()
+        _, port, token = self.ray.get(host.serve.remote(), timeout=self.start_timeout)
+        return {sg_env.RESCALE_STORE: f"127.0.0.1:{port}", sg_env.RESCALE_TOKEN: token}
+
+    def resize(self, spec: JobSpec, launched: Launched, replicas: int, env: Mapping[str, str],
+               log_dir: Path, exclude: frozenset[str] = frozenset()) -> Launched | None:
+        """Change an in-process allocation to ``replicas`` without a restart: a shrink sends
+        SIGTERM to the last replicas (they leave at the next step boundary), a grow starts
+        new ones on the same machine that join at one. None (nothing changed) when the
+        allocation has no store, when not every replica is a member of the job's current
+        generation yet (one still starting would die of the SIGTERM instead of leaving, and
+        stall the others), or when the new replicas do not fit on its machine: the caller
+        then falls back to checkpoint-restart."""
+        store = self._actor(store_name(launched))
+        if store is None:
+            return None
+        members = self.ray.get(store.members.remote(), timeout=self.start_timeout)
+        if members is None or set(members) != set(launched.actors):
+            return None  # still forming, or a joiner not yet in: a SIGTERM could kill it
+        current = len(launched.actors)
+        if replicas < current:
+            leave = launched.actors[replicas:]
+            self.stop(Launched(launched.group_name, leave), free_store=False)
+            return Launched(launched.group_name, launched.actors[:replicas])
+        ip, _, _ = self.ray.get(store.serve.remote(), timeout=self.start_timeout)
+        near = self.actor_nodes(launched)
+        nodes = self.place(replicas - current, bundle(dict(spec.resources), self.gpu_resource),
+                           exclude, near=tuple(near), ip=ip)
+        if nodes is None:
+            return None
+        last = max((int(a.rsplit(".r", 1)[-1]) for a in launched.actors), default=-1)
+        names = tuple(f"{launched.group_name}.r{last + 1 + i}" for i in range(len(nodes)))
+        try:
+            actors = self._place_actors(names, nodes, dict(spec.resources), spec.name)
+            renv = {**env, **self._serve_store(launched.group_name, nodes[0].node_id),
+                    sg_env.RESCALE_NPROC: str(current)}
+            self.ray.get([a.start.remote(self._argv(spec), {**renv, sg_env.RESCALE_ID: n},
+                                         log_file(log_dir, n))
+                          for a, n in zip(actors, names, strict=True)],
+                         timeout=self.start_timeout)
+        except Exception:
+            self.stop(Launched(launched.group_name, names), grace=0.0, free_store=False)
+            return None
+        return Launched(launched.group_name, launched.actors + names)
 
     def _actor(self, name: str):
         try:
@@ -227,8 +434,11 @@ class RayBackend:
                 out.append(LOST)
         return out
 
-    def stop(self, launched: Launched, grace: float | None = None) -> list[int | None]:
-        """SIGTERM every replica (they checkpoint and exit), then free the actors and group."""
+    def stop(self, launched: Launched, grace: float | None = None,
+             free_store: bool = True) -> list[int | None]:
+        """SIGTERM every replica (all of a job's: they checkpoint and exit; some of an
+        in-process job's: they leave), then free the actors, their groups and (with
+        ``free_store``) the job's rescale store."""
         from ray.util import get_placement_group, remove_placement_group
 
         grace = self.grace if grace is None else grace
@@ -243,6 +453,41 @@ class RayBackend:
         for a in actors:
             if a is not None:
                 self.ray.kill(a)
-        with contextlib.suppress(Exception):  # already gone
-            remove_placement_group(get_placement_group(launched.group_name))
+        for name in launched.actors:
+            with contextlib.suppress(Exception):  # already gone
+                remove_placement_group(get_placement_group(name))
+        store = self._actor(store_name(launched)) if free_store else None
+        if store is not None:
+            self.ray.kill(store)
         return codes
+
+
+def choose_nodes(nodes: Sequence[NodeInfo], count: int, need: Mapping[str, float],
+                 gpu_resource: str, near: Sequence[str] = ()) -> list[NodeInfo] | None:
+    """A node for each of ``count`` bundles of ``need`` (None: they do not fit): not-spot
+    nodes first, then nodes in ``near`` or already chosen, then the fullest that fits."""
+    free = {n.node_id: dict(n.free) for n in nodes}
+    chosen: list[NodeInfo] = []
+    for _ in range(count):
+        fits = [n for n in nodes if all(free[n.node_id].get(k, 0.0) >= v - 1e-9
+                                        for k, v in need.items())]
+        if not fits:
+            return None
+        mine = set(near) | {c.node_id for c in chosen}
+        best = min(fits, key=lambda n: (n.spot, n.node_id not in mine,
+                                        free[n.node_id].get(gpu_resource, 0.0), n.node_id))
+        for k, v in need.items():
+            free[best.node_id][k] = free[best.node_id].get(k, 0.0) - v
+        chosen.append(best)
+    return chosen
+
+
+def log_file(log_dir: Path, actor: str) -> str:
+    """Replica ``<allocation>.rN``'s log: ``rank-N.log`` (N is its rank at the start; a
+    replica added by an in-process grow gets the next free N)."""
+    return str(log_dir / f"rank-{actor.rsplit('.r', 1)[-1]}.log")
+
+
+def store_name(launched: Launched) -> str:
+    """The name of an allocation's rescale-store actor (in-process allocations only)."""
+    return f"{launched.group_name}.store"

@@ -9,9 +9,14 @@ Every ``interval`` seconds :meth:`Scheduler.step`:
    crashes, then marked failed; a lost actor or node (preemption) restarts it without
    counting as a crash;
 3. asks the policy for an allocation of the pending and running jobs (their goodput models
-   from the hints they publish), and applies the changes: a job whose replica count changes
-   is stopped with SIGTERM (it checkpoints at its next exit point) and started again at the
-   new size, resuming from the checkpoint; an unchanged job is left alone.
+   from the hints they publish), and applies the changes. A job whose replica count changes
+   is resized *in-process* where that applies (:attr:`JobSpec.in_process_rescale` and an
+   allocation formed for it, on one machine): a shrink lets the leavers leave at the next
+   step boundary while the rest keep training, a grow starts replicas that join at one.
+   Otherwise (or when the new replicas do not fit on the job's machine) it is stopped with
+   SIGTERM (it checkpoints at its next exit point) and started again at the new size,
+   resuming from the checkpoint. Shrinks and stops go first, so that their resources are
+   free for the grows and starts. An unchanged job is left alone.
 
 All state lives in the :class:`~.store.Store` (SQLite), so a new scheduler on the same
 directory carries on: running jobs keep running (their Ray actors are detached and named).
@@ -92,6 +97,8 @@ class Scheduler:
                                              options.grace)
         self._last = time.time()
         self.decisions: list[tuple[float, dict[str, int]]] = []
+        # (decision time, job, old count, new count, "start" | "in-process" | "restart")
+        self.resizes: list[tuple[float, str, int, int, str]] = []
         self.draining: set[str] = set()
         self._lock = threading.RLock()  # step() and drain() come from different threads
         self.autoscale_target: int | None = None
@@ -227,23 +234,62 @@ class Scheduler:
         cluster = self.cluster()
         active = [j for j in self.store.jobs(include_final=False)
                   if j.state in (st.PENDING, st.RUNNING)]
-        if cluster is None or not active:
+        if not active:
+            return {}
+        views = [self.view(j, now) for j in active]
+        if cluster is None:  # no accelerators yet: only the autoscaler can help
+            if self.options.autoscale is not None:
+                self._autoscale(views, ClusterSpec(0, self.options.autoscale.node_gpus))
             return {}
         current = {n: a.replicas for n, a in self.store.allocations().items()}
-        views = [self.view(j, now) for j in active]
         self._autoscale(views, cluster)
         target = self.policy.allocate(views, cluster, current, now)
         counts = {j.name: len(target.get(j.name, ())) for j in active}
         changed = [j for j in active if counts[j.name] != len(current.get(j.name, ()))]
         if changed:  # (time, new count of each job it changed)
             self.decisions.append((now, {j.name: counts[j.name] for j in changed}))
-        for job in changed:  # stops first, so that their resources are free for the starts
-            if job.name in current:
+        grows = []
+        for job in changed:  # shrinks and stops first: their resources are then free
+            old, new = len(current.get(job.name, ())), counts[job.name]
+            if old and new and new < old and self._resize(job, tuple(target[job.name]), now):
+                continue
+            if old and new > old and job.spec.in_process_rescale:
+                grows.append(job)
+                continue
+            if old:
+                self._stop_for_change(job, new)
+            if new:
+                grows.append(job)
+        for job in grows:
+            alloc = self.store.allocations().get(job.name)
+            if alloc is not None and self._resize(job, tuple(target[job.name]), now):
+                continue
+            if alloc is not None:  # in-process did not apply: checkpoint-restart
                 self._stop_for_change(job, counts[job.name])
-        for job in changed:
-            if counts[job.name]:
-                self._start(job, tuple(target[job.name]), now)
+            self._start(self.store.job(job.name), tuple(target[job.name]), now,
+                        len(current.get(job.name, ())))
         return counts
+
+    def _resize(self, job: st.JobRow, replicas: tuple[int, ...], now: float) -> bool:
+        """Resize ``job``'s allocation in-process; False when that does not apply."""
+        alloc = self.store.allocations()[job.name]
+        if not job.spec.in_process_rescale:
+            return False
+        ckpt, logs = job_dirs(self.directory, job.spec)
+        try:
+            done = self.backend.resize(job.spec, self._launched(alloc), len(replicas),
+                                       job_env(job.spec, ckpt), logs,
+                                       exclude=frozenset(self.draining))
+        except Exception:  # e.g. a replica gone meanwhile: checkpoint-restart instead
+            log.exception("in-process resize of %s", job.name)
+            return False
+        if done is None:
+            return False
+        self.store.set_allocation(job.name, replicas, done.group_name, done.actors)
+        self.store.update(job.name, f"rescaling: {len(alloc.replicas)} -> {len(replicas)} "
+                          "replicas (in-process)")
+        self.resizes.append((now, job.name, len(alloc.replicas), len(replicas), "in-process"))
+        return True
 
     def _stop_for_change(self, job: st.JobRow, new: int, why: str = "rescaling") -> None:
         alloc = self.store.allocations()[job.name]
@@ -255,16 +301,21 @@ class Scheduler:
                               "(checkpoint-restart)", state=st.PENDING,
                               restarts=job.restarts + 1)
 
-    def _start(self, job: st.JobRow, replicas: tuple[int, ...], now: float) -> None:
+    def _start(self, job: st.JobRow, replicas: tuple[int, ...], now: float,
+               old: int = 0) -> None:
         spec = job.spec
         ckpt, logs = job_dirs(self.directory, spec)
         generation = len(self.store.allocation_history(spec.name))
         try:
             launched = self.backend.launch(spec, len(replicas), generation,
-                                           job_env(spec, ckpt), logs)
+                                           job_env(spec, ckpt), logs,
+                                           exclude=frozenset(self.draining),
+                                           in_process=spec.in_process_rescale)
         except StratagemError as exc:
             self.store.update(spec.name, f"start failed: {exc.problem}")
             return
+        self.resizes.append((now, spec.name, old, len(replicas),
+                             "restart" if old else "start"))
         self.store.set_allocation(spec.name, replicas, launched.group_name, launched.actors)
         self.store.update(spec.name, f"started with {len(replicas)} replicas",
                           state=st.RUNNING, started=job.started or now)

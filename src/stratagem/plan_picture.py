@@ -1,0 +1,328 @@
+"""A strategy as a picture: one rectangle per parameter (or partition part), area
+proportional to its bytes, coloured by how its gradient is synchronized, grouped into one
+outlined block per all-reduce group or parameter server. ``stratagem plan --picture``.
+
+A pure function of ``(Strategy, ModelProfile)``: it reads no environment and trains
+nothing, so the picture of a saved strategy is the same wherever it is drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stratagem.analysis import ModelProfile, ParamInfo
+from stratagem.errors import StratagemError
+from stratagem.runtime.ps.plan import uses_sparse_path
+from stratagem.strategy import AllReduceSynchronizer, PSSynchronizer, Strategy
+
+# One colour per synchronizer kind (tests find them by pixel colour).
+KIND_COLOURS = {"all-reduce": "#1f77b4",  # tab:blue
+                "PS": "#ff7f0e",  # tab:orange
+                "PS sparse rows": "#2ca02c",  # tab:green
+                "none": "#7f7f7f"}
+KIND_TEXT = {"all-reduce": "all-reduce (every replica sums the gradient)",
+             "PS": "parameter server (dense)",
+             "PS sparse rows": "parameter server, sparse rows (only looked-up rows travel)",
+             "none": "no synchronizer"}
+MIN_SHARE = 0.006  # smaller rectangles are drawn at this share of the area, to stay visible
+MIN_BLOCK_SHARE = 0.02  # and a group or server block at this share
+MAX_BLOCKS = 24  # all-reduce groups / servers drawn as their own block; the rest merged
+MAX_PER_BLOCK = 40  # tensors drawn one by one in a block; the rest merged
+SMALL_SHARE = 0.002  # tensors under this share of the model's bytes join "N small tensors"
+WIDTH_PX, HEIGHT_PX = 1400, 820  # the treemap's area; the figure adds title and legend
+HEADER_PX = 16  # a block's label strip (a block shorter than 3 strips goes without)
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One rectangle's worth: a parameter, a partition part, or merged small tensors."""
+
+    label: str
+    detail: str
+    nbytes: int
+    kind: str
+    count: int = 1
+
+
+@dataclass
+class Block:
+    """The tensors one synchronizer unit handles: an all-reduce group or one server."""
+
+    key: tuple[str, str]
+    title: str
+    leaves: list[Leaf]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+    @property
+    def count(self) -> int:
+        return sum(leaf.count for leaf in self.leaves)
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in B/KiB/MiB/GiB with three significant digits."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} GiB"
+
+
+def _percent(part: float, whole: float) -> str:
+    pct = 100 * part / max(whole, 1)
+    return f"{pct:.0f}%" if pct >= 1 or pct == 0 else f"{pct:.2g}%"
+
+
+def _kind(sync: Any, info: ParamInfo, axis: int | None) -> str:
+    if isinstance(sync, AllReduceSynchronizer):
+        return "all-reduce"
+    if isinstance(sync, PSSynchronizer):
+        # As the runtime decides: rows travel for sparse/embedding tables not split by column.
+        return "PS sparse rows" if uses_sparse_path(info) and axis in (None, 0) else "PS"
+    return "none"
+
+
+def _block_of(sync: Any, replicas: tuple[str, ...]) -> tuple[tuple[str, str], str]:
+    """(block key, block title) of one synchronizer: its all-reduce group or its server."""
+    if isinstance(sync, AllReduceSynchronizer):
+        extra = "" if sync.compressor == "none" else f", {sync.compressor}"
+        return ("all-reduce", f"group {sync.group}"), f"all-reduce group {sync.group}{extra}"
+    if isinstance(sync, PSSynchronizer):
+        dest = sync.reduction_destination
+        where = (f"worker {replicas.index(dest)}" if dest in replicas else "server")
+        mode = "async" if not sync.sync else (f"staleness {sync.staleness}"
+                                               if sync.staleness else "sync")
+        return ("PS", dest), f"PS on {dest} ({where}, {mode})"
+    return ("none", ""), "no synchronizer"
+
+
+def collect_blocks(strategy: Strategy, profile: ModelProfile) -> list[Block]:
+    """The strategy's tensors grouped by synchronizer unit, largest block first."""
+    replicas = tuple(strategy.graph_config.replicas)
+    blocks: dict[tuple[str, str], Block] = {}
+    for nc in strategy.node_config:
+        try:
+            info = profile.get(nc.var_name)
+        except KeyError:
+            raise StratagemError(f"parameter {nc.var_name!r} of the strategy is not in the "
+                                 "model", where=f"strategy {strategy.id}",
+                                 fix="draw the strategy with the model it was built for"
+                                 ) from None
+        shape = "×".join(str(d) for d in info.shape) or "scalar"
+        if nc.partitioner is None:
+            pieces = [(nc.synchronizer, nc.var_name, f"[{shape}]", info.bytes, None)]
+        else:
+            axis = nc.partitioner.axis
+            sizes = nc.partitioner.part_sizes(info.shape)
+            row_bytes = info.bytes // max(info.shape[axis], 1) if info.shape else info.bytes
+            pieces, start = [], 0
+            for part, length in zip(nc.part_config, sizes, strict=False):
+                what = "rows" if axis == 0 else f"axis {axis}"
+                pieces.append((part.synchronizer, part.var_name,
+                               f"{what} {start}-{start + length - 1} of [{shape}]",
+                               row_bytes * length, axis))
+                start += length
+        for sync, label, detail, nbytes, axis in pieces:
+            kind = _kind(sync, info, axis)
+            key, title = _block_of(sync, replicas)
+            blocks.setdefault(key, Block(key, title, [])).leaves.append(
+                Leaf(label, detail, nbytes, kind))
+    return sorted(blocks.values(), key=lambda b: -b.nbytes)
+
+
+def _merge_tail(blocks: list[Block], total: int) -> list[Block]:
+    """At most MAX_BLOCKS blocks, each with at most MAX_PER_BLOCK named tensors."""
+    blocks = [Block(b.key, b.title, list(b.leaves)) for b in blocks]  # the caller's stay whole
+    kept, extra = blocks[:MAX_BLOCKS - 1], blocks[MAX_BLOCKS - 1:]
+    if len(extra) > 1:
+        merged: dict[str, Block] = {}
+        for b in extra:
+            family = b.key[0]
+            m = merged.setdefault(family, Block(("more", family), "", []))
+            m.leaves.extend(b.leaves)
+            n = sum(x.key[0] == family for x in extra)
+            m.title = f"{n} more {'all-reduce groups' if family == 'all-reduce' else 'servers'}"
+        kept += list(merged.values())
+    else:
+        kept += extra
+    for b in kept:
+        leaves = sorted(b.leaves, key=lambda leaf: -leaf.nbytes)
+        named = [leaf for i, leaf in enumerate(leaves)
+                 if i < MAX_PER_BLOCK and leaf.nbytes >= SMALL_SHARE * total]
+        rest = leaves[len(named):]
+        if len(rest) > 1:  # one merged rectangle per kind, so colours keep their areas
+            for kind in dict.fromkeys(leaf.kind for leaf in rest):
+                same = [leaf for leaf in rest if leaf.kind == kind]
+                n = sum(leaf.count for leaf in same)
+                named.append(Leaf(f"{n} small tensor{'s' * (n != 1)}", "",
+                                  sum(leaf.nbytes for leaf in same), kind, n))
+        else:
+            named += rest
+        b.leaves = sorted(named, key=lambda leaf: -leaf.nbytes)
+    return sorted(kept, key=lambda b: -b.nbytes)
+
+
+Rect = tuple[float, float, float, float]  # x, y, width, height (pixels, y up)
+
+
+def _worst(row: list[float], side: float) -> float:
+    """The most elongated aspect ratio of ``row`` laid along a side of length ``side``."""
+    total = sum(row)
+    return max(max(side * side * r / (total * total), total * total / (side * side * r))
+               for r in row)
+
+
+def treemap(weights: list[float], rect: Rect) -> list[Rect]:
+    """Rectangles tiling ``rect`` with areas proportional to ``weights`` (sorted largest
+    first, all > 0), in order. Squarified: fill a strip along the shorter side while adding
+    the next weight makes the strip's worst aspect ratio no worse (Bruls, Huizing and van
+    Wijk, 2000), so small tensors get squares rather than slivers."""
+    x, y, w, h = rect
+    scale = w * h / (sum(weights) or 1.0)
+    areas = [wt * scale for wt in weights]
+    out: list[Rect] = []
+    i = 0
+    while i < len(areas):
+        side = min(w, h) or 1e-9
+        row = [areas[i]]
+        i += 1
+        while i < len(areas) and _worst(row + [areas[i]], side) <= _worst(row, side):
+            row.append(areas[i])
+            i += 1
+        thick = sum(row) / side
+        if w >= h:  # a column at the left, filled top to bottom
+            top = y + h
+            for a in row:
+                out.append((x, top - a / thick, thick, a / thick))
+                top -= a / thick
+            x, w = x + thick, max(w - thick, 0.0)
+        else:  # a row at the top, filled left to right
+            left = x
+            for a in row:
+                out.append((left, y + h - thick, a / thick, thick))
+                left += a / thick
+            h = max(h - thick, 0.0)
+    return out
+
+
+def _fit(text: str, width_px: float, size: float) -> str | None:
+    """``text`` shortened from the left to fit ``width_px`` at font ``size``, or None."""
+    chars = int(width_px / (size * 0.7)) - 1
+    if chars >= len(text):
+        return text
+    return "…" + text[-(chars - 1):] if chars >= 6 else None
+
+
+def draw_strategy(strategy: Strategy, profile: ModelProfile, model_name: str = "") -> Any:
+    """A matplotlib ``Figure`` of the strategy (see the module docstring)."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch, Rectangle
+    except ImportError:
+        raise StratagemError("drawing a strategy needs matplotlib", where="--picture",
+                             fix="pip install matplotlib (or pip install 'stratagem[plot]')"
+                             ) from None
+    all_blocks = collect_blocks(strategy, profile)
+    total = sum(b.nbytes for b in all_blocks)
+    blocks = _merge_tail(all_blocks, total)
+    # Display weights: bytes, with a floor so a small tensor or group stays visible.
+    floor = min(MIN_SHARE, 0.25 / max(sum(len(b.leaves) for b in blocks), 1)) * total
+    shown = [[max(float(leaf.nbytes), floor, 1.0) for leaf in b.leaves] for b in blocks]
+    block_floor = min(MIN_BLOCK_SHARE, 0.3 / max(len(blocks), 1)) * sum(map(sum, shown))
+    shown = [[w * max(1.0, block_floor / sum(ws)) for w in ws] for ws in shown]
+    dpi, top, bottom = 100, 64, 96  # pixels above (titles) and below (legend) the map
+    height = HEIGHT_PX + top + bottom
+    fig = Figure(figsize=(WIDTH_PX / dpi, height / dpi), dpi=dpi)
+    ax = fig.add_axes((0.0, bottom / height, 1.0, HEIGHT_PX / height))
+    ax.set_xlim(0, WIDTH_PX)
+    ax.set_ylim(0, HEIGHT_PX)
+    ax.set_axis_off()
+    pad = 3.0
+    order = sorted(range(len(blocks)), key=lambda i: -sum(shown[i]))
+    rects = treemap([sum(shown[i]) for i in order], (0, 0, WIDTH_PX, HEIGHT_PX))
+    for i, (bx, by, bw, bh) in zip(order, rects, strict=True):
+        block = blocks[i]
+        inner = (bx + pad, by + pad, max(bw - 2 * pad, 0.5), max(bh - 2 * pad, 0.5))
+        count = f"{block.count} tensor{'s' * (block.count != 1)}"
+        # A strip for the block's name where it fits (the longest telling that does, bold
+        # text is wider); else the tensors' own labels say enough.
+        title = next((t for t in (f"{block.title} · {count} · {human_bytes(block.nbytes)}",
+                                  f"{block.title} · {human_bytes(block.nbytes)}", block.title)
+                      if _fit(t, inner[2] - 6, 8.8) == t), None)
+        header = HEADER_PX if inner[3] >= 3 * HEADER_PX and title else 0
+        if header and title:
+            label = ax.text(inner[0] + 3, inner[1] + inner[3] - header / 2, title, fontsize=8,
+                    va="center", ha="left", fontweight="bold", color="#222222")
+            label.set_clip_path(Rectangle(inner[:2], inner[2], inner[3],
+                                          transform=ax.transData))
+        area = (inner[0], inner[1], inner[2], inner[3] - header)
+        for leaf, (lx, ly, lw, lh) in zip(block.leaves, treemap(shown[i], area),
+                                          strict=True):
+            merged = leaf.count > 1
+            patch = ax.add_patch(Rectangle((lx, ly), lw, lh,
+                                           facecolor=KIND_COLOURS[leaf.kind],
+                                           edgecolor="white", linewidth=0.6,
+                                           hatch="." if merged else None))
+            lines = [leaf.label, leaf.detail, human_bytes(leaf.nbytes)]
+            fitted = [_fit(t, lw, 7) for t in lines if t]
+            text = [t for t in fitted if t][: max(int(lh // 11), 0)]
+            if text and fitted[0]:
+                ax.text(lx + lw / 2, ly + lh / 2, "\n".join(text), fontsize=7, ha="center",
+                        va="center", color="white", clip_on=True).set_clip_path(patch)
+        # The block's outline: group and server boundaries stay visible between tensors.
+        ax.add_patch(Rectangle(inner[:2], inner[2], inner[3], fill=False,
+                               edgecolor="#222222", linewidth=1.4))
+    replicas = len(strategy.graph_config.replicas)
+    head = f"{model_name} — " if model_name else ""
+    fig.text(0.5, 1 - 8 / height, f"{head}strategy {strategy.name} ({strategy.id}), "
+             f"{replicas or '?'} replica{'s' * (replicas != 1)}", fontsize=13, ha="center",
+             va="top")
+    fig.text(0.5, 1 - 34 / height,
+             f"{len(profile.params)} trainable parameters, {human_bytes(total)}. Area ∝ bytes "
+             "(small ones enlarged to stay visible); one outlined "
+             "block per all-reduce group or parameter server; dotted = small tensors merged",
+             ha="center", va="top", fontsize=9, color="#444444")
+    by_kind: dict[str, list[Leaf]] = {}
+    units: dict[str, set[tuple[str, str]]] = {}
+    for b in all_blocks:
+        for leaf in b.leaves:
+            by_kind.setdefault(leaf.kind, []).append(leaf)
+            units.setdefault(leaf.kind, set()).add(b.key)
+    handles = []
+    for k in KIND_COLOURS:
+        if k not in by_kind:
+            continue
+        nbytes = sum(leaf.nbytes for leaf in by_kind[k])
+        n = len(units[k])
+        unit = "group" if k == "all-reduce" else "server" if k.startswith("PS") else "block"
+        handles.append(Patch(facecolor=KIND_COLOURS[k], edgecolor="#222222",
+                             label=f"{KIND_TEXT[k]}: {len(by_kind[k])} "
+                                   f"tensor{'s' * (len(by_kind[k]) != 1)}, "
+                                   f"{human_bytes(nbytes)} ({_percent(nbytes, total)}"
+                                   f"), {n} {unit}{'s' * (n != 1)}"))
+    fig.legend(handles=handles, loc="lower center", ncol=1 if len(handles) < 2 else 2,
+               fontsize=9, frameon=False, bbox_to_anchor=(0.5, 0.0))
+    return fig
+
+
+def save_picture(strategy: Strategy, profile: ModelProfile, path: str | Path,
+                 model_name: str = "") -> Path:
+    """Draw the strategy and write it to ``path`` (format from the suffix: .png, .svg, .pdf)."""
+    out = Path(path)
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise StratagemError(f"cannot tell the picture format of {str(out)!r}",
+                             where="--picture", fix="name the file .png, .svg or .pdf")
+    if not out.parent.is_dir():
+        raise StratagemError(f"directory {str(out.parent)!r} does not exist",
+                             where="--picture", fix="create it or pick another path")
+    fig = draw_strategy(strategy, profile, model_name)
+    try:
+        fig.savefig(out)
+    except OSError as exc:
+        raise StratagemError(f"cannot write the picture: {exc}", where=str(out),
+                             fix="pick a writable path") from None
+    return out

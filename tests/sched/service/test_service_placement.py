@@ -1,0 +1,95 @@
+"""Placement pinned to nodes: not-spot nodes fill first, spot nodes are used last, a drain
+moves the work off the noticed node. The rule alone, then on a local multi-node Ray cluster
+(``ray.cluster_utils.Cluster``: three raylets on this machine, fake GPUs, one spot node)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from _ray_service import FAKE_GPU
+
+from stratagem.sched.service import store as st
+from stratagem.sched.service.jobfile import parse_job
+from stratagem.sched.service.ray_backend import Launched, NodeInfo, choose_nodes
+from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
+
+GPU = {FAKE_GPU: 1.0}
+
+
+def node(name: str, free: float, spot: bool = False) -> NodeInfo:
+    return NodeInfo(name, "10.0.0.1", spot, {FAKE_GPU: 4.0}, {FAKE_GPU: free})
+
+
+def ids(nodes: list[NodeInfo] | None) -> list[str] | None:
+    return None if nodes is None else [n.node_id for n in nodes]
+
+
+def test_not_spot_nodes_fill_first_and_jobs_pack():
+    nodes = [node("spot", 4, spot=True), node("a", 4), node("b", 1)]
+    # the fullest not-spot node that fits first (b), then the job stays together on a
+    assert ids(choose_nodes(nodes, 3, GPU, FAKE_GPU)) == ["b", "a", "a"]
+    assert ids(choose_nodes(nodes, 6, GPU, FAKE_GPU)) == ["b", "a", "a", "a", "a", "spot"]
+    assert choose_nodes(nodes, 10, GPU, FAKE_GPU) is None  # does not fit
+    # a grow prefers the nodes the job already runs on
+    assert ids(choose_nodes(nodes, 1, GPU, FAKE_GPU, near=("a",))) == ["a"]
+    assert ids(choose_nodes([node("spot", 2, spot=True)], 2, GPU, FAKE_GPU)) == ["spot"] * 2
+
+
+@pytest.fixture(scope="module")
+def multinode() -> Iterator[tuple[object, dict[str, str]]]:
+    ray = pytest.importorskip("ray", reason="Ray is an optional extra")
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "object_store_memory": 80 * 2**20})
+    names = {}
+    try:
+        for name, labels in (("spot", {"ray.io/market-type": "spot"}), ("steady", {})):
+            n = cluster.add_node(num_cpus=2, resources={FAKE_GPU: 2},
+                                 object_store_memory=80 * 2**20, labels=labels)
+            names[name] = n.node_id
+        ray.init(address=cluster.address, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
+        yield ray, names
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+def test_spot_nodes_are_used_last_and_a_drain_moves_the_job(multinode, tmp_path):
+    ray, names = multinode
+    script = tmp_path / "idle.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    opts = SchedulerOptions(interval=0.5, gpu_resource=FAKE_GPU, grace=2.0)
+    sched = Scheduler(tmp_path, opts)
+    spec = parse_job({"name": "x", "script": str(script), "min_replicas": 2,
+                      "max_replicas": 2, "resources": {"CPU": 0, "GPU": 1},
+                      "adaptive": False})
+    sched.store.add_job(spec)
+
+    def where() -> set[str]:
+        alloc = sched.store.allocations()["x"]
+        return sched.backend.actor_nodes(Launched(alloc.group_name or "", alloc.actors))
+
+    sched.step()
+    assert where() == {names["steady"]}  # both replicas on the not-spot node
+    assert sched.drain(names["steady"]) == ["x"]
+    assert sched.store.job("x").state == st.PENDING
+    sched.step()
+    assert where() == {names["spot"]}  # moved off the drained node, onto the spot one
+    sched.undrain(names["steady"])
+    sched.store.request_delete("x")
+    sched.step()
+    assert sched.store.job("x").state == st.DELETED
+    deadline = time.monotonic() + 30
+    while sched.backend.node_infos() and any(
+            n.free.get(FAKE_GPU, 0) != n.total.get(FAKE_GPU, 0)
+            for n in sched.backend.node_infos()):
+        assert time.monotonic() < deadline, "the bundles were not freed"
+        time.sleep(0.5)
