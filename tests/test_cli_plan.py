@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from stratagem.cli import main
 from stratagem.strategy import Strategy
 
@@ -44,3 +46,54 @@ def test_bad_model_target_is_one_clear_error() -> None:
         assert proc.returncode == 2
         assert needle in proc.stderr and "fix:" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_plan_with_auto_explains_within_80_columns(capsys) -> None:  # noqa: ANN001
+    assert main(["plan", "--model", f"{MODELS}:Recommender", "--nproc", "2",
+                 "--strategy", "Auto"]) == 0
+    text = capsys.readouterr().out
+    for needle in ("Auto chose", "predicted step", "parameter groups", "best alternatives",
+                   "why it lost", "builder Auto"):
+        assert needle in text
+    explanation = text[text.index("Auto chose"):text.index("strategy ", text.index(
+        "best alternatives"))]
+    assert max(len(line) for line in explanation.splitlines()) <= 80
+
+
+def test_plan_json_has_the_prediction(capsys) -> None:  # noqa: ANN001
+    import json
+
+    assert main(["plan", "--model", f"{MODELS}:mlp", "--nproc", "2", "--strategy",
+                 "AllReduce", "--json", "--batch-size", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    predicted = report["predicted"]
+    assert predicted["total_s"] == pytest.approx(
+        predicted["compute_s"] + predicted["exposed_comm_s"] + predicted["overhead_s"])
+    assert report["strategy"]["builder"] == "AllReduce"
+    assert main(["plan", "--model", f"{MODELS}:mlp", "--nproc", "2", "--strategy",
+                 "Auto", "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)["auto"]
+    assert auto["alternatives"] and auto["groups"]
+
+
+def test_plan_a_training_script_stops_at_distribute(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    spec = ROOT / "examples" / "specs" / "two-node.yml"
+    out = tmp_path / "auto.json"
+    assert main(["plan", "--resource-spec", str(spec), str(ROOT / "examples" / "train_mlp.py"),
+                 "--strategy", "Auto", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "4 worker(s)" in text and "Auto chose" in text and "predicted step" in text
+    assert Strategy.load(out).builder.startswith("Auto")
+    # the script's own builder when --strategy is not given
+    assert main(["plan", "--resource-spec", str(spec),
+                 str(ROOT / "examples" / "train_mlp.py")]) == 0
+    assert "builder AllReduce" in capsys.readouterr().out
+
+
+def test_plan_a_script_that_never_distributes_is_a_clear_error(tmp_path: Path) -> None:
+    script = tmp_path / "noop.py"
+    script.write_text("print('hello')\n")
+    proc = subprocess.run([sys.executable, "-m", "stratagem", "plan", str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "without calling AutoDist.distribute()" in proc.stderr and "fix:" in proc.stderr

@@ -32,8 +32,8 @@ _EXPORTS = {
     "CheckpointError": "stratagem.errors",
     "DistributedError": "stratagem.errors",
 }
-_SUBMODULES = ("adapt", "analysis", "checkpoint", "data", "elastic", "env", "runtime",
-               "strategy")
+_SUBMODULES = ("adapt", "analysis", "checkpoint", "data", "elastic", "env", "planner",
+               "runtime", "strategy")
 
 __all__ = [
     "AutoDist",
@@ -54,6 +54,7 @@ __all__ = [
     "data",
     "elastic",
     "env",
+    "planner",
     "runtime",
     "strategy",
 ]
@@ -75,7 +76,17 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs
-    from stratagem import adapt, analysis, checkpoint, data, elastic, env, runtime, strategy
+    from stratagem import (
+        adapt,
+        analysis,
+        checkpoint,
+        data,
+        elastic,
+        env,
+        planner,
+        runtime,
+        strategy,
+    )
     from stratagem.analysis import ModelProfile, analyze
     from stratagem.autodist import AutoDist
     from stratagem.data import DistributedDataLoader

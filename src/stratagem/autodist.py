@@ -8,10 +8,13 @@ for this rank and wraps the model. With one process it does no communication at 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
 import os
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +30,55 @@ from stratagem.data import DistributedDataLoader
 from stratagem.errors import StratagemError, install_excepthook
 from stratagem.launch.env import nproc_override
 from stratagem.observe import MetricsFile, ProgressDisplay, logger
+from stratagem.planner import Choice, choose, explain_text
 from stratagem.process_group import default_backend, init_process_group
 from stratagem.resource import ResourceSpec
 from stratagem.runtime import DistributedModel, compile_plan
 from stratagem.runtime.ps import Cluster, join_cluster, run_server
-from stratagem.strategy import Strategy, StrategyBuilder, resolve_builder, validate
+from stratagem.runtime.ps.optim import sparse_class
+from stratagem.strategy import Auto, Strategy, StrategyBuilder, resolve_builder, validate
 from stratagem.strategy.validate import server_devices
 
 ENV_SPEC = env.RESOURCE_SPEC
 ENV_STRATEGY = env.STRATEGY
 
-__all__ = ["AutoDist", "resolve_builder"]
+__all__ = ["AutoDist", "PlanOnly", "plan_only", "resolve_builder"]
+
+
+_PLAN_ONLY: list[tuple[ResourceSpec, str | None]] = []
+
+
+class PlanOnly(Exception):  # noqa: N818 (a signal, not an error)
+    """Raised by :meth:`AutoDist.distribute` under :func:`plan_only` once the strategy is
+    built: the script stops there and the caller reads ``autodist``."""
+
+    def __init__(self, autodist: AutoDist) -> None:
+        super().__init__("strategy built (plan only)")
+        self.autodist = autodist
+
+
+@contextlib.contextmanager
+def plan_only(spec: ResourceSpec, strategy: str | None = None) -> Iterator[None]:
+    """Within it, AutoDist plans for ``spec`` as its rank 0 without joining any group, and
+    ``distribute`` raises :class:`PlanOnly` (``stratagem plan SCRIPT``); ``strategy``
+    overrides the script's builder."""
+    _PLAN_ONLY.append((spec, strategy))
+    try:
+        yield
+    finally:
+        _PLAN_ONLY.pop()
+
+
+def _rows_allowed(model: nn.Module, optimizer: Any) -> bool:
+    """Whether the optimizer has a sparse rule for every parameter (PS rows need one)."""
+    if optimizer is None:
+        return True
+    for group in optimizer.param_groups:
+        try:
+            sparse_class(optimizer, group, "Auto")
+        except StratagemError:
+            return False
+    return True
 
 
 def _env_int(name: str, default: int) -> int:
@@ -59,6 +100,9 @@ class AutoDist:
                  resource_spec: ResourceSpec | None = None, seed: int = 0,
                  verbose: bool = True) -> None:
         install_excepthook()
+        if _PLAN_ONLY:  # `stratagem plan SCRIPT`: build the strategy, join nothing
+            self._plan_only(_PLAN_ONLY[-1], strategy_builder, seed)
+            return
         # In-process elastic jobs (STRATAGEM_RESCALE_STORE): join the group, set RANK etc.
         self.elastic_group: elastic.ElasticGroup | None = elastic.join_job()
         self.rank = _env_int("RANK", 0)
@@ -80,12 +124,29 @@ class AutoDist:
         self.strategy: Strategy | None = None
         self.profile: ModelProfile | None = None
         self.model: DistributedModel | None = None
+        self.choice: Choice | None = None  # the planner's choice, when the builder is Auto
         self.optimizer: torch.optim.Optimizer | None = None
         self.adaptive: AdaptiveTrainer | None = None  # the adaptive loop, once distributed
         # Fully built: follow in-process rescales (the lifecycle calls back, see below).
         elastic.current_job().add_participant(self)
 
     # -- set-up -------------------------------------------------------------------------
+    def _plan_only(self, plan: tuple[ResourceSpec, str | None], builder: Any,
+                   seed: int) -> None:
+        """Rank 0 of the spec's job as far as choosing a strategy needs: no process group,
+        no job context; ``distribute`` raises :class:`PlanOnly` once it has the strategy."""
+        spec, override = plan
+        self.elastic_group = None
+        self.rank, self.local_rank, self.world_size = 0, 0, spec.num_workers
+        self.seed, self.verbose = seed, False
+        self.resource_spec = spec
+        self._builder = resolve_builder(override or builder)
+        self.device = torch.device("cpu")
+        self.cluster, self.role = None, "worker"
+        self.rank_devices = list(spec.replicas)
+        self.strategy, self.profile, self.model = None, None, None
+        self.choice, self.optimizer, self.adaptive = None, None, None
+
     def _load_spec(self, path: Any, spec: ResourceSpec | None) -> ResourceSpec:
         if spec is None:
             path = path or env.resource_spec_path()
@@ -218,30 +279,82 @@ class AutoDist:
     def is_chief(self) -> bool:
         return self.rank == 0
 
-    def build_strategy(self, model: nn.Module) -> Strategy:
-        """Analyze ``model`` and build (and validate) its strategy without wrapping it."""
+    def build_strategy(self, model: nn.Module, sample_input: Any = None,
+                       optimizer: Any = None) -> Strategy:
+        """Analyze ``model`` and build (and validate) its strategy without wrapping it.
+
+        With the Auto builder, ``sample_input`` (one worker's batch, as ``model(*it)``
+        takes it) lets the planner measure the model; rank 0's choice is then sent to the
+        other workers, since measurements differ between processes."""
         self.profile = analyze(model)
+        if isinstance(self._builder, Auto):
+            return validate(self._plan(model, sample_input, optimizer), self.profile,
+                            self.resource_spec)
         strategy = self._builder.build(self.profile, self.resource_spec)
         return validate(strategy, self.profile, self.resource_spec)
 
+    def _plan(self, model: nn.Module, sample_input: Any, optimizer: Any) -> Strategy:
+        options = self._builder
+        if options.rows and not _rows_allowed(model, optimizer):
+            options = replace(options, rows=False)
+        if self.cluster is not None and sample_input is not None:
+            self.log("Auto: dedicated parameter servers plan from the profile (no "
+                     "calibration), so that every process chooses alike")
+            sample_input = None
+        self.choice = choose(model, self.resource_spec, sample_input=sample_input,
+                             options=options)
+        if sample_input is None or self.world_size == 1 or _PLAN_ONLY:
+            return self.choice.strategy
+        return self._agree(self.choice.strategy)
+
+    def _agree(self, strategy: Strategy) -> Strategy:
+        """Rank 0's strategy on every worker (sent as JSON bytes, parsed strictly)."""
+        payload = strategy.to_json().encode() if self.rank == 0 else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        dist.broadcast(size, 0)
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+               if self.rank == 0 else
+               torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
+        dist.broadcast(buf, 0)
+        if self.rank == 0:
+            return strategy
+        return Strategy.from_dict(json.loads(bytes(buf.cpu().tolist()).decode()),
+                                  source="rank 0's Auto strategy")
+
+    def explain(self) -> str:
+        """What Auto chose and why: groups, predicted step split into compute, exposed
+        communication and overheads, bytes per link, the alternatives it rejected."""
+        if self.choice is None:
+            raise StratagemError("explain() needs a strategy chosen by Auto",
+                                 where="AutoDist.explain",
+                                 fix='use strategy_builder="Auto" and call distribute() '
+                                     "(or build_strategy()) first")
+        return explain_text(self.choice)
+
     def distribute(self, model: nn.Module, optimizer: Any = None, *,
                    scaling_rule: Any = None, scaler: Any = None,
-                   adaptive: TrainerConfig | None = None) -> tuple[nn.Module, Any]:
+                   adaptive: TrainerConfig | None = None,
+                   sample_input: Any = None) -> tuple[nn.Module, Any]:
         """Return (distributed model, optimizer); the optimizer object is the same, its
         ``step``/``zero_grad`` wrapped by the adaptive loop (``stratagem.adapt.loop``): LR
         scaled by ``scaling_rule`` (default by optimizer type) when the batch size changes,
         gradient accumulation over the loader's micro-batches. ``scaler``: a
         ``torch.amp.GradScaler`` for mixed precision (``DistributedModel.attach_scaler``).
         ``adaptive`` tunes the adaptive loop (:class:`stratagem.adapt.TrainerConfig`:
-        decision interval, smoothing, preconditioner refresh)."""
+        decision interval, smoothing, preconditioner refresh). ``sample_input``: one
+        worker's batch for the Auto builder to calibrate on (see :meth:`build_strategy`)."""
         if not isinstance(model, nn.Module):
             raise StratagemError(f"expected a torch.nn.Module, got {type(model).__name__}",
                                  where="AutoDist.distribute", fix="pass the model object")
         model.to(self.device)
-        self.strategy = self.build_strategy(model)
         self._check_optimizer(model, optimizer)
+        self.strategy = self.build_strategy(model, sample_input, optimizer)
+        if _PLAN_ONLY:
+            raise PlanOnly(self)
         self.log(self.profile.summary() if self.profile else "")
         self.log(self.strategy.summary())
+        if self.choice is not None:  # Auto: the prediction behind the choice
+            self.log("\n".join(explain_text(self.choice).splitlines()[:3]))
         plan = compile_plan(self.strategy, self.profile, rank=self.rank,
                             world_size=self.world_size, device=self.device,
                             servers=self._servers_for(self.strategy))

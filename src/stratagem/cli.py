@@ -105,13 +105,22 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         description="Profile a model, build and validate its strategy for a resource spec, "
                     "and print it (optionally with rank 0's compiled plan); --out saves it "
                     "for hand editing.")
-    p.add_argument("--model", required=True, metavar="MODULE:CALLABLE",
+    p.add_argument("script", nargs="?", metavar="SCRIPT.py",
+                   help="a training script: run until its ad.distribute(...), as rank 0 of "
+                        "the spec's job without joining anything (or use --model)")
+    p.add_argument("--model", metavar="MODULE:CALLABLE",
                    help="callable that returns the nn.Module, e.g. examples/models.py:mlp")
     p.add_argument("--resource-spec", metavar="FILE", help="YAML resource spec")
     p.add_argument("--nproc", type=int, metavar="N", help="workers on this machine (no spec)")
     p.add_argument("--strategy", metavar="NAME|FILE", help="builder name or strategy file")
     p.add_argument("--out", metavar="FILE", help="save the strategy (.json/.yaml)")
     p.add_argument("--show-plan", action="store_true", help="also print rank 0's plan")
+    p.add_argument("--sample", metavar="MODULE:CALLABLE",
+                   help="callable returning one worker's batch: the planner measures the "
+                        "model on it (Auto, and predicted step times)")
+    p.add_argument("--batch-size", type=int, metavar="N",
+                   help="samples per worker when no --sample is given (default 32)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--picture", metavar="FILE.png",
                    help="also draw the strategy (parameters by size, coloured by synchronizer; "
                         ".png, .svg or .pdf; needs matplotlib)")
@@ -119,10 +128,18 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from stratagem.plan_command import explain
+    from stratagem.plan_command import explain, explain_script
 
+    if (args.script is None) == (args.model is None):
+        args.parser.error("give a training script or --model MODULE:CALLABLE (one of them)")
+    if args.script is not None:
+        print(explain_script(args.script, args.resource_spec, args.strategy, args.nproc,
+                             args.out, args.show_plan, as_json=args.json,
+                             picture=args.picture))
+        return 0
     print(explain(args.model, args.resource_spec, args.strategy, args.nproc, args.out,
-                  args.show_plan, picture=args.picture))
+                  args.show_plan, sample_target=args.sample, batch_size=args.batch_size,
+                  as_json=args.json, picture=args.picture))
     return 0
 
 

@@ -20,8 +20,17 @@ def load_model(target: str) -> Any:
     """Call ``module:callable`` (or ``file.py:callable``) and return the nn.Module it makes."""
     from torch import nn
 
+    model = _call_target(target, "--model")
+    if not isinstance(model, nn.Module):
+        raise StratagemError(f"{target} returned {type(model).__name__}, not an nn.Module",
+                             where="--model", fix="return the model from the callable")
+    return model
+
+
+def _call_target(target: str, option: str) -> Any:
+    """Import ``module:callable`` (or ``file.py:callable``) and call it."""
     if ":" not in target:
-        raise StratagemError(f"cannot read model {target!r}", where="--model",
+        raise StratagemError(f"cannot read {option} {target!r}", where=option,
                              fix="write MODULE:CALLABLE or path/to/file.py:CALLABLE")
     where, name = target.rsplit(":", 1)
     try:
@@ -36,47 +45,154 @@ def load_model(target: str) -> Any:
         else:
             module = importlib.import_module(where)
     except (ImportError, FileNotFoundError) as exc:
-        raise StratagemError(f"cannot import {where!r}: {exc}", where="--model",
+        raise StratagemError(f"cannot import {where!r}: {exc}", where=option,
                              fix="check the module path or file name") from None
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise StratagemError(f"{where} has no callable {name!r}", where="--model",
-                             fix="name a function or class that builds the model")
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise StratagemError(f"{target} returned {type(model).__name__}, not an nn.Module",
-                             where="--model", fix="return the model from the callable")
-    return model
+        raise StratagemError(f"{where} has no callable {name!r}", where=option,
+                             fix="name a function or class that builds it")
+    return factory()
 
 
 def explain(model_target: str, spec_file: str | None, strategy: str | None,
             nproc: int | None, out: str | None, show_plan: bool,
-            picture: str | None = None) -> str:
+            sample_target: str | None = None, batch_size: int | None = None,
+            as_json: bool = False, picture: str | None = None) -> str:
     """The report ``stratagem plan`` prints; saves the strategy to ``out`` and draws it to
-    ``picture`` (PNG/SVG/PDF) if given."""
-    import torch
+    ``picture`` (PNG/SVG/PDF) if given.
 
+    With ``--strategy Auto`` the planner chooses (calibrating on the batch that
+    ``sample_target`` returns, else estimating at ``batch_size`` per worker) and the report
+    is its explanation; any other strategy gets its predicted step split too."""
     from stratagem.analysis import analyze
+    from stratagem.planner import (
+        Auto,
+        choose,
+        estimate,
+        explain_json,
+        explain_text,
+        predict,
+    )
+    from stratagem.planner.calibrate import calibrate
     from stratagem.resource import ResourceSpec
-    from stratagem.runtime import compile_plan
     from stratagem.strategy import resolve_builder, validate
 
     spec = ResourceSpec.from_file(spec_file) if spec_file else ResourceSpec.local(nproc or 1)
     model = load_model(model_target)
+    sample = load_sample(sample_target) if sample_target else None
+    if batch_size is not None and batch_size < 1:
+        raise StratagemError(f"--batch-size must be >= 1, got {batch_size}",
+                             where="--batch-size", fix="give the samples per worker")
+    builder = resolve_builder(strategy)
     profile = analyze(model)
-    built = validate(resolve_builder(strategy).build(profile, spec), profile, spec)
     lines = [f"resource spec: {spec.source}: {len(spec.nodes)} node(s), "
              f"{spec.num_workers} worker(s): {', '.join(spec.replicas)}",
-             f"model: {profile.summary()}", built.summary()]
+             f"model: {profile.summary()}"]
+    report: dict[str, Any] = {"spec": spec.source, "workers": spec.num_workers}
+    if isinstance(builder, Auto):
+        options = builder if batch_size is None else Auto(
+            compressors=builder.compressors, rows=builder.rows,
+            detect_sparse=builder.detect_sparse, batch_size=batch_size)
+        choice = choose(model, spec, sample_input=sample, options=options)
+        built = validate(choice.strategy, profile, spec)
+        lines += [explain_text(choice), "", built.summary()]
+        report["auto"] = explain_json(choice)
+    else:
+        built = validate(builder.build(profile, spec), profile, spec)
+        cal = (calibrate(model, sample) if sample is not None
+               else estimate(profile, batch_size or Auto().batch_size))
+        cost = predict(built, profile.with_access(cal.access) if sample is not None
+                       else profile, spec, cal)
+        lines += [built.summary(),
+                  f"predicted step {cost.total_s * 1e3:.1f} ms = compute "
+                  f"{cost.compute_s * 1e3:.1f} + exposed comm {cost.exposed_comm_s * 1e3:.1f}"
+                  f" + overheads {cost.overhead_s * 1e3:.1f}"]
+        report["predicted"] = cost.to_dict()
+    return _finish(lines, report, built, profile, spec, show_plan, out, as_json, picture,
+                   model_target)
+
+
+def _finish(lines: list[str], report: dict[str, Any], built: Any, profile: Any, spec: Any,
+            show_plan: bool, out: str | None, as_json: bool, picture: str | None = None,
+            title: str = "") -> str:
+    """The common end of a report: the compiled plan, the saved file, the picture, text or
+    JSON."""
+    import json
+
+    import torch
+
+    from stratagem.runtime import compile_plan
+
+    report["strategy"] = built.to_dict()
     if show_plan:
         plan = compile_plan(built, profile, rank=0, world_size=spec.num_workers,
                             device=torch.device("cpu"))
         lines.append(plan.summary())
+        report["plan"] = plan.summary()
     if out:
         built.save(out)
         lines.append(f"strategy saved to {out} (edit it and pass it back with --strategy)")
     if picture:
         from stratagem.plan_picture import save_picture
 
-        lines.append(f"picture saved to {save_picture(built, profile, picture, model_target)}")
+        saved = save_picture(built, profile, picture, title)
+        lines.append(f"picture saved to {saved}")
+        report["picture"] = str(saved)
+    if as_json:
+        return json.dumps(report, indent=2, default=str)
     return "\n".join(lines)
+
+
+def explain_script(script: str, spec_file: str | None, strategy: str | None,
+                   nproc: int | None, out: str | None, show_plan: bool,
+                   as_json: bool = False, picture: str | None = None) -> str:
+    """Run a training script until its ``ad.distribute(...)``, as rank 0 of the spec's job
+    but joining nothing, and report the strategy it gets (Auto's explanation if Auto)."""
+    import runpy
+
+    from stratagem.autodist import PlanOnly, plan_only
+    from stratagem.planner import estimate, explain_json, explain_text, predict
+    from stratagem.resource import ResourceSpec
+
+    path = Path(script)
+    if not path.is_file() or path.suffix != ".py":
+        raise StratagemError(f"no Python script at {script!r}", where="stratagem plan",
+                             fix="pass the training script (train.py), or --model")
+    spec = ResourceSpec.from_file(spec_file) if spec_file else ResourceSpec.local(nproc or 1)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path)]
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        with plan_only(spec, strategy):
+            runpy.run_path(str(path), run_name="__main__")
+    except PlanOnly as stop:
+        ad = stop.autodist
+    else:
+        raise StratagemError(f"{script} ended without calling AutoDist.distribute()",
+                             where="stratagem plan",
+                             fix="plan a script that builds its model and calls "
+                                 "ad.distribute(model, optimizer), or use --model")
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    built, profile = ad.strategy, ad.profile
+    lines = [f"resource spec: {spec.source}: {len(spec.nodes)} node(s), "
+             f"{spec.num_workers} worker(s): {', '.join(spec.replicas)}",
+             f"model: {profile.summary()}"]
+    report: dict[str, Any] = {"spec": spec.source, "workers": spec.num_workers,
+                              "script": str(path)}
+    if ad.choice is not None:
+        lines += [explain_text(ad.choice), "", built.summary()]
+        report["auto"] = explain_json(ad.choice)
+    else:
+        cost = predict(built, profile, spec, estimate(profile, 32))
+        lines += [built.summary(), f"predicted step {cost.total_s * 1e3:.1f} ms (estimated "
+                  "from the profile at 32 samples per worker)"]
+        report["predicted"] = cost.to_dict()
+    return _finish(lines, report, built, profile, spec, show_plan, out, as_json, picture,
+                   str(path))
+
+
+def load_sample(target: str) -> Any:
+    """Call ``module:callable`` (or ``file.py:callable``) for one worker's sample batch: a
+    tensor, or a tuple/dict of the model's inputs."""
+    return _call_target(target, "--sample")

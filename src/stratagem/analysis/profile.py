@@ -29,11 +29,54 @@ class ParamInfo:
 
 
 @dataclass(frozen=True)
+class AccessStats:
+    """How one training step reads a parameter's rows, measured (``planner.calibrate``).
+
+    ``rows_touched``: rows with a non-zero gradient in one sample batch (unique: a row read
+    twice counts once). ``overlap``: how the unique rows grow with the batch, ``U(k * b) ~
+    rows_touched * k ** overlap`` (1: disjoint batches touch new rows, 0: the same rows);
+    it also gives the rows that W workers touch together. ``hot_share``: the share of the
+    batch's lookups that land on its most-read 1% of rows (skew; 0 when not measured).
+    """
+
+    name: str
+    rows: int
+    rows_touched: float
+    overlap: float = 1.0
+    hot_share: float = 0.0
+
+    @property
+    def density(self) -> float:
+        """Touched rows / all rows: 1.0 is a dense gradient."""
+        return self.rows_touched / self.rows if self.rows else 1.0
+
+    def union_rows(self, k: float) -> float:
+        """Estimated unique rows of ``k`` sample batches together (k workers' batches)."""
+        return min(float(self.rows), self.rows_touched * max(k, 1.0) ** self.overlap)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class ModelProfile:
-    """Trainable parameters in registration order (that order defines parameter indices)."""
+    """Trainable parameters in registration order (that order defines parameter indices).
+
+    ``access``: measured row-access statistics of some parameters (empty until a
+    calibration adds them with :meth:`with_access`)."""
 
     params: tuple[ParamInfo, ...]
     frozen: tuple[str, ...] = field(default_factory=tuple)
+    access: tuple[AccessStats, ...] = field(default_factory=tuple)
+
+    def with_access(self, stats: tuple[AccessStats, ...] | list[AccessStats]) -> ModelProfile:
+        return ModelProfile(params=self.params, frozen=self.frozen, access=tuple(stats))
+
+    def access_of(self, name: str) -> AccessStats | None:
+        for a in self.access:
+            if a.name == name:
+                return a
+        return None
 
     @property
     def names(self) -> list[str]:

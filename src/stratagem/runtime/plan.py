@@ -17,7 +17,13 @@ import torch
 
 from stratagem.analysis.profile import ModelProfile, ParamInfo
 from stratagem.errors import StrategyError
-from stratagem.runtime.ps.plan import PSPiece, PSPlan, make_buckets, owner_of, uses_sparse_path
+from stratagem.runtime.ps.plan import (
+    PSPiece,
+    PSPlan,
+    make_buckets,
+    owner_of,
+    uses_sparse_path,
+)
 from stratagem.strategy.compressors import check_compressor
 from stratagem.strategy.schema import (
     ALL_REDUCE_SPECS,
@@ -26,6 +32,7 @@ from stratagem.strategy.schema import (
     PSSynchronizer,
     Strategy,
 )
+from stratagem.strategy.validate import check_row_sparse
 
 BACKENDS = ("gloo", "nccl")
 
@@ -263,14 +270,22 @@ def _compile_ps(leaves: list[tuple[PSSynchronizer, ParamInfo, int, dict[str, Any
     out: list[PSPiece] = []
     for s, info, index, piece, nwhere in leaves:
         owner = owner_of(s.reduction_destination, replicas, servers, nwhere)
-        sparse = uses_sparse_path(info) and piece.get("axis") in (None, 0)
+        by_rows = uses_sparse_path(info) or s.row_sparse
+        if s.row_sparse:
+            check_row_sparse(s, info, nwhere)
+        # A part of a 1-D parameter stays dense: torch's dense.add_(sparse) on a 1-D view at
+        # a non-zero offset writes outside the view (torch 2.x), so rows of such a part
+        # would be lost or corrupt memory at the owner's update.
+        sparse = by_rows and (piece.get("axis") is None
+                              or (piece.get("axis") == 0 and len(info.shape) >= 2))
         out.append(PSPiece(id=len(out), param=info.name, index=index, shape=piece["shape"],
                            dtype=info.dtype, owner=owner,
                            destination=s.reduction_destination, axis=piece.get("axis"),
                            start=piece["start"], length=piece["length"],
                            part=piece.get("part"), sparse=sparse,
                            sparse_grad=sparse and info.sparse,
-                           local_replication=s.local_replication))
+                           local_replication=s.local_replication,
+                           rows_from_grad=sparse and not uses_sparse_path(info)))
     placed, buckets = make_buckets(out)
     return PSPlan(workers=world_size, servers=servers, pieces=tuple(placed),
                   buckets=tuple(buckets), sync=sync, staleness=staleness, replicas=replicas)

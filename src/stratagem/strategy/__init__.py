@@ -3,6 +3,7 @@
 from stratagem.strategy.builders import (
     PS,
     AllReduce,
+    Auto,
     Parallax,
     PartitionedAR,
     PartitionedPS,
@@ -29,6 +30,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "AllReduce",
     "AllReduceSynchronizer",
+    "Auto",
     "GraphConfig",
     "NodeConfig",
     "PSSynchronizer",

@@ -60,6 +60,12 @@ class PSSynchronizer:
     ``reduction_destination``: a device string, either a worker replica (colocated, e.g.
     ``10.0.0.1:CPU:0``) or a dedicated server (``10.0.0.3:PS:0``).
     ``staleness``: how many steps a worker may run ahead (0 with ``sync`` = bulk-synchronous).
+    ``row_sparse``: send the gradient as its non-zero rows (row indices + rows) even though
+    the parameter is declared dense -- for a parameter whose gradient is row-sparse in
+    practice (a sampled-softmax output layer, a table read with ``F.embedding``). Rows
+    cannot be pulled on demand without an embedding module, so unless the parameter is an
+    untied ``nn.Embedding`` weight this needs ``local_replication`` (the owner sends the
+    updated rows to every worker).
     """
 
     kind: ClassVar[str] = "PS"
@@ -67,11 +73,16 @@ class PSSynchronizer:
     local_replication: bool = False
     sync: bool = True
     staleness: int = 0
+    row_sparse: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.kind, "reduction_destination": self.reduction_destination,
-                "local_replication": self.local_replication, "sync": self.sync,
-                "staleness": self.staleness}
+        d: dict[str, Any] = {"type": self.kind,
+                             "reduction_destination": self.reduction_destination,
+                             "local_replication": self.local_replication, "sync": self.sync,
+                             "staleness": self.staleness}
+        if self.row_sparse:  # written only when set: older readers keep parsing the rest
+            d["row_sparse"] = True
+        return d
 
 
 Synchronizer = AllReduceSynchronizer | PSSynchronizer
@@ -250,7 +261,8 @@ def _sync_text(s: Synchronizer | None) -> str:
         return f"AllReduce(group={s.group}, compressor={s.compressor})"
     if isinstance(s, PSSynchronizer):
         mode = "async" if not s.sync else f"staleness={s.staleness}"
-        return f"PS(dest={s.reduction_destination}, {mode})"
+        rows = ", rows" if s.row_sparse else ""
+        return f"PS(dest={s.reduction_destination}, {mode}{rows})"
     return "none"
 
 

@@ -138,3 +138,20 @@ def _check_sync(nc: NodeConfig, info: ParamInfo, destinations: set[str], where: 
         if not s.sync and s.staleness:
             raise StrategyError("staleness applies only to synchronous PS (sync: true)",
                                 where=where, fix="set staleness: 0 for asynchronous training")
+        if s.row_sparse:
+            check_row_sparse(s, info, where)
+
+
+def check_row_sparse(sync: PSSynchronizer, info: ParamInfo, where: str) -> None:
+    """A ``row_sparse`` synchronizer must be runnable: rows of a matrix, and unless the
+    parameter is pulled through its own untied embedding module, kept on every worker."""
+    if not info.shape or info.numel == 0:
+        raise StrategyError(f"row_sparse on {info.name!r} of shape {list(info.shape)}: it "
+                            "has no rows", where=where,
+                            fix="drop row_sparse for scalars and empty parameters")
+    pulled = info.sparse or (info.embedding_like and not info.aliases)
+    if not pulled and not sync.local_replication:
+        raise StrategyError(
+            f"row_sparse on {info.name!r} needs local_replication: it is not the weight of an "
+            "untied nn.Embedding, so its rows cannot be pulled on demand", where=where,
+            fix="set local_replication: true (the owner sends updated rows to every worker)")

@@ -124,7 +124,9 @@ class EngineBase:
                     engine._on_grad(param)
 
             self._handles.append(p.register_post_accumulate_grad_hook(hook))
-        sparse_params = {p.param for p in self.ps.sparse}
+        # Rows of ``rows_from_grad`` pieces are the non-zero rows of the dense gradient
+        # (kept on every worker, so nothing is pulled): no embedding hook for them.
+        sparse_params = {p.param for p in self.ps.sparse if not p.rows_from_grad}
         found: set[str] = set()
         for mod in self.module.modules():
             if not isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):

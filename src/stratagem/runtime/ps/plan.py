@@ -26,7 +26,9 @@ class PSPiece:
 
     ``sparse``: the piece travels as (row indices, rows): its parameter is an embedding
     table with sparse gradients, or an untied dense-declared embedding whose touched rows
-    are captured from its inputs (``sparse_grad`` False). ``bucket``/``offset`` place a
+    are captured from its inputs (``sparse_grad`` False), or a dense-declared parameter whose
+    strategy asks for rows (``row_sparse``): ``rows_from_grad``, its rows are the non-zero
+    rows of its dense gradient. ``bucket``/``offset`` place a
     dense piece in its bucket's flat buffer (-1 for sparse pieces).
     """
 
@@ -44,6 +46,7 @@ class PSPiece:
     sparse: bool = False
     sparse_grad: bool = False
     local_replication: bool = False
+    rows_from_grad: bool = False
     bucket: int = -1
     offset: int = 0
 

@@ -1,6 +1,7 @@
 """Strategy builders; importing this package registers them by name."""
 
 from stratagem.strategy.builders.allreduce import AllReduce, PartitionedAR, RandomAxisPartitionAR
+from stratagem.strategy.builders.auto import Auto
 from stratagem.strategy.builders.base import (
     StrategyBuilder,
     builder_from_name,
@@ -17,6 +18,7 @@ from stratagem.strategy.builders.ps import (
 
 __all__ = [
     "AllReduce",
+    "Auto",
     "PartitionedAR",
     "RandomAxisPartitionAR",
     "StrategyBuilder",

@@ -1,0 +1,365 @@
+"""Calibration: what one training step of this model costs on this machine, in seconds.
+
+A few forward/backward passes on a sample batch, with hooks: the forward time of every
+leaf module, the moment each parameter's gradient is ready (``post_accumulate_grad``
+hooks, seconds after backward starts), the optimizer-sized update pass, and for every
+parameter the rows its gradient touches (non-zero rows; a sparse gradient's indices) --
+how sparse access is *found*, not declared. Running the same on half of the batch tells how
+the touched rows grow with the batch (the overlap between workers' batches).
+
+Without a sample batch, :func:`estimate` derives the same fields from the profile alone
+(2 FLOPs per value per sample forward, twice that backward, at a measured matmul rate).
+Results are cached per (model signature, batch size, input shapes).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.analysis.profile import AccessStats, ModelProfile, analyze
+from stratagem.errors import StratagemError
+
+WARMUP = 1
+STEPS = 3
+SPARSE_DENSITY = 0.5
+"""A parameter whose gradient touches fewer than this share of its rows is row-sparse."""
+
+_CACHE: dict[tuple, Calibration] = {}
+_RATES: dict[str, float] = {}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured (or estimated) costs of one step at ``batch_size`` samples per worker."""
+
+    batch_size: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    grad_ready_s: dict[str, float]
+    layer_forward_s: dict[str, float] = field(default_factory=dict)
+    access: tuple[AccessStats, ...] = ()
+    copy_bps: float = 2e9
+    flops: float = 1e10
+    measured: bool = True
+    seconds: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+    def access_of(self, name: str) -> AccessStats | None:
+        return next((a for a in self.access if a.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "forward_s": self.forward_s,
+                "backward_s": self.backward_s, "optimizer_s": self.optimizer_s,
+                "measured": self.measured, "seconds": self.seconds,
+                "copy_bps": self.copy_bps, "flops": self.flops,
+                "access": [a.to_dict() for a in self.access]}
+
+
+def machine_rates() -> tuple[float, float]:
+    """(copy bytes/s, matmul FLOP/s) of this process, measured once (a few ms)."""
+    if not _RATES:
+        x = torch.empty(2 ** 22)  # 16 MiB
+        y = torch.empty(2 ** 22, dtype=torch.float16)
+        y.copy_(x)
+        t = time.perf_counter()
+        for _ in range(3):
+            y.copy_(x)
+        _RATES["copy"] = 3 * (x.numel() * 6) / max(time.perf_counter() - t, 1e-9)
+        a = torch.randn(256, 256)
+        a @ a
+        t = time.perf_counter()
+        for _ in range(3):
+            a @ a
+        _RATES["flops"] = 3 * 2 * 256 ** 3 / max(time.perf_counter() - t, 1e-9)
+    return _RATES["copy"], _RATES["flops"]
+
+
+def signature(model: nn.Module) -> tuple:
+    """What identifies a model for the cache: its class and its parameters' shapes."""
+    return (type(model).__qualname__,
+            tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                  for n, p in model.named_parameters()))
+
+
+def _shapes(sample: Any) -> tuple:
+    if isinstance(sample, torch.Tensor):
+        return (tuple(sample.shape), str(sample.dtype))
+    if isinstance(sample, (tuple, list)):
+        return tuple(_shapes(s) for s in sample)
+    if isinstance(sample, dict):
+        return tuple((k, _shapes(v)) for k, v in sorted(sample.items()))
+    return (type(sample).__name__,)
+
+
+def _batch_size(sample: Any) -> int:
+    if isinstance(sample, torch.Tensor):
+        return int(sample.shape[0]) if sample.dim() else 1
+    items = sample.values() if isinstance(sample, dict) else sample
+    if isinstance(items, (tuple, list)) or isinstance(sample, dict):
+        for s in items:
+            if isinstance(s, torch.Tensor) and s.dim():
+                return int(s.shape[0])
+    raise StratagemError("cannot tell the batch size of the sample input",
+                         where="planner.calibrate",
+                         fix="pass a tensor, or a tuple/dict whose first tensor is batched")
+
+
+def _half(sample: Any, n: int) -> Any:
+    """The first half of every tensor batched along dim 0 with ``n`` rows."""
+    if isinstance(sample, torch.Tensor):
+        return sample[: n // 2] if sample.dim() and sample.shape[0] == n else sample
+    if isinstance(sample, tuple):
+        return tuple(_half(s, n) for s in sample)
+    if isinstance(sample, list):
+        return [_half(s, n) for s in sample]
+    if isinstance(sample, dict):
+        return {k: _half(v, n) for k, v in sample.items()}
+    return sample
+
+
+def _call(model: nn.Module, sample: Any) -> Any:
+    if isinstance(sample, dict):
+        return model(**sample)
+    if isinstance(sample, (tuple, list)):
+        return model(*sample)
+    return model(sample)
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """Sum of every floating tensor in the output: touches what a real loss touches."""
+    if isinstance(out, torch.Tensor):
+        return out.sum()
+    items = out.values() if isinstance(out, dict) else out
+    total = None
+    for t in items:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            total = t.sum() if total is None else total + t.sum()
+    if total is None:
+        raise StratagemError("the model's output has no floating-point tensor to sum",
+                             where="planner.calibrate",
+                             fix="pass loss_fn=lambda out: ... returning a scalar loss")
+    return total
+
+
+def _touched_rows(grad: torch.Tensor | None) -> int | None:
+    if grad is None:
+        return None
+    if grad.is_sparse:
+        return int(torch.unique(grad.coalesce().indices()[0]).numel())
+    if grad.dim() == 0:
+        return 1
+    return int(grad.reshape(grad.shape[0], -1).ne(0).any(dim=1).sum())
+
+
+def _lookups(model: nn.Module, names: dict[int, str]) -> tuple[list[Any], dict[str, list]]:
+    """Forward pre-hooks on embedding modules recording the ids they look up."""
+    ids: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for mod in model.modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+            name = names.get(id(mod.weight))
+            if name is None:
+                continue
+
+            def pre(_m: nn.Module, args: tuple, name: str = name) -> None:
+                if args and isinstance(args[0], torch.Tensor):
+                    ids.setdefault(name, []).append(args[0].detach().reshape(-1))
+
+            handles.append(mod.register_forward_pre_hook(pre))
+    return handles, ids
+
+
+def _one_pass(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor],
+              params: dict[str, nn.Parameter], timed: bool
+              ) -> tuple[float, float, dict[str, float], dict[str, float], dict[str, int]]:
+    """(forward s, backward s, grad ready s by name, leaf forward s, touched rows)."""
+    for p in params.values():
+        p.grad = None
+    layer: dict[str, float] = {}
+    starts: dict[int, float] = {}
+    handles = []
+    if timed:
+        for mname, mod in model.named_modules():
+            if next(mod.children(), None) is not None:
+                continue
+
+            def pre(m: nn.Module, _a: tuple) -> None:
+                starts[id(m)] = time.perf_counter()
+
+            def post(m: nn.Module, _a: tuple, _o: Any, mname: str = mname) -> None:
+                layer[mname] = layer.get(mname, 0.0) + time.perf_counter() - starts[id(m)]
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    ready: dict[str, float] = {}
+    t_back = [0.0]
+    for name, p in params.items():
+        def hook(_p: torch.Tensor, name: str = name) -> None:
+            ready[name] = time.perf_counter() - t_back[0]
+
+        handles.append(p.register_post_accumulate_grad_hook(hook))
+    try:
+        t0 = time.perf_counter()
+        out = _call(model, sample)
+        loss = loss_fn(out)
+        t1 = time.perf_counter()
+        t_back[0] = t1
+        loss.backward()
+        t2 = time.perf_counter()
+    finally:
+        for h in handles:
+            h.remove()
+    touched = {n: r for n, p in params.items() if (r := _touched_rows(p.grad)) is not None}
+    return t1 - t0, t2 - t1, ready, layer, touched
+
+
+def _half_pass(model: nn.Module, sample: Any, batch: int,
+               loss_fn: Callable[[Any], torch.Tensor], params: dict[str, nn.Parameter],
+               touched: dict[str, int]) -> dict[str, int]:
+    """Touched rows on half of the batch; the full batch's when halving does not make a
+    valid input for this model (then no growth with the batch is assumed: overlap 0)."""
+    if batch < 2:
+        return touched
+    try:
+        return _one_pass(model, _half(sample, batch), loss_fn, params, timed=False)[4]
+    except (RuntimeError, ValueError, IndexError, TypeError):
+        return touched
+
+
+@torch.no_grad()
+def _update_pass(params: dict[str, nn.Parameter]) -> float:
+    """Seconds of one pass over every dense gradient the size of an SGD update (adds 0)."""
+    t = time.perf_counter()
+    for p in params.values():
+        if p.grad is not None and not p.grad.is_sparse:
+            p.add_(p.grad, alpha=0.0)
+    return time.perf_counter() - t
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    return s[len(s) // 2] if s else 0.0
+
+
+def calibrate(model: nn.Module, sample_input: Any, *,
+              loss_fn: Callable[[Any], torch.Tensor] | None = None, steps: int = STEPS,
+              use_cache: bool = True) -> Calibration:
+    """Measure ``model`` on ``sample_input`` (one worker's batch): forward, backward and
+    update times, when each gradient is ready, and each parameter's touched rows.
+
+    The model's parameters and gradients are left as they were (values are not updated;
+    gradients are cleared)."""
+    batch = _batch_size(sample_input)
+    key = (signature(model), batch, _shapes(sample_input))
+    if use_cache and key in _CACHE:
+        return _CACHE[key]
+    started = time.perf_counter()
+    loss_fn = loss_fn or default_loss
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    names = {id(p): n for n, p in params.items()}
+    saved = {n: p.grad for n, p in params.items()}
+    was_training = model.training
+    model.train()
+    fw, bw, ready_all, layer_all = [], [], [], []
+    hooks, ids = _lookups(model, names)
+    try:
+        for i in range(WARMUP + steps):
+            ids.clear()
+            f, b, ready, layer, touched = _one_pass(model, sample_input, loss_fn, params,
+                                                    timed=i >= WARMUP)
+            if i >= WARMUP:
+                fw.append(f)
+                bw.append(b)
+                ready_all.append(ready)
+                layer_all.append(layer)
+        lookups = {n: torch.cat(v) for n, v in ids.items()}
+        for h in hooks:
+            h.remove()
+        hooks = []
+        touched_half = _half_pass(model, sample_input, batch, loss_fn, params, touched)
+        opt_s = _median([_update_pass(params) for _ in range(steps)])
+    finally:
+        for h in hooks:
+            h.remove()
+        for n, p in params.items():
+            p.grad = saved[n]
+        model.train(was_training)
+    access = []
+    for n, p in params.items():
+        if n not in touched or p.dim() == 0:
+            continue
+        rows = int(p.shape[0])
+        full, halfr = touched[n], touched_half.get(n, touched[n])
+        overlap = (min(1.0, max(0.0, math.log2(full / halfr)))
+                   if halfr and full > halfr else 0.0)
+        hot = 0.0
+        if n in lookups and lookups[n].numel():
+            counts = torch.bincount(lookups[n].long()).sort(descending=True).values
+            top = max(1, math.ceil(0.01 * int((counts > 0).sum())))
+            hot = float(counts[:top].sum()) / float(counts.sum())
+        access.append(AccessStats(name=n, rows=rows, rows_touched=float(full),
+                                  overlap=overlap, hot_share=hot))
+    copy_bps, flops = machine_rates()
+    ready = {n: _median([r[n] for r in ready_all if n in r]) for n in params
+             if any(n in r for r in ready_all)}
+    layers = {m: _median([lay.get(m, 0.0) for lay in layer_all]) for m in layer_all[0]} \
+        if layer_all else {}
+    cal = Calibration(batch_size=batch, forward_s=_median(fw), backward_s=_median(bw),
+                      optimizer_s=opt_s, grad_ready_s=ready, layer_forward_s=layers,
+                      access=tuple(access), copy_bps=copy_bps, flops=flops, measured=True,
+                      seconds=time.perf_counter() - started)
+    if use_cache:
+        _CACHE[key] = cal
+    return cal
+
+
+NOMINAL_COPY_BPS = 2e9
+NOMINAL_FLOPS = 1e10
+"""Rates of :func:`estimate`: fixed, so that every rank plans the same strategy from the
+same profile (a 2-core CPU's order of magnitude; calibration measures the real ones)."""
+
+
+def estimate(profile: ModelProfile, batch_size: int) -> Calibration:
+    """Costs from the profile alone (no sample batch): 2 FLOPs per value and sample
+    forward (embedding tables: one row per sample), twice that backward, gradients ready
+    in reverse registration order; row access of untied embeddings: one row per sample.
+    Deterministic: nominal rates, nothing measured."""
+    copy_bps, flops = NOMINAL_COPY_BPS, NOMINAL_FLOPS
+    work = []
+    for p in profile.params:
+        row = p.numel // p.shape[0] if p.shape and p.shape[0] else 1
+        per_sample = 2 * row if p.embedding_like else 2 * p.numel
+        work.append(per_sample * batch_size)
+    forward = sum(work) / flops
+    backward = 2 * forward
+    ready, t = {}, 0.0
+    for p, w in zip(reversed(profile.params), reversed(work), strict=True):
+        t += 2 * w / flops
+        ready[p.name] = t
+    access = tuple(AccessStats(name=p.name, rows=p.shape[0],
+                               rows_touched=float(min(p.shape[0], batch_size)))
+                   for p in profile.params
+                   if p.shape and (p.sparse or (p.embedding_like and not p.aliases)))
+    return Calibration(batch_size=batch_size, forward_s=forward, backward_s=backward,
+                       optimizer_s=profile.total_bytes / copy_bps, grad_ready_s=ready,
+                       access=access, copy_bps=copy_bps, flops=flops, measured=False)
+
+
+def profile_with_access(model: nn.Module, calibration: Calibration) -> ModelProfile:
+    """The model's profile carrying the measured access statistics."""
+    return analyze(model).with_access(calibration.access)
+
+
+def row_sparse(stats: AccessStats | None) -> bool:
+    """Whether measured access makes a parameter a row-sparse candidate."""
+    return stats is not None and stats.rows >= 2 and stats.density < SPARSE_DENSITY

@@ -1,0 +1,234 @@
+"""The cost model: predicted time of one training step under any runnable strategy.
+
+The strategy is compiled with the runtime's own :func:`compile_plan` (rank 0's view; the
+groups, PS pieces, owners and buckets are the same on every rank), so the model prices
+exactly what the runtime would execute:
+
+- **compute**: forward + backward + the local update, from :class:`Calibration`;
+- **all-reduce groups**, in the plan's launch order, each ready when its last gradient is,
+  taking ``ring_allreduce_time`` of its (compressed) bytes plus the compressor's own work;
+- **dense PS buckets**: pushed to their owner as they are ready (per-owner load, incast),
+  the updated values pulled back after the update (exposed: the next forward waits);
+- **sparse PS pieces**: rows a worker touches (``AccessStats``) spread over the owners by
+  their share of the rows; pulled in the forward (on-demand pieces) or refreshed after
+  the update to every worker (``local_replication``: the union of the workers' rows);
+  pushed after backward; each message costs main-thread CPU;
+- **overlap**: transfers queue on one link in launch order (``timeline.schedule``);
+  whatever ends after backward is exposed communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stratagem.analysis.profile import AccessStats, ModelProfile
+from stratagem.planner.calibrate import Calibration
+from stratagem.planner.links import LinkModel, ring_allreduce_time, ring_flows
+from stratagem.planner.timeline import Slot, exposed, schedule
+from stratagem.resource import ResourceSpec
+from stratagem.runtime.plan import GroupPlan, Plan, compile_plan
+from stratagem.runtime.ps.plan import PSPiece
+from stratagem.strategy.schema import Strategy
+from stratagem.strategy.validate import server_devices
+
+ID_BYTES = 8  # a row index on the wire (int64)
+SPARSE_COLLECTIVES_PULL = 4  # per embedding call: ids + rows, and the closing round's two
+SPARSE_COLLECTIVES_PUSH = 2  # headers/announced rows, then the extra rows
+SPARSE_COLLECTIVES_REFRESH = 2  # counts, then rows
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A predicted step, split so that the parts add up to ``total_s``."""
+
+    compute_s: float
+    exposed_comm_s: float
+    overhead_s: float
+    link_bytes: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, float] = field(default_factory=dict)
+    slots: tuple[Slot, ...] = ()
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.overhead_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"total_s": self.total_s, "compute_s": self.compute_s,
+                "exposed_comm_s": self.exposed_comm_s, "overhead_s": self.overhead_s,
+                "link_bytes": dict(self.link_bytes), "parts": dict(self.parts)}
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def group_cost(group: GroupPlan, links: LinkModel, replicas: list[str],
+               cal: Calibration) -> tuple[float, float, list[tuple[str, str, float]]]:
+    """(wire seconds, compressor seconds, flows) of one all-reduce group."""
+    size = _itemsize(group.dtype)
+    if group.compressor in ("fp16", "bf16"):
+        nbytes = group.numel * 2
+        work = 2 * group.numel * (size + 2) / cal.copy_bps  # cast in, cast back
+        rounds = 1
+    elif group.compressor == "powersgd":
+        r = group.powersgd_rank
+        nbytes, flops, rounds = 0.0, 0.0, 1
+        for m in group.members:
+            rows = m.shape[0] if m.shape else 1
+            cols = m.numel // rows if rows else 0
+            k = min(r, rows, cols)
+            if len(m.shape) >= 2 and (rows + cols) * k * 2.0 < rows * cols:
+                nbytes += (rows + cols) * k * size
+                flops += 6.0 * rows * cols * k  # P = MQ, Q = M^T P, approx = P Q^T
+                rounds = 2
+            else:
+                nbytes += m.numel * size
+        work = flops / cal.flops
+    else:
+        nbytes, work, rounds = float(group.numel * size), 0.0, 1
+    wire = ring_allreduce_time(links, replicas, nbytes, rounds)
+    return wire, work, ring_flows(replicas, nbytes)
+
+
+def _ready(cal: Calibration, params: list[str]) -> float:
+    """When the last of ``params``' gradients is ready (seconds into backward)."""
+    return max((cal.grad_ready_s.get(p, cal.backward_s) for p in params), default=0.0)
+
+
+def _touched(piece: PSPiece, info_rows: int, stats: AccessStats | None,
+             batch_size: int) -> float:
+    """Rows of ``piece`` one worker's batch touches (its share of the parameter's)."""
+    touched = stats.rows_touched if stats is not None else float(min(info_rows, batch_size))
+    return touched * piece.rows / max(info_rows, 1)
+
+
+def plan_for(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec) -> Plan:
+    return compile_plan(strategy, profile, rank=0, world_size=spec.num_workers,
+                        device=torch.device("cpu"), servers=server_devices(spec))
+
+
+def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
+            cal: Calibration, links: LinkModel | None = None,
+            plan: Plan | None = None) -> StepCost:
+    """Predicted seconds of one step of ``strategy`` (see the module docstring)."""
+    links = links or LinkModel.from_spec(spec)
+    plan = plan or plan_for(strategy, profile, spec)
+    replicas = list(spec.replicas)
+    W = len(replicas)
+    info = {p.name: p for p in profile.params}
+    access = {a.name: a for a in (profile.access or cal.access)}
+    if W < 2:
+        return StepCost(cal.forward_s + cal.backward_s + cal.optimizer_s, 0.0, 0.0,
+                        parts={"forward": cal.forward_s, "backward": cal.backward_s,
+                               "update": cal.optimizer_s})
+    ps = plan.ps
+    owners_dev = list(ps.replicas) + list(ps.servers) if ps else replicas
+    events: list[tuple[float, str, float]] = []  # (ready, name, duration)
+    all_flows: list[tuple[str, str, float]] = []
+    work_s = 0.0
+    messages = 0
+    ar_bytes = 0
+    for g in plan.groups:
+        wire, work, flows = group_cost(g, links, replicas, cal)
+        events.append((_ready(cal, list(g.params)), f"allreduce group {g.id}", wire + work))
+        all_flows += flows
+        work_s += work
+        ar_bytes += g.nbytes
+
+    pull_s = refresh_s = fwd_pull_s = sparse_push_s = 0.0
+    owned_bytes = [0.0] * (ps.size if ps else 0)
+    if ps is not None:
+        # Dense buckets: push as ready (launch order), pull values after the update.
+        # Buckets of different owners travel at the same time on different links: the
+        # pushes together take transfer_time(all of them), shared out by bytes.
+        pull_flows: list[tuple[str, str, float]] = []
+        push_flows_all: list[tuple[str, str, float]] = []
+        buckets = []
+        for b in ps.buckets:
+            pieces = [ps.pieces[i] for i in b.pieces]
+            nbytes = b.numel * _itemsize(b.dtype)
+            owner = owners_dev[b.owner]
+            flows = [(w, owner, nbytes) for w in replicas if w != owner]
+            pull_flows += [(owner, w, nbytes) for w in replicas if w != owner]
+            push_flows_all += flows
+            buckets.append((b, pieces, nbytes))
+            messages += 2 * len(flows)  # per worker: one push and one pull per remote owner
+            owned_bytes[b.owner] += nbytes
+        push_total = links.transfer_time(push_flows_all)
+        dense_bytes = sum(n for *_, n in buckets) or 1
+        for b, pieces, nbytes in buckets:
+            events.append((_ready(cal, [p.param for p in pieces]), f"push bucket {b.id}",
+                           push_total * nbytes / dense_bytes + links.latency_s))
+        all_flows += push_flows_all + pull_flows
+        pull_s = links.transfer_time(pull_flows) + (links.latency_s if pull_flows else 0.0)
+        # Sparse pieces: rows per worker, by owner.
+        fwd_flows: list[tuple[str, str, float]] = []
+        push_flows: list[tuple[str, str, float]] = []
+        ref_flows: list[tuple[str, str, float]] = []
+        on_demand = replicated = False
+        for p in ps.sparse:
+            pinfo = info[p.param]
+            rows = pinfo.shape[0]
+            row_bytes = pinfo.bytes / max(rows, 1)
+            stats = access.get(p.param)
+            u = _touched(p, rows, stats, cal.batch_size)
+            owner = owners_dev[p.owner]
+            for w in replicas:
+                if w == owner:
+                    continue
+                if p.local_replication:
+                    push_flows.append((w, owner, u * (row_bytes + ID_BYTES)))
+                else:
+                    fwd_flows.append((w, owner, u * ID_BYTES))
+                    fwd_flows.append((owner, w, u * row_bytes))
+                    push_flows.append((w, owner, u * row_bytes))
+            if p.local_replication:
+                replicated = True
+                # the workers' rows together: disjoint (which rows other workers touch
+                # is not measured, so the upper bound)
+                union = min(float(p.rows), u * W)
+                ref_flows += [(owner, w, union * (row_bytes + ID_BYTES))
+                              for w in replicas if w != owner]
+            else:
+                on_demand = True
+            owned_bytes[p.owner] += u * row_bytes * W
+        peers = ps.size - 1
+        calls = 1 if on_demand else 0
+        n_coll = (SPARSE_COLLECTIVES_PULL * calls + SPARSE_COLLECTIVES_PUSH
+                  + (SPARSE_COLLECTIVES_REFRESH if replicated else 0)) if ps.sparse else 0
+        messages += n_coll * peers
+        lat = links.latency_s * n_coll
+        fwd_pull_s = links.transfer_time(fwd_flows) if fwd_flows else 0.0
+        sparse_push_s = links.transfer_time(push_flows) if ps.sparse else 0.0
+        refresh_s = links.transfer_time(ref_flows) if ref_flows else 0.0
+        if ps.sparse:
+            fwd_pull_s += lat * SPARSE_COLLECTIVES_PULL * calls / max(n_coll, 1)
+            sparse_push_s += lat * SPARSE_COLLECTIVES_PUSH / max(n_coll, 1)
+            refresh_s += lat * (SPARSE_COLLECTIVES_REFRESH if replicated else 0) / max(n_coll, 1)
+        all_flows += fwd_flows + push_flows + ref_flows
+
+    events.sort(key=lambda e: e[0])  # the link takes them as they become ready
+    slots = schedule([(name, ready, dur) for ready, name, dur in events])
+    if ps is not None and ps.sparse:
+        end = max((s.end_s for s in slots), default=0.0)
+        start = max(end, cal.backward_s)
+        slots.append(Slot("sparse push", cal.backward_s, start, start + sparse_push_s))
+    backward_tail = exposed(slots, cal.backward_s)
+    # The local update touches what this worker updates: all-reduced values and its shards.
+    total_bytes = max(profile.total_bytes, 1)
+    local = ar_bytes + (max(owned_bytes) if owned_bytes else 0.0)
+    update_s = cal.optimizer_s * min(1.0, local / total_bytes)
+    compute = cal.forward_s + cal.backward_s + update_s
+    exposed_comm = backward_tail + pull_s + refresh_s + fwd_pull_s
+    # Compressor work runs inside the queued transfers (counted there; shown apart).
+    overhead = messages * links.message_cpu_s
+    parts = {"forward": cal.forward_s, "backward": cal.backward_s, "update": update_s,
+             "backward_tail": backward_tail, "ps_pull": pull_s, "sparse_pull": fwd_pull_s,
+             "sparse_push": sparse_push_s, "refresh": refresh_s,
+             "compressor_work": work_s, "messages": float(messages)}
+    return StepCost(compute_s=compute, exposed_comm_s=exposed_comm, overhead_s=overhead,
+                    link_bytes=links.flow_bytes(all_flows), parts=parts,
+                    slots=tuple(slots))

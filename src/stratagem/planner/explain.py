@@ -1,0 +1,137 @@
+"""The explanation of a planner choice: text tables within 80 columns, or JSON.
+
+It shows the chosen strategy by parameter group, the predicted step split into compute,
+exposed communication and overheads, bytes per step on each link, the measured access of
+row-sparse parameters, and the best alternatives with the part of the step they lost on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stratagem.planner.cost_model import StepCost
+from stratagem.planner.search import Candidate, Choice
+from stratagem.strategy.schema import AllReduceSynchronizer, PSSynchronizer, Strategy
+
+WIDTH = 80
+ALTERNATIVES = 5
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}"
+
+
+def _cut(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "~"
+
+
+def groups(strategy: Strategy, choice: Choice) -> list[dict[str, Any]]:
+    """The strategy by parameter group: all-reduce groups, then PS rows / dense pieces."""
+    out: dict[str, dict[str, Any]] = {}
+    sizes = {p.name: p.bytes for p in choice.profile.params}
+    for nc in strategy.node_config:
+        for leaf in nc.leaves():
+            s = leaf.synchronizer
+            if isinstance(s, AllReduceSynchronizer):
+                key = f"allreduce {s.group}"
+                how = s.compressor
+            elif isinstance(s, PSSynchronizer):
+                rows = s.row_sparse or choice.profile.get(nc.var_name).embedding_like
+                key = f"ps {'rows' if rows else 'dense'}"
+                how = "replicated" if s.local_replication else "on demand"
+            else:
+                continue
+            g = out.setdefault(key, {"group": key, "how": how, "params": [], "bytes": 0,
+                                     "owners": set()})
+            if nc.var_name not in g["params"]:
+                g["params"].append(nc.var_name)
+                g["bytes"] += sizes.get(choice.profile.get(nc.var_name).name, 0)
+            if isinstance(s, PSSynchronizer):
+                g["owners"].add(s.reduction_destination)
+    for g in out.values():
+        g["owners"] = sorted(g["owners"])
+    return list(out.values())
+
+
+def why_lost(alt: StepCost, best: StepCost) -> str:
+    """The part of the step where ``alt`` loses most against ``best``."""
+    deltas = {"compute": alt.compute_s - best.compute_s,
+              "exposed communication": alt.exposed_comm_s - best.exposed_comm_s,
+              "overheads": alt.overhead_s - best.overhead_s}
+    part, delta = max(deltas.items(), key=lambda kv: kv[1])
+    if delta <= 0:
+        return "tie (same prediction)"
+    wire = sum(v for k, v in alt.link_bytes.items() if k.endswith("tx"))
+    best_wire = sum(v for k, v in best.link_bytes.items() if k.endswith("tx"))
+    extra = (f", {wire / 1e6:.1f} vs {best_wire / 1e6:.1f} MB sent"
+             if part == "exposed communication" and wire != best_wire else "")
+    if part == "overheads":
+        extra = f", {alt.parts.get('messages', 0):.0f} messages"
+    return f"{part} +{_ms(delta)} ms{extra}"
+
+
+def explain_json(choice: Choice) -> dict[str, Any]:
+    best = choice.best
+    return {
+        "chosen": best.name,
+        "strategy": best.strategy.to_dict(),
+        "workers": choice.spec.num_workers,
+        "nodes": len(choice.spec.nodes),
+        "calibration": choice.calibration.to_dict(),
+        "search_s": choice.search_s,
+        "predicted": best.cost.to_dict(),
+        "groups": groups(best.strategy, choice),
+        "alternatives": [{"name": c.name, "predicted": c.cost.to_dict(),
+                          "why_lost": why_lost(c.cost, best.cost)}
+                         for c in choice.candidates[1:]],
+        "notes": list(choice.notes),
+    }
+
+
+def _table(rows: list[list[str]], widths: list[int], right: set[int]) -> list[str]:
+    lines = []
+    for r in rows:
+        cells = [(_cut(c, w).rjust(w) if i in right else _cut(c, w).ljust(w))
+                 for i, (c, w) in enumerate(zip(r, widths, strict=True))]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return lines
+
+
+def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
+    best: Candidate = choice.best
+    cost, cal, spec = best.cost, choice.calibration, choice.spec
+    how = (f"calibrated in {cal.seconds:.1f} s" if cal.measured
+           else "estimated from the profile (no sample batch)")
+    lines = [_cut(f"Auto chose {best.name} for {spec.num_workers} workers on "
+                  f"{len(spec.nodes)} node(s), batch {cal.batch_size}/worker", WIDTH),
+             _cut(f"costs {how}; search {choice.search_s:.2f} s", WIDTH),
+             _cut(f"predicted step {_ms(cost.total_s)} ms = compute {_ms(cost.compute_s)}"
+                  f" + exposed comm {_ms(cost.exposed_comm_s)} + overheads "
+                  f"{_ms(cost.overhead_s)}", WIDTH), "", "parameter groups:"]
+    rows = [["group", "sync", "params", "MiB", "first parameter"]]
+    for g in groups(best.strategy, choice):
+        rows.append([g["group"], g["how"], str(len(g["params"])),
+                     f"{g['bytes'] / 2**20:.2f}", g["params"][0]])
+    lines += _table(rows, [13, 10, 6, 9, 30], {2, 3})
+    if cost.link_bytes:
+        lines += ["", "bytes per step per link (MB):"]
+        rows = [["link", "MB"]] + [[k, f"{v / 1e6:.2f}"]
+                                   for k, v in sorted(cost.link_bytes.items())]
+        lines += _table(rows, [20, 10], {1})
+    sparse = [a for a in (choice.profile.access or cal.access) if a.density < 1.0]
+    if sparse:
+        lines += ["", "row access (per worker batch):"]
+        rows = [["parameter", "rows", "touched", "overlap", "hot 1%"]]
+        rows += [[a.name, str(a.rows), f"{a.rows_touched:.0f}", f"{a.overlap:.2f}",
+                  f"{a.hot_share:.2f}"] for a in sparse]
+        lines += _table(rows, [30, 9, 9, 8, 7], {1, 2, 3, 4})
+    alts = choice.candidates[1:1 + alternatives]
+    if alts:
+        lines += ["", "best alternatives:"]
+        rows = [["strategy", "step ms", "vs", "why it lost"]]
+        for c in alts:
+            ratio = c.cost.total_s / cost.total_s if cost.total_s else 1.0
+            rows.append([c.name, _ms(c.cost.total_s), f"{ratio:.2f}x",
+                         why_lost(c.cost, cost)])
+        lines += _table(rows, [21, 9, 6, 36], {1, 2})
+    return "\n".join(lines)

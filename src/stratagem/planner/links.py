@@ -1,0 +1,136 @@
+"""The network as the planner sees it: which device sits on which node, each node's link
+(effective bandwidth, per-message latency), and the time a set of transfers takes.
+
+Transfers are *flows* ``(source device, destination device, bytes)`` that run at the same
+time. Flows between two nodes cross both nodes' links; a link carries its egress and its
+ingress at full rate each (full duplex), so the time is the most loaded direction of the
+most loaded link. Flows inside a node (two workers on one machine) go through memory at
+``intra_bps`` per sending process. Several nodes sending into one node at once lose some
+of their rate to incast (TCP losses in a shallow queue), ``incast_penalty`` per extra
+sender.
+
+Constants (see docs/concepts/auto-strategy.md for where each comes from):
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from stratagem.resource import ResourceSpec
+from stratagem.strategy.validate import server_devices
+
+GBIT_BYTES = 1e9 / 8
+LINK_EFFICIENCY = 0.953
+"""Effective / nominal rate: bench/link_rate.py measured 0.953 Gbit/s gloo all-reduce bus
+bandwidth (0.958 Gbit/s TCP) on a 1 Gbit/s link."""
+INTRA_NODE_GBPS = 40.0
+"""Two processes on one node exchange through loopback TCP (gloo): a memory copy on each
+side, an estimate of a few GB/s on this class of machine."""
+MESSAGE_LATENCY_S = 50e-6
+"""One message's fixed cost on the wire and in gloo (a ring step, a point-to-point send):
+the order of a loopback/veth TCP round trip."""
+MESSAGE_CPU_S = 100e-6
+"""Main-thread CPU per parameter-server message (posting sends and receives): bench/README
+measured ~25% of a 36 ms PartitionedPS step (about 9 ms) for about 50-90 messages per
+worker per step on 4 nodes sharing 2 cores."""
+INCAST_PENALTY = 0.02
+"""Rate lost per extra sender into one link: PartitionedPS moved the same bytes as
+DDP's ring 1-4% slower with three owners sending into each downlink (bench/README,
+13,147 TCP retransmissions against 72)."""
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Per-device node, per-node link rate (bytes/s, effective) and the fixed costs."""
+
+    node_of: dict[str, int]
+    nic_bps: tuple[float, ...]
+    intra_bps: float = INTRA_NODE_GBPS * GBIT_BYTES
+    latency_s: float = MESSAGE_LATENCY_S
+    message_cpu_s: float = MESSAGE_CPU_S
+    incast_penalty: float = INCAST_PENALTY
+    names: tuple[str, ...] = ()  # node addresses, for reports
+
+    @classmethod
+    def from_spec(cls, spec: ResourceSpec, efficiency: float = LINK_EFFICIENCY,
+                  **overrides: float) -> LinkModel:
+        """Every worker replica and dedicated server of ``spec`` on its node; each node's
+        ``network_bandwidth`` (Gbit/s) times ``efficiency``."""
+        node_of: dict[str, int] = {}
+        for i, n in enumerate(spec.nodes):
+            for d in n.worker_devices():
+                node_of[d] = i
+        for d in server_devices(spec):
+            node_of[d] = next(i for i, n in enumerate(spec.nodes)
+                              if d.startswith(f"{n.address}:"))
+        nic = tuple(n.network_bandwidth * GBIT_BYTES * efficiency for n in spec.nodes)
+        names = tuple(n.address for n in spec.nodes)
+        return cls(node_of=node_of, nic_bps=nic, names=names, **overrides)
+
+    def name(self, node: int) -> str:
+        return self.names[node] if node < len(self.names) else f"node{node}"
+
+    def same_node(self, a: str, b: str) -> bool:
+        return self.node_of[a] == self.node_of[b]
+
+    def transfer_time(self, flows: Iterable[tuple[str, str, float]]) -> float:
+        """Seconds until every flow has arrived (they start together; no latency term)."""
+        n = len(self.nic_bps)
+        egress, ingress = [0.0] * n, [0.0] * n
+        intra: dict[str, float] = {}  # per sending process: its copies run in parallel
+        senders: list[set[int]] = [set() for _ in range(n)]
+        for src, dst, nbytes in flows:
+            if nbytes <= 0 or src == dst:
+                continue
+            a, b = self.node_of[src], self.node_of[dst]
+            if a == b:
+                intra[src] = intra.get(src, 0.0) + nbytes
+                continue
+            egress[a] += nbytes
+            ingress[b] += nbytes
+            senders[b].add(a)
+        worst = max(intra.values(), default=0.0) / self.intra_bps
+        for i in range(n):
+            incast = 1.0 + self.incast_penalty * max(0, len(senders[i]) - 1)
+            worst = max(worst, egress[i] / self.nic_bps[i],
+                        ingress[i] * incast / self.nic_bps[i])
+        return worst
+
+    def flow_bytes(self, flows: Iterable[tuple[str, str, float]]) -> dict[str, float]:
+        """Bytes per link direction (``ADDRESS tx``/``rx``; ``ADDRESS local`` inside a
+        node) of ``flows``."""
+        out: dict[str, float] = {}
+        for src, dst, nbytes in flows:
+            if nbytes <= 0 or src == dst:
+                continue
+            a, b = self.node_of[src], self.node_of[dst]
+            if a == b:
+                key = f"{self.name(a)} local"
+                out[key] = out.get(key, 0.0) + nbytes
+                continue
+            tx, rx = f"{self.name(a)} tx", f"{self.name(b)} rx"
+            out[tx] = out.get(tx, 0.0) + nbytes
+            out[rx] = out.get(rx, 0.0) + nbytes
+        return out
+
+
+def ring_flows(devices: list[str], nbytes: float) -> list[tuple[str, str, float]]:
+    """A ring all-reduce of ``nbytes`` over ``devices`` in that order: each sends
+    2(n-1)/n of the buffer to the next (reduce-scatter, then all-gather)."""
+    n = len(devices)
+    if n < 2:
+        return []
+    share = 2 * (n - 1) / n * nbytes
+    return [(devices[i], devices[(i + 1) % n], share) for i in range(n)]
+
+
+def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
+                        rounds: int = 1) -> float:
+    """2(n-1)/n * bytes / (slowest link on the ring) + 2(n-1) messages of latency each
+    round (``rounds``: all-reduces in a row, e.g. PowerSGD's two)."""
+    n = len(devices)
+    if n < 2:
+        return 0.0
+    return links.transfer_time(ring_flows(devices, nbytes)) + rounds * 2 * (n - 1) * \
+        links.latency_s

@@ -1,0 +1,274 @@
+"""Search: the strategy of least predicted step time for this model on these resources.
+
+Candidates are every registered builder's strategy (with its defaults) and hybrids built
+here, per parameter: all-reduce in groups formed in gradient-ready order up to a byte cap
+(as DDP's buckets), or parameter servers as rows (declared sparse, or measured row-sparse)
+sharded evenly over the least-loaded owners; then a compressor per group when lossy ones
+are allowed. Hybrids improve greedily (one parameter or group at a time, kept when the
+prediction drops), so the search is a few hundred predictions at most: bounded well under
+10 s for a model of 200 tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from stratagem.analysis.profile import ModelProfile, ParamInfo
+from stratagem.errors import StratagemError
+from stratagem.planner.calibrate import Calibration, row_sparse
+from stratagem.planner.cost_model import StepCost, plan_for, predict
+from stratagem.planner.links import LinkModel
+from stratagem.resource import ResourceSpec
+from stratagem.strategy.builders import builder_from_name, builder_names
+from stratagem.strategy.builders.auto import Auto
+from stratagem.strategy.builders.ps import Placer, ps_capacities, ps_node, ps_servers
+from stratagem.strategy.schema import (
+    AllReduceSynchronizer,
+    GraphConfig,
+    NodeConfig,
+    PSSynchronizer,
+    Strategy,
+)
+from stratagem.strategy.validate import validate
+
+MIB = 2 ** 20
+BYTE_CAPS = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, None)  # None: one group
+BUDGET_S = 8.0  # the search stops improving after this long (the bound is 10 s)
+TOLERANCE = 0.05  # predictions this close count as equal (see prefer_simple)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy the search priced."""
+
+    name: str
+    strategy: Strategy
+    cost: StepCost
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The search's answer: the chosen candidate and the others, best first (a built-in
+    builder by its name, or ``hybrid``: per-parameter choices made here)."""
+
+    best: Candidate
+    candidates: tuple[Candidate, ...]
+    calibration: Calibration
+    profile: ModelProfile
+    spec: ResourceSpec
+    search_s: float
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.best.strategy
+
+    @property
+    def cost(self) -> StepCost:
+        return self.best.cost
+
+
+def pullable(info: ParamInfo) -> bool:
+    """Rows can be pulled on demand (an untied embedding module) or come declared sparse."""
+    return info.sparse or (info.embedding_like and not info.aliases)
+
+
+def row_candidates(profile: ModelProfile, cal: Calibration, options: Auto) -> list[str]:
+    """Parameters that may travel as rows: declared sparse, or (``detect_sparse``)
+    measured row-sparse; largest first."""
+    if not options.rows:
+        return []
+    access = {a.name: a for a in (profile.access or cal.access)}
+    out = [p for p in profile.params if p.shape and p.shape[0] >= 2 and (
+        pullable(p) or (options.detect_sparse and row_sparse(access.get(p.name))))]
+    return [p.name for p in sorted(out, key=lambda p: -p.bytes)]
+
+
+def dense_on_servers(strategy: Strategy, profile: ModelProfile) -> int:
+    """Bytes of parameters that go to parameter servers densely (not as rows)."""
+    total = 0
+    for nc in strategy.node_config:
+        info = profile.get(nc.var_name)
+        leaves = nc.leaves()
+        for leaf in leaves:
+            s = leaf.synchronizer
+            if isinstance(s, PSSynchronizer) and not (s.row_sparse or pullable(info)):
+                total += info.bytes // len(leaves)
+    return total
+
+
+def prefer_simple(pool: list[Candidate], profile: ModelProfile) -> Candidate:
+    """The cheapest candidate, except that among those predicted within ``TOLERANCE`` of
+    it (the model's own error) the one with the fewest dense bytes on parameter servers
+    wins: dense parameters go to servers only when that clearly pays."""
+    best = min(c.cost.total_s for c in pool)
+    close = [c for c in pool if c.cost.total_s <= best * (1 + TOLERANCE)]
+    return min(close, key=lambda c: (dense_on_servers(c.strategy, profile), c.cost.total_s))
+
+
+def sends_rows(strategy: Strategy, profile: ModelProfile) -> bool:
+    """Whether a parameter of ``strategy`` goes to a parameter server as rows."""
+    for nc in strategy.node_config:
+        info = profile.get(nc.var_name)
+        for leaf in nc.leaves():
+            s = leaf.synchronizer
+            if isinstance(s, PSSynchronizer) and (s.row_sparse or pullable(info)):
+                return True
+    return False
+
+
+@dataclass
+class Hybrid:
+    """A per-parameter assignment the search edits: which go as rows, the group cap, and
+    the compressor of each all-reduce group (by group number)."""
+
+    rows: set[str]
+    cap: int | None
+    compressors: dict[int, str] = field(default_factory=dict)
+    replicate: set[str] = field(default_factory=set)  # rows kept on every worker
+
+    def copy(self) -> Hybrid:
+        return Hybrid(set(self.rows), self.cap, dict(self.compressors), set(self.replicate))
+
+
+def ready_order(profile: ModelProfile, cal: Calibration) -> list[ParamInfo]:
+    """Parameters by the time their gradient is ready (ties: reverse registration)."""
+    pos = {p.name: i for i, p in enumerate(profile.params)}
+    return sorted(profile.params,
+                  key=lambda p: (cal.grad_ready_s.get(p.name, cal.backward_s), -pos[p.name]))
+
+
+def build_hybrid(h: Hybrid, profile: ModelProfile, spec: ResourceSpec,
+                 cal: Calibration) -> Strategy:
+    nodes: dict[str, NodeConfig] = {}
+    group, filled = 0, 0
+    for info in ready_order(profile, cal):
+        if info.name in h.rows:
+            continue
+        if filled and h.cap is not None and filled + info.bytes > h.cap:
+            group += 1
+            filled = 0
+        filled += info.bytes
+        comp = h.compressors.get(group, "none")
+        nodes[info.name] = NodeConfig(info.name, AllReduceSynchronizer(
+            compressor=comp, group=group, powersgd_rank=4 if comp == "powersgd" else 1))
+    placer = Placer(ps_servers(spec), ps_capacities(spec))
+    for name in sorted(h.rows, key=lambda n: -profile.get(n).bytes):
+        info = profile.get(name)
+        keep = name in h.replicate or not pullable(info)
+        make = PSSynchronizer(local_replication=keep, row_sparse=not pullable(info))
+        if len(placer.servers) > 1 and info.shape[0] >= 2 and len(info.shape) >= 2:
+            pieces = placer.even(info.shape[0], info.bytes // info.shape[0])
+        else:
+            pieces = placer.whole(info.bytes)
+        nodes[name] = ps_node(info, pieces, placer, make)
+    return Strategy(node_config=tuple(nodes[p.name] for p in profile.params),
+                    graph_config=GraphConfig(tuple(spec.replicas)), builder="Auto")
+
+
+def group_count(strategy: Strategy) -> int:
+    return len({nc.synchronizer.group for nc in strategy.node_config
+                if isinstance(nc.synchronizer, AllReduceSynchronizer)})
+
+
+class _Pricer:
+    """Prices strategies (compile + predict), remembering failures as infinite."""
+
+    def __init__(self, profile: ModelProfile, spec: ResourceSpec, cal: Calibration) -> None:
+        self.profile, self.spec, self.cal = profile, spec, cal
+        self.links = LinkModel.from_spec(spec)
+        self.count = 0
+
+    def __call__(self, strategy: Strategy) -> StepCost | None:
+        self.count += 1
+        try:
+            strategy = validate(strategy, self.profile, self.spec)
+            plan = plan_for(strategy, self.profile, self.spec)
+        except StratagemError:
+            return None
+        return predict(strategy, self.profile, self.spec, self.cal, self.links, plan)
+
+
+def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
+           options: Auto | None = None) -> Choice:
+    """Price every built-in builder and the hybrids; return the cheapest."""
+    options = options or Auto()
+    started = time.perf_counter()
+    price = _Pricer(profile, spec, cal)
+    found: list[Candidate] = []
+    notes: list[str] = []
+    for name in builder_names():
+        if name == "Auto":
+            continue
+        try:
+            strategy = builder_from_name(name).build(profile, spec)
+        except StratagemError as exc:
+            notes.append(f"{name}: not applicable ({exc.problem})")
+            continue
+        if not options.rows and sends_rows(strategy, profile):
+            notes.append(f"{name}: skipped (it sends rows; rows are off)")
+            continue
+        cost = price(strategy)
+        if cost is not None:
+            found.append(Candidate(name, strategy, cost))
+
+    def run(h: Hybrid) -> tuple[Strategy, StepCost | None]:
+        s = build_hybrid(h, profile, spec, cal)
+        return s, price(s)
+
+    # 1. The byte cap of the all-reduce groups, everything dense.
+    best_h, best_s, best_c = None, None, None
+    for cap in BYTE_CAPS:
+        h = Hybrid(rows=set(), cap=cap)
+        s, c = run(h)
+        if c is not None and (best_c is None or c.total_s < best_c.total_s):
+            best_h, best_s, best_c = h, s, c
+    if best_h is None:
+        raise StratagemError("no strategy could be priced", where="planner.search",
+                             fix="check the model profile and resource spec")
+    # 2. Parameters as rows, one at a time (largest first), kept when cheaper.
+    for name in row_candidates(profile, cal, options):
+        for replicate in ((False, True) if pullable(profile.get(name)) else (True,)):
+            if time.perf_counter() - started > BUDGET_S:
+                break
+            h = best_h.copy()
+            h.rows.add(name)
+            if replicate:
+                h.replicate.add(name)
+            else:
+                h.replicate.discard(name)
+            s, c = run(h)
+            if c is not None and c.total_s < best_c.total_s:
+                best_h, best_s, best_c = h, s, c
+    # 3. Once rows are settled, the cap again (the dense remainder changed).
+    for cap in BYTE_CAPS:
+        h = best_h.copy()
+        h.cap = cap
+        s, c = run(h)
+        if c is not None and c.total_s < best_c.total_s:
+            best_h, best_s, best_c = h, s, c
+    # 4. A compressor per group, when lossy ones are allowed.
+    lossy = [c for c in options.compressors if c != "none"]
+    if lossy:
+        for g in range(group_count(best_s)):
+            for comp in lossy:
+                if time.perf_counter() - started > BUDGET_S:
+                    break
+                h = best_h.copy()
+                h.compressors[g] = comp
+                s, c = run(h)
+                if c is not None and c.total_s < best_c.total_s:
+                    best_h, best_s, best_c = h, s, c
+    hybrid = Candidate("hybrid", best_s, best_c)
+    allowed_lossless = "none" in options.compressors
+    pool = [c for c in found if allowed_lossless] + [hybrid]
+    chosen = prefer_simple(pool, profile)
+    others = sorted((c for c in [*found, hybrid] if c is not chosen),
+                    key=lambda c: c.cost.total_s)
+    best = chosen if chosen is hybrid else Candidate(
+        chosen.name, replace(chosen.strategy, builder=f"Auto({chosen.name})"), chosen.cost)
+    notes.append(f"{price.count} strategies priced")
+    return Choice(best=best, candidates=(best, *others), calibration=cal, profile=profile,
+                  spec=spec, search_s=time.perf_counter() - started, notes=tuple(notes))
+

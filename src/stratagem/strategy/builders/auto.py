@@ -1,0 +1,64 @@
+"""Auto: the strategy chosen by the planner's cost model and search (stratagem.planner).
+
+This builder is the name and the options; the planner, a layer above, registers the
+function that does the work (:func:`set_planner`) when it is imported -- as the runtime
+registers compressor implementations under names validated here. ``AutoDist`` and
+``stratagem plan`` import the planner, so ``strategy_builder="Auto"`` works there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from stratagem.analysis.profile import ModelProfile
+from stratagem.errors import StrategyError
+from stratagem.resource import ResourceSpec
+from stratagem.strategy.builders.base import register
+from stratagem.strategy.compressors import check_compressor
+from stratagem.strategy.schema import Strategy
+
+_PLANNER: list[Callable[[Auto, ModelProfile, ResourceSpec], Strategy]] = []
+
+
+def set_planner(fn: Callable[[Auto, ModelProfile, ResourceSpec], Strategy]) -> None:
+    """Install the planner that :meth:`Auto.build` calls (stratagem.planner does this)."""
+    _PLANNER[:] = [fn]
+
+
+@register("Auto")
+@dataclass(frozen=True)
+class Auto:
+    """Per parameter, the synchronizer, grouping, shards and compressor of least predicted
+    step time (docs/concepts/auto-strategy.md).
+
+    ``compressors``: what groups may use; lossy ones (fp16, bf16, powersgd) change the
+    numbers, so only ``none`` unless you allow them. ``rows``: parameters may go to
+    parameter servers as rows (needs an optimizer with a sparse rule: SGD, Adagrad, Adam,
+    AdamW without weight decay on them). ``detect_sparse``: measured row-sparse gradients
+    count as sparse, not only declared ones. ``batch_size``: samples per worker when no
+    sample batch is given to calibrate with.
+    """
+
+    compressors: tuple[str, ...] = ("none",)
+    rows: bool = True
+    detect_sparse: bool = True
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if not self.compressors:
+            raise StrategyError("Auto needs at least one compressor",
+                                fix='pass compressors=("none",)')
+        for c in self.compressors:
+            check_compressor(c)
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise StrategyError(f"batch_size must be an integer >= 1, got {self.batch_size!r}",
+                                fix="pass the samples per worker, e.g. batch_size=32")
+
+    def build(self, profile: ModelProfile, spec: ResourceSpec) -> Strategy:
+        if not _PLANNER:
+            raise StrategyError("the Auto builder needs the planner, which is not loaded",
+                                where="strategy builder Auto",
+                                fix="import stratagem.planner (AutoDist and `stratagem plan` "
+                                    "do) before building")
+        return _PLANNER[0](self, profile, spec)

@@ -1,0 +1,202 @@
+"""Models and spawned-worker cases of the planner tests (2 gloo workers on 127.0.0.1).
+
+Every case trains the same global batches as :func:`reference` (plain torch, one process)
+and returns the final state, so the parent compares the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+STEPS = 12
+BATCH = 8
+VOCAB = 40
+DIM = 6
+NEG = 5
+
+
+class SampledLM(nn.Module):
+    """A table read with ``F.embedding`` (no module, dense gradient) and an output layer
+    used through a sampled softmax: both are declared dense and row-sparse in practice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(VOCAB, DIM) * 0.3)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(F.embedding(ids, self.table).sum(dim=1)))
+        return h @ self.out.weight[cand].t() + self.out.bias[cand]
+
+
+class DenseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12)
+        self.fc2 = nn.Linear(12, 9)
+        self.fc3 = nn.Linear(9, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def make(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return (SampledLM() if name == "sampled" else DenseNet()).double()
+
+
+def batch(name: str, step: int, n: int = BATCH) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """(model inputs, target) of global batch ``step``; the sampled softmax's candidates
+    (the batch's targets, then NEG shared negatives) are the same for every worker."""
+    g = torch.Generator().manual_seed(77 + step)
+    if name == "sampled":
+        ids = torch.randint(0, VOCAB // 2, (n, 3), generator=g)
+        y = torch.randint(0, VOCAB, (n,), generator=g)
+        neg = torch.randint(0, VOCAB, (NEG,), generator=g)
+        cand, inverse = torch.unique(torch.cat([y, neg]), return_inverse=True)
+        return (ids, cand), inverse[:n]
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    return (x,), torch.randn(n, 4, generator=g, dtype=torch.float64)
+
+
+def slice_inputs(name: str, inputs: tuple, target: Any, sl: slice) -> tuple[tuple, Any]:
+    if name == "sampled":
+        return (inputs[0][sl], inputs[1]), target[sl]
+    return (inputs[0][sl],), target[sl]
+
+
+def loss(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if name == "sampled":
+        return F.cross_entropy(out, target)
+    return F.mse_loss(out, target)
+
+
+def reference(name: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """Plain torch, one process, the global batch, SGD without momentum."""
+    m = make(name)
+    opt = torch.optim.SGD(m.parameters(), lr=0.3)
+    for step in range(steps):
+        inputs, target = batch(name, step)
+        opt.zero_grad()
+        loss(name, m(*inputs), target).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def suite(rank: int, world: int, cases: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """Every case ``name -> (model, strategy JSON)`` in one PS cluster joined the way
+    AutoDist does (colocated owners: each worker node owns some pieces)."""
+    from stratagem.runtime.ps import join_cluster
+
+    cluster = join_cluster(two_nodes().replicas, [])
+    return {case: train_with(cluster, rank, world, name, strategy_json)
+            for case, (name, strategy_json) in cases.items()}
+
+
+def train_with(cluster: Any, rank: int, world: int, name: str, strategy_json: str
+               ) -> dict[str, Any]:
+    """One worker: ``strategy_json`` compiled and run for STEPS steps."""
+    import json
+
+    from stratagem.analysis import analyze
+    from stratagem.runtime import DistributedModel, compile_plan
+    from stratagem.strategy import Strategy, validate
+
+    spec = two_nodes()
+    model = make(name, seed=rank)  # different seeds: worker 0's values are broadcast
+    profile = analyze(model)
+    strategy = validate(Strategy.from_dict(json.loads(strategy_json)), profile, spec)
+    plan = compile_plan(strategy, profile, rank=rank, world_size=world,
+                        device=torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    dm = DistributedModel(model, plan, optimizer=opt, cluster=cluster)
+    state = train_steps(dm, opt, name, rank, world)
+    out = {"state": state, "plan": plan.summary()}
+    dm.close()
+    return out
+
+
+def train_steps(dm: Any, opt: torch.optim.Optimizer, name: str, rank: int, world: int
+                ) -> dict[str, torch.Tensor]:
+    """STEPS steps on this worker's slice of each global batch; the current state."""
+    per = BATCH // world
+    sl = slice(rank * per, (rank + 1) * per)
+    for step in range(STEPS):
+        inputs, target = batch(name, step)
+        mine, y = slice_inputs(name, inputs, target, sl)
+        opt.zero_grad()
+        loss(name, dm(*mine), y).backward()
+        opt.step()
+    dm.refresh_parameters()
+    state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
+    return state
+
+
+def two_nodes() -> Any:
+    from stratagem.resource import ResourceSpec
+
+    return ResourceSpec.from_dict({"nodes": [
+        {"address": "10.0.0.1", "chief": True, "workers": 1, "cpus": [0]},
+        {"address": "10.0.0.2", "workers": 1, "cpus": [0]}]})
+
+
+class EmbeddingHeavy(nn.Module):
+    """A large dense-declared embedding table (sparse=False) and a small tower."""
+
+    def __init__(self, rows: int = 20000, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(rows, dim)
+        self.fc1 = nn.Linear(dim, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.emb(ids).sum(dim=1))))
+
+
+def autodist_case(rank: int, world: int, name: str) -> dict[str, Any]:
+    """A user's script with ``strategy_builder="Auto"``: calibrate on this worker's first
+    batch, train STEPS steps on this worker's slice, return the state and explanation."""
+    import stratagem as sg
+
+    ad = sg.AutoDist(strategy_builder="Auto", verbose=False)
+    model = make(name, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    per = BATCH // world
+    sl = slice(rank * per, (rank + 1) * per)
+    inputs, target = batch(name, 0)
+    sample, _ = slice_inputs(name, inputs, target, sl)
+    dm, opt = ad.distribute(model, opt, sample_input=sample)
+    state = train_steps(dm, opt, name, rank, world)
+    return {"state": state, "strategy": ad.strategy.to_json(), "explain": ad.explain()}
+
+
+W0, W1 = "10.0.0.1:CPU:0", "10.0.0.2:CPU:0"
+
+
+def rows(dest: str) -> Any:
+    from stratagem.strategy import PSSynchronizer
+
+    return PSSynchronizer(reduction_destination=dest, local_replication=True, row_sparse=True)
+
+
+def rows_strategy() -> Any:
+    """Table on worker 1, output weight and bias split over both workers: all as rows
+    (the 1-D bias's parts go dense, see test_plan_marks_rows_from_gradient); the hidden
+    layer all-reduced."""
+    from stratagem.strategy import AllReduceSynchronizer, NodeConfig, Partitioner, Strategy
+
+    return Strategy(node_config=(
+        NodeConfig("table", rows(W1)),
+        NodeConfig("hidden.weight", AllReduceSynchronizer()),
+        NodeConfig("hidden.bias", AllReduceSynchronizer()),
+        NodeConfig("out.weight", partitioner=Partitioner((2, 1)), part_config=(
+            NodeConfig("out.weight/part_0", rows(W0)),
+            NodeConfig("out.weight/part_1", rows(W1)))),
+        NodeConfig("out.bias", partitioner=Partitioner((2,)), part_config=(
+            NodeConfig("out.bias/part_0", rows(W0)),
+            NodeConfig("out.bias/part_1", rows(W1))))))

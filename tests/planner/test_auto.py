@@ -1,0 +1,139 @@
+"""The Auto builder: what it must and must not choose, and that its strategies train to
+what one process trains (2 gloo workers)."""
+
+from __future__ import annotations
+
+import json
+
+import _spawn
+import planner_workers as pw
+import pytest
+import torch
+
+from stratagem.analysis import analyze
+from stratagem.errors import StrategyError
+from stratagem.planner import choose, explain_json, explain_text
+from stratagem.planner.calibrate import estimate
+from stratagem.planner.search import search
+from stratagem.resource import ResourceSpec
+from stratagem.strategy import (
+    AllReduceSynchronizer,
+    Auto,
+    PSSynchronizer,
+    Strategy,
+    builder_from_name,
+)
+
+
+def spec(nodes: int, gbps: float = 1.0, workers: int = 1) -> ResourceSpec:
+    return ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.0.0.{i + 1}", "chief": i == 0, "workers": workers,
+         "network_bandwidth": gbps, "cpus": [0]} for i in range(nodes)]})
+
+
+def syncs(strategy: Strategy, name: str) -> list:
+    return [leaf.synchronizer for leaf in strategy.config_for(name).leaves()]
+
+
+def dense_sample() -> torch.Tensor:
+    return pw.batch("dense", 0)[0][0][:4]
+
+
+@pytest.mark.parametrize(("nodes", "gbps"), [(2, 1.0), (4, 1.0), (2, 10.0), (4, 10.0)])
+def test_dense_only_model_never_goes_to_parameter_servers(nodes: int, gbps: float) -> None:
+    choice = choose(pw.make("dense"), spec(nodes, gbps), sample_input=dense_sample())
+    for nc in choice.strategy.node_config:
+        for leaf in nc.leaves():
+            assert isinstance(leaf.synchronizer, AllReduceSynchronizer), nc.var_name
+
+
+@pytest.mark.parametrize("nodes", [2, 4])
+def test_embedding_dominated_model_never_all_reduces_the_dense_embedding(nodes: int) -> None:
+    torch.manual_seed(0)
+    model = pw.EmbeddingHeavy()
+    ids = torch.randint(0, 20000, (32, 4))
+    choice = choose(model, spec(nodes), sample_input=ids)
+    assert all(isinstance(s, PSSynchronizer) for s in syncs(choice.strategy, "emb.weight"))
+    access = choice.profile.access_of("emb.weight")
+    assert access is not None and access.rows_touched <= 128  # found in calibration
+    # the all-reduce of the whole table sends more and waits longer
+    alt = {a["name"]: a for a in explain_json(choice)["alternatives"]}["AllReduce"]
+    best = explain_json(choice)["predicted"]
+    assert alt["predicted"]["exposed_comm_s"] > best["exposed_comm_s"]
+    assert alt["why_lost"]
+
+
+def test_sampled_output_layer_goes_as_rows_when_bytes_matter() -> None:
+    """The output layer is declared dense (an nn.Linear) but a sampled softmax touches few
+    of its rows: calibration finds that, and on a slow link Auto sends it as rows."""
+    model = pw.make("sampled")
+    (ids, cand), _ = pw.batch("sampled", 0)
+    choice = choose(model, spec(2, gbps=0.001), sample_input=(ids[:4], cand))
+    out = syncs(choice.strategy, "out.weight")
+    assert all(isinstance(s, PSSynchronizer) and s.row_sparse and s.local_replication
+               for s in out)
+    assert choice.profile.access_of("out.weight").rows_touched < pw.VOCAB
+
+
+def test_autodist_with_auto_agrees_across_ranks_and_explains(tmp_path) -> None:  # noqa: ANN001
+    results = _spawn.run(pw.autodist_case, 2, tmp_path, {"name": "sampled"},
+                         _spawn.Setup(args=(2,), local_rank=True, init_group=True))
+    first = json.loads(results[0]["strategy"])
+    second = json.loads(results[1]["strategy"])
+    assert first["node_config"] == second["node_config"]
+    assert "predicted step" in results[0]["explain"]
+    want = pw.reference("sampled")
+    for r in results:
+        for k, v in want.items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-6, atol=1e-9, msg=k)
+
+
+def test_auto_by_name_builds_from_the_profile_alone() -> None:
+    import stratagem.planner  # noqa: F401  (installs the planner)
+
+    model = pw.make("dense")
+    s = builder_from_name("Auto").build(analyze(model), spec(2))
+    assert s.builder.startswith("Auto")
+    again = builder_from_name("Auto").build(analyze(model), spec(2))
+    assert [nc.to_dict() for nc in s.node_config] == [nc.to_dict() for nc in again.node_config]
+
+
+def test_auto_options_are_checked() -> None:
+    with pytest.raises(StrategyError, match="compressor"):
+        Auto(compressors=("zip",))
+    with pytest.raises(StrategyError, match="batch_size"):
+        Auto(batch_size=0)
+
+
+def test_search_is_bounded_for_200_tensors() -> None:
+    """A model of 200 parameter tensors: every builder plus a bounded number of hybrids."""
+    layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(100)])
+    profile = analyze(layers)
+    assert len(profile.params) == 200
+    choice = search(profile, spec(4), estimate(profile, 32), Auto(compressors=("none", "fp16")))
+    priced = int(choice.notes[-1].split()[0])
+    assert priced <= 8 + 2 * 5 + 2 * 1 * 200  # builders, caps twice, group compressors
+    assert choice.search_s < 60  # generous; the bound of 10 s is reported by the benchmark
+
+
+def test_explanation_fits_80_columns() -> None:
+    torch.manual_seed(0)
+    model = pw.EmbeddingHeavy()
+    choice = choose(model, spec(4), sample_input=torch.randint(0, 20000, (32, 4)))
+    text = explain_text(choice)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for needle in ("predicted step", "parameter groups", "bytes per step per link",
+                   "best alternatives", "exposed comm"):
+        assert needle in text
+
+
+def test_rows_off_means_no_candidate_sends_rows() -> None:
+    """An optimizer without a sparse rule (AutoDist turns rows off): neither the hybrids
+    nor a built-in builder that puts the embedding on servers may be chosen."""
+    from stratagem.planner.search import sends_rows
+
+    torch.manual_seed(0)
+    model = pw.EmbeddingHeavy()
+    choice = choose(model, spec(2), sample_input=torch.randint(0, 20000, (32, 4)),
+                    options=Auto(rows=False))
+    assert not any(sends_rows(c.strategy, choice.profile) for c in choice.candidates)

@@ -1,0 +1,65 @@
+"""Calibration: what it measures, against answers known from the sample batch."""
+
+from __future__ import annotations
+
+import planner_workers as pw
+import torch
+from torch import nn
+
+from stratagem.analysis import analyze
+from stratagem.planner.calibrate import calibrate, estimate, row_sparse
+
+
+def test_touched_rows_are_the_rows_the_batch_reads() -> None:
+    model = pw.make("sampled")
+    (ids, cand), _ = pw.batch("sampled", 0)
+    cal = calibrate(model, (ids, cand), use_cache=False)
+    table, out = cal.access_of("table"), cal.access_of("out.weight")
+    assert table.rows_touched == torch.unique(ids).numel()  # F.embedding, no module
+    assert out.rows_touched == cand.numel()  # sampled softmax through an nn.Linear
+    assert cal.access_of("out.bias").rows_touched == cand.numel()
+    assert row_sparse(table) and row_sparse(out)
+    assert not row_sparse(cal.access_of("hidden.weight"))
+    # candidates are shared by the whole batch: half the batch touches the same rows
+    assert out.overlap == 0.0
+    # and the model is left as it was
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_tied_matrix_touched_in_few_rows() -> None:
+    """An embedding tied to an output layer used through sampled rows."""
+
+    class TiedSampled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(100, 4)
+            self.out = nn.Linear(4, 100, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, ids: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+            return self.emb(ids) @ self.out.weight[cand].t()
+
+    ids, cand = torch.tensor([1, 2, 2, 3]), torch.tensor([3, 50, 60])
+    cal = calibrate(TiedSampled(), (ids, cand), use_cache=False)
+    stats = cal.access_of("emb.weight")
+    assert stats.rows_touched == len({1, 2, 3, 50, 60})
+    assert row_sparse(stats)
+
+
+def test_gradients_are_ready_in_backward_order_and_the_cache_is_reused() -> None:
+    model = pw.make("dense")
+    x = pw.batch("dense", 0)[0][0]
+    cal = calibrate(model, x)
+    r = cal.grad_ready_s
+    assert r["fc3.weight"] <= r["fc2.weight"] <= r["fc1.weight"] <= cal.backward_s
+    assert cal.forward_s > 0 and cal.measured
+    assert calibrate(model, x) is cal  # same signature, batch size and shapes
+
+
+def test_estimate_from_the_profile() -> None:
+    profile = analyze(pw.EmbeddingHeavy(rows=1000))
+    cal = estimate(profile, 16)
+    assert not cal.measured
+    assert cal.access_of("emb.weight").rows_touched == 16
+    assert cal.grad_ready_s["fc2.weight"] < cal.grad_ready_s["emb.weight"]
+    assert estimate(profile, 16) == cal  # deterministic: every rank plans alike

@@ -1,0 +1,140 @@
+"""Cost model pieces against answers worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from stratagem.analysis import AccessStats, ModelProfile, ParamInfo
+from stratagem.planner.calibrate import Calibration
+from stratagem.planner.cost_model import predict
+from stratagem.planner.links import GBIT_BYTES, LinkModel, ring_allreduce_time, ring_flows
+from stratagem.planner.timeline import exposed, schedule
+from stratagem.resource import ResourceSpec
+from stratagem.strategy import (
+    AllReduceSynchronizer,
+    NodeConfig,
+    Partitioner,
+    PSSynchronizer,
+    Strategy,
+)
+
+
+def spec(nodes: int, workers: int = 1, gbps: float = 1.0) -> ResourceSpec:
+    return ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.0.0.{i + 1}", "chief": i == 0, "workers": workers,
+         "network_bandwidth": gbps, "cpus": [0]} for i in range(nodes)]})
+
+
+def links(s: ResourceSpec, **kw: float) -> LinkModel:
+    return LinkModel.from_spec(s, efficiency=1.0, **kw)
+
+
+def test_ring_allreduce_two_nodes_known_answer() -> None:
+    s = spec(2)
+    # 2(n-1)/n * 125 MB / 125 MB/s = 1 s, plus 2(n-1) = 2 messages of 1 ms.
+    t = ring_allreduce_time(links(s, latency_s=1e-3), s.replicas, 125e6)
+    assert t == pytest.approx(1.0 + 2e-3)
+
+
+def test_ring_allreduce_four_nodes_and_the_slowest_link() -> None:
+    s = spec(4)
+    t = ring_allreduce_time(links(s, latency_s=0.0), s.replicas, 100e6)
+    assert t == pytest.approx(2 * 3 / 4 * 100e6 / GBIT_BYTES)
+    slow = ResourceSpec.from_dict({"nodes": [
+        {"address": "10.0.0.1", "chief": True, "network_bandwidth": 10.0},
+        {"address": "10.0.0.2", "network_bandwidth": 0.5}]})
+    t = ring_allreduce_time(links(slow, latency_s=0.0), slow.replicas, 100e6)
+    assert t == pytest.approx(100e6 / (0.5 * GBIT_BYTES))  # the 0.5 Gbit/s node decides
+
+
+def test_ring_inside_one_node_uses_the_intra_node_rate() -> None:
+    s = spec(1, workers=2)
+    lm = links(s, latency_s=0.0, intra_bps=1e9)
+    assert ring_allreduce_time(lm, s.replicas, 1e9) == pytest.approx(1.0)
+    # two nodes of two workers: one ring edge leaves each node
+    s4 = spec(2, workers=2)
+    flows = ring_flows(s4.replicas, 100e6)
+    assert links(s4).flow_bytes(flows)["10.0.0.1 tx"] == pytest.approx(1.5 * 100e6)
+
+
+def test_per_owner_load_and_incast() -> None:
+    s = spec(4)
+    lm = links(s, incast_penalty=0.1)
+    r = s.replicas
+    # every worker sends 10 MB to worker 0: 3 senders into one downlink
+    t = lm.transfer_time([(w, r[0], 10e6) for w in r])
+    assert t == pytest.approx(30e6 * 1.2 / GBIT_BYTES)
+    # spread over the owners: each link carries 3 x 2.5 MB in and out
+    t = lm.transfer_time([(w, o, 2.5e6) for w in r for o in r if o != w])
+    assert t == pytest.approx(7.5e6 * 1.2 / GBIT_BYTES)
+
+
+def test_overlap_of_a_given_timeline() -> None:
+    # backward ends at 10; groups ready at 2, 5, 9 taking 2, 4, 3
+    slots = schedule([("a", 2.0, 2.0), ("b", 5.0, 4.0), ("c", 9.0, 3.0)])
+    assert [(s.start_s, s.end_s) for s in slots] == [(2, 4), (5, 9), (9, 12)]
+    assert exposed(slots, 10.0) == pytest.approx(2.0)
+    # a long first transfer delays the rest: 1 -> 7, then 7 -> 8
+    slots = schedule([("a", 1.0, 6.0), ("b", 2.0, 1.0)])
+    assert exposed(slots, 10.0) == 0.0 and slots[1].start_s == 7.0
+
+
+def _profile() -> ModelProfile:
+    return ModelProfile(params=(
+        ParamInfo("emb", (1000, 125), "float32", 125000, 500000, embedding_like=True),
+        ParamInfo("fc", (250, 1000), "float32", 250000, 1000000)))
+
+
+def _cal(**kw: object) -> Calibration:
+    base = dict(batch_size=8, forward_s=0.01, backward_s=0.02, optimizer_s=0.0,
+                grad_ready_s={"fc": 0.005, "emb": 0.02}, copy_bps=1e9, flops=1e10)
+    base.update(kw)
+    return Calibration(**base)
+
+
+def test_predicted_allreduce_step_adds_the_exposed_tail() -> None:
+    s = spec(2)
+    strat = Strategy(node_config=(NodeConfig("emb", AllReduceSynchronizer(group=0)),
+                                  NodeConfig("fc", AllReduceSynchronizer(group=1))))
+    cost = predict(strat.with_replicas(s.replicas), _profile(), s, _cal(),
+                   links(s, latency_s=0.0))
+    bw = GBIT_BYTES
+    fc, emb = 1e6 / bw, 0.5e6 / bw  # 2(n-1)/n = 1 at two workers
+    # fc ready at 5 ms, emb at 20 ms (the end of backward) after fc's transfer
+    end = max(0.005 + fc, 0.02) + emb
+    assert cost.exposed_comm_s == pytest.approx(end - 0.02)
+    assert cost.total_s == pytest.approx(0.03 + end - 0.02)
+    assert cost.link_bytes["10.0.0.1 tx"] == pytest.approx(1.5e6)
+
+
+def test_sparse_rows_cost_follows_touched_rows() -> None:
+    s = spec(2)
+    w0, w1 = s.replicas
+    part = Partitioner((2, 1))
+    rows = NodeConfig("emb", partitioner=part, part_config=(
+        NodeConfig("emb/part_0", PSSynchronizer(reduction_destination=w0)),
+        NodeConfig("emb/part_1", PSSynchronizer(reduction_destination=w1))))
+    strat = Strategy(node_config=(rows, NodeConfig("fc", AllReduceSynchronizer()))
+                     ).with_replicas(s.replicas)
+    prof = _profile().with_access([AccessStats("emb", 1000, 100.0, overlap=1.0)])
+    cost = predict(strat, prof, s, _cal(), links(s, latency_s=0.0, message_cpu_s=0.0))
+    # each worker pulls and pushes the 50 rows (of 100) owned by the other: 50 x 500 B
+    # of rows each way, plus 50 ids of 8 B to ask for them
+    assert cost.link_bytes["10.0.0.1 tx"] == pytest.approx(1e6 + 50 * 8 + 2 * 50 * 500)
+    # in the forward each link carries the rows it serves and the ids it asks for
+    assert cost.parts["sparse_pull"] == pytest.approx(50 * (500 + 8) / GBIT_BYTES)
+    # a tenth of the rows touched: a tenth of the row traffic
+    few = _profile().with_access([AccessStats("emb", 1000, 10.0)])
+    cheaper = predict(strat, few, s, _cal(), links(s, latency_s=0.0, message_cpu_s=0.0))
+    assert cheaper.parts["sparse_pull"] == pytest.approx(cost.parts["sparse_pull"] / 10)
+
+
+def test_fp16_halves_the_wire_bytes() -> None:
+    s = spec(2)
+    mk = lambda c: Strategy(node_config=(  # noqa: E731
+        NodeConfig("emb", AllReduceSynchronizer(compressor=c)),
+        NodeConfig("fc", AllReduceSynchronizer(compressor=c)))).with_replicas(s.replicas)
+    full = predict(mk("none"), _profile(), s, _cal(), links(s))
+    half = predict(mk("fp16"), _profile(), s, _cal(), links(s))
+    assert half.link_bytes["10.0.0.1 tx"] == pytest.approx(full.link_bytes["10.0.0.1 tx"] / 2)
+    assert half.parts["compressor_work"] > 0
