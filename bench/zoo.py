@@ -6,7 +6,7 @@ returns one :class:`models.Batch` per rank). Sizes put one CPU training step (1 
 roughly 0.05-1 s; ``tiny=True`` gives a smaller copy of each for tests.
 
 =================  ==========================================================================
-``cnn``            dense CNN on 32x32 images (4 conv layers + 2 linear; 1.2 M parameters)
+``cnn``            dense CNN on 32x32 images (4 conv layers + 2 linear; 0.8 M parameters)
 ``transformer_lm`` 2-layer transformer LM, input and output embeddings tied (16k x 256)
 ``dlrm``           the DLRM-style model of ``models.py`` (250k x 64 sparse ``EmbeddingBag``)
 ``lstm_lm``        the LSTM LM of ``models.py``: 200k words, sampled softmax through
@@ -14,8 +14,8 @@ roughly 0.05-1 s; ``tiny=True`` gives a smaller copy of each for tests.
 ``wide_deep``      wide part (1M x 1 sparse bag of crossed ids) + deep part (8 dense-declared
                    50k x 16 tables, MLP 141-1024-512-256-1)
 ``many_small``     120 blocks of Linear(64, 64) + LayerNorm(64): 482 tensors, 2 MB
-``hybrid``         22 MB of dense MLP (fp16 all-reduce pays) next to a 400k x 32 embedding
-                   declared dense but looked up in ~1,000 rows per step (a PS pays): no
+``hybrid``         38 MB of dense MLP (fp16 all-reduce pays) next to a 400k x 32 embedding
+                   declared dense but looked up ~500 times per worker per step (a PS pays): no
                    built-in builder does both
 =================  ==========================================================================
 """
@@ -171,7 +171,7 @@ class ZooModel:
 
 
 def _cnn(tiny: bool) -> ZooModel:
-    width, batch = (4, 4) if tiny else (32, 32)
+    width, batch = (4, 4) if tiny else (32, 16)
 
     def make(g: torch.Generator) -> Batch:
         return Batch((torch.randn(batch, 3, 32, 32, generator=g),),
@@ -249,8 +249,8 @@ def _many_small(tiny: bool) -> ZooModel:
 
 
 def _hybrid(tiny: bool) -> ZooModel:
-    num_dense, width, depth = (8, 16, 2) if tiny else (512, 1536, 3)
-    rows, dim, batch, lookups = (1000, 4, 4, 2) if tiny else (400_000, 32, 64, 16)
+    num_dense, width, depth = (8, 16, 2) if tiny else (512, 2048, 3)
+    rows, dim, batch, lookups = (1000, 4, 4, 2) if tiny else (400_000, 32, 32, 16)
     ids = ZipfIds(rows)
 
     def make(g: torch.Generator) -> Batch:
