@@ -57,11 +57,11 @@ NOT_BUILTIN = {"auto"}
 
 
 # ----------------------------------------------------------------------------- planner hooks
-def auto_registered() -> bool:
-    """Whether a strategy builder named "Auto" is registered (the planner is merged)."""
+def auto_registered(name: str = "Auto") -> bool:
+    """Whether a strategy builder named ``name`` ("Auto": the planner) is registered."""
     from stratagem.strategy import builder_names
 
-    return any(n.lower() == "auto" for n in builder_names())
+    return any(n.lower() == name.lower() for n in builder_names())
 
 
 def predictor() -> Any:
@@ -97,6 +97,27 @@ def with_compressor(strategy: Any, compressor: str, name: str) -> Any:
 
     return replace(strategy, node_config=tuple(fix(nc) for nc in strategy.node_config),
                    builder=name)
+
+
+def predict_all(fn: Any, model: Any, strategies: dict[str, Any], spec: Any, batch_size: int,
+                sample: Any) -> tuple[dict[str, float | None], dict[str, str]]:
+    """``fn(model, strategy, spec, batch_size, sample_input=...)`` for every strategy: the
+    predicted seconds per step (None where it raised or gave no finite positive number),
+    and the errors."""
+    import math
+
+    preds: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    for name, s in strategies.items():
+        try:
+            value = float(fn(model, s, spec, batch_size, sample_input=sample))
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"predicted {value!r} s")
+            preds[name] = value
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            preds[name] = None
+            errors[name] = _first_line(exc)
+    return preds, errors
 
 
 def strategy_key(strategy: Any) -> str:
@@ -151,11 +172,12 @@ class AutoWorker(Worker):
         """(Auto's strategy, seconds to build it, error) via the public AutoDist path."""
         import stratagem as sg
 
-        if not auto_registered():
-            return None, 0.0, NOT_AVAILABLE + " (no builder named Auto)"
+        name = self.args.auto_builder
+        if not auto_registered(name):
+            return None, 0.0, f"{NOT_AVAILABLE} (no builder named {name})"
         t0 = time.perf_counter()
         try:
-            ad = sg.AutoDist(strategy_builder="Auto", resource_spec=self.ad.resource_spec,
+            ad = sg.AutoDist(strategy_builder=name, resource_spec=self.ad.resource_spec,
                              verbose=False)
             strategy = ad.build_strategy(model)
         except Exception as exc:  # noqa: BLE001 - reported, not raised
@@ -201,16 +223,9 @@ class AutoWorker(Worker):
             return {}, {}, 0.0
         model = z.make()
         model.load_state_dict(base_state)
-        preds: dict[str, float | None] = {}
-        errors: dict[str, str] = {}
         t0 = time.perf_counter()
-        for name, s in strategies.items():
-            try:
-                preds[name] = float(fn(model, s, self.ad.resource_spec, z.local_batch,
-                                       sample_input=sample))
-            except Exception as exc:  # noqa: BLE001 - reported, not raised
-                preds[name] = None
-                errors[name] = _first_line(exc)
+        preds, errors = predict_all(fn, model, strategies, self.ad.resource_spec,
+                                    z.local_batch, sample)
         return preds, errors, time.perf_counter() - t0
 
     def run_case(self, z: Any) -> dict[str, Any]:
@@ -430,6 +445,8 @@ def _worker_argv(args: argparse.Namespace, out: Path, link_gbps: float, link_tex
         argv += ["--builders", *args.builders]
     if args.tiny:
         argv.append("--tiny")
+    if args.auto_builder != "Auto":
+        argv += ["--auto-builder", args.auto_builder]
     if args.verbose_errors:
         argv.append("--verbose-errors")
     return argv
@@ -453,7 +470,8 @@ def _collect(part_file: Path, args: argparse.Namespace, commit: str) -> None:
         return
     meta = {"method": METHOD, "host": {"cpus": os.cpu_count(),
                                        "python": platform.python_version()},
-            "planner": {"auto_registered": auto_registered(),
+            "planner": {"auto_registered": auto_registered(args.auto_builder),
+                        "auto_builder": args.auto_builder,
                         "predict_step_time": predictor() is not None}}
     merge(Path(args.out), json.loads(part_file.read_text()), meta)
 
@@ -538,6 +556,8 @@ def main() -> int:
     p.add_argument("--pg-timeout", type=int, default=180, help="collective timeout (s)")
     p.add_argument("--timeout", type=int, default=3600, help="per cluster case (s)")
     p.add_argument("--verbose-errors", action="store_true")
+    p.add_argument("--auto-builder", default="Auto",
+                   help="the builder measured as Auto (tests: any registered name)")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--link-gbps", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--link-text", default="", help=argparse.SUPPRESS)

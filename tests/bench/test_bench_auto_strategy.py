@@ -129,7 +129,8 @@ def test_quick_mode_runs_on_loopback(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH / "auto_strategy.py"), "--loopback", "2", "--tiny",
          "--models", "many_small", "hybrid", "--builders", "AllReduce", "Parallax",
-         "HybridRef", "--steps", "2", "--warmup", "1", "--out", str(out)],
+         "HybridRef", "--steps", "2", "--warmup", "1", "--out", str(out),
+         "--auto-builder", "PartitionedPS"],  # stands in for the planner: the Auto path runs
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -142,8 +143,21 @@ def test_quick_mode_runs_on_loopback(tmp_path: Path) -> None:
     small = res["cases"]["many_small/2n/loopback"]
     assert small["variants"]["Parallax"]["same_as"] == "AllReduce"  # no sparse parameter
     auto = hybrid["variants"]["Auto"]
-    if res["planner"]["auto_registered"]:
-        assert auto["status"] == "ok" and auto["median_step_s"] > 0
-    else:
-        assert auto["status"].startswith(auto_strategy.NOT_AVAILABLE)
-        assert hybrid["auto_over_best_builtin"] is None
+    assert auto["status"] == "ok" and auto["median_step_s"] > 0
+    assert hybrid["auto_over_best_builtin"] == pytest.approx(
+        auto["median_step_s"] / hybrid["best_builtin_step_s"], rel=1e-3)
+    assert hybrid["auto_build_s"] > 0 and res["planner"]["auto_builder"] == "PartitionedPS"
+    if not res["planner"]["predict_step_time"]:
+        assert auto["predicted_step_s"] is None and auto["prediction"] == "planner not available"
+
+
+def test_predict_all_keeps_good_predictions_and_reports_bad_ones() -> None:
+    def fake(model: Any, strategy: str, spec: Any, batch: int, sample_input: Any = None
+             ) -> float:
+        assert model == "m" and spec == "spec" and batch == 8 and sample_input == ("x",)
+        return {"a": 0.25, "b": float("nan")}[strategy]
+
+    preds, errors = auto_strategy.predict_all(fake, "m", {"A": "a", "B": "b", "C": "c"},
+                                              "spec", 8, ("x",))
+    assert preds == {"A": 0.25, "B": None, "C": None}
+    assert set(errors) == {"B", "C"} and "nan" in errors["B"] and "KeyError" in errors["C"]
