@@ -341,6 +341,42 @@ def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 12's benchmark targets over the measured cases: value, goal and whether met
+    (None: not measurable, e.g. no planner)."""
+    def vals(key: str) -> list[float]:
+        return [c[key] for c in cases.values() if c.get(key) is not None]
+
+    ratios = vals("auto_over_best_builtin")
+    errs = [v["prediction_error"] for c in cases.values()
+            for v in c.get("variants", {}).values()
+            if v.get("prediction_error") is not None and "same_as" not in v]
+    med_err = round(statistics.median(errs), 4) if errs else None
+    lstm4 = [round(1 / c["auto_over_ddp"], 4) for c in cases.values()
+             if c.get("model") == "lstm_lm" and c.get("nodes") == 4 and c.get("auto_over_ddp")]
+    build = vals("auto_build_s")
+
+    def rec(name: str, goal: str, value: Any, ok: bool | None) -> dict[str, Any]:
+        return {"target": name, "goal": goal, "value": value,
+                "met": ok, "cases": len(cases)}
+
+    return [
+        rec("Auto / best built-in, worst case", "<= 1.05", max(ratios, default=None),
+            max(ratios) <= 1.05 if ratios else None),
+        rec("cases with Auto / best built-in < 0.95", ">= 3",
+            sum(r < 0.95 for r in ratios) if ratios else None,
+            sum(r < 0.95 for r in ratios) >= 3 if ratios else None),
+        rec("LSTM LM, 4 nodes: DDP / Auto", ">= 1.5", min(lstm4, default=None),
+            min(lstm4) >= 1.5 if lstm4 else None),
+        rec("prediction error, median", "<= 0.15", med_err,
+            med_err <= 0.15 if med_err is not None else None),
+        rec("prediction error, worst", "<= 0.30", max(errs, default=None),
+            max(errs) <= 0.30 if errs else None),
+        rec("Auto build (calibration + planning) s, worst", "<= 40 (30 + 10)",
+            max(build, default=None), max(build) <= 40 if build else None),
+    ]
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     from zoo import zoo
@@ -414,6 +450,10 @@ def summary_markdown(result: dict[str, Any]) -> str:
             f"{_r(c['hybrid_ref_over_best_builtin'])} | {_r(c['ddp_over_best_builtin'])} | "
             f"{_r(c['prediction_error_median'])} / {_r(c['prediction_error_max'])} | "
             f"{_r(c['auto_build_s'])} | {h.get('loadavg_1m_start')}–{h.get('loadavg_1m_end')} |")
+    lines += ["", "| target (issue 12) | goal | value | met |", "|---|---|---:|---|"]
+    for t in targets(cases):
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['target']} | {t['goal']} | {t['value']} | {met} |")
     return "\n".join(lines)
 
 
@@ -427,6 +467,7 @@ def merge(out: Path, part: dict[str, Any], meta: dict[str, Any]) -> dict[str, An
         case["commit"], case["date"] = part.get("commit"), part.get("date")
         result["cases"][key] = case
     result.update(meta)
+    result["targets"] = targets(result["cases"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -161,3 +161,25 @@ def test_predict_all_keeps_good_predictions_and_reports_bad_ones() -> None:
                                               "spec", 8, ("x",))
     assert preds == {"A": 0.25, "B": None, "C": None}
     assert set(errors) == {"B", "C"} and "nan" in errors["B"] and "KeyError" in errors["C"]
+
+
+def test_targets_known_answer() -> None:
+    def case(model: str, nodes: int, ratio: float | None, ddp: float | None,
+             errs: list[float], build: float | None) -> dict[str, Any]:
+        return {"model": model, "nodes": nodes, "auto_over_best_builtin": ratio,
+                "auto_over_ddp": ddp, "auto_build_s": build,
+                "variants": {f"v{i}": {"prediction_error": e} for i, e in enumerate(errs)}}
+
+    cases = {"a": case("cnn", 2, 0.9, 1.0, [0.1, 0.2], 5.0),
+             "b": case("hybrid", 2, 0.8, 0.7, [0.05], 12.0),
+             "c": case("lstm_lm", 4, 1.1, 0.5, [0.4], 41.0)}
+    got = {t["target"]: (t["value"], t["met"]) for t in auto_strategy.targets(cases)}
+    assert got["Auto / best built-in, worst case"] == (1.1, False)
+    assert got["cases with Auto / best built-in < 0.95"] == (2, False)
+    assert got["LSTM LM, 4 nodes: DDP / Auto"] == (2.0, True)
+    assert got["prediction error, median"] == (0.15, True)
+    assert got["prediction error, worst"] == (0.4, False)
+    assert got["Auto build (calibration + planning) s, worst"] == (41.0, False)
+    none = {t["target"]: t["met"] for t in auto_strategy.targets(
+        {"a": case("cnn", 2, None, None, [], None)})}
+    assert set(none.values()) == {None}  # no planner: nothing claimed
