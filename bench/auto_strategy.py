@@ -414,8 +414,9 @@ def summary_markdown(result: dict[str, Any]) -> str:
     """Markdown: median step (ms) per model and variant, one column per (nodes, link); then
     per model and case the ratios, prediction errors, Auto's build time and the load."""
     cases = result.get("cases", {})
+    gbps = {c["link"]: c.get("link_gbps") or 0.0 for c in cases.values()}
     cols = sorted({(c["nodes"], c["link"]) for c in cases.values()},
-                  key=lambda x: (x[0], x[1]))
+                  key=lambda x: (x[0], gbps[x[1]], x[1]))
     by = {(c["model"], c["nodes"], c["link"]): c for c in cases.values()}
     models = list(dict.fromkeys(c["model"] for c in cases.values()))
     head = " | ".join(f"{n} nodes {link}" for n, link in cols)
