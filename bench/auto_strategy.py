@@ -387,14 +387,13 @@ def worker(args: argparse.Namespace) -> None:
     cases: dict[str, Any] = {}
     for name in args.models:
         rec = w.run_case(models[name])
-        if w.rank == 0:
+        if w.rank == 0:  # after every model: a run cut short keeps the cases it finished
             rec["link"] = args.link_text
             cases[case_key(name, w.world, args.link_text)] = rec
-    if w.rank == 0:
-        out = {"commit": args.commit, "torch": torch.__version__,
-               "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "pinning": args.pinning, "tiny": args.tiny, "cases": cases}
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+            out = {"commit": args.commit, "torch": torch.__version__,
+                   "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S%z"),
+                   "pinning": args.pinning, "tiny": args.tiny, "cases": cases}
+            Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
 
 
 def case_key(model: str, nodes: int, link: str) -> str:
