@@ -10,7 +10,7 @@ roughly 0.05-1 s; ``tiny=True`` gives a smaller copy of each for tests.
 ``transformer_lm`` 2-layer transformer LM, input and output embeddings tied (16k x 256)
 ``dlrm``           the DLRM-style model of ``models.py`` (250k x 64 sparse ``EmbeddingBag``)
 ``lstm_lm``        the LSTM LM of ``models.py``: 200k words, sampled softmax through
-                   ``decoder.weight[candidates]`` (~1,300 rows per step of a 102 MB layer)
+                   ``decoder.weight[candidates]`` (~1,400 rows per step of a 102 MB layer)
 ``wide_deep``      wide part (1M x 1 sparse bag of crossed ids) + deep part (8 dense-declared
                    50k x 16 tables, MLP 141-1024-512-256-1)
 ``many_small``     120 blocks of Linear(64, 64) + LayerNorm(64): 482 tensors, 2 MB
