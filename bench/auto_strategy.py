@@ -453,7 +453,8 @@ def summary_markdown(result: dict[str, Any]) -> str:
     lines += ["", "| target (issue 12) | goal | value | met |", "|---|---|---:|---|"]
     for t in targets(cases):
         met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
-        lines.append(f"| {t['target']} | {t['goal']} | {t['value']} | {met} |")
+        value = "–" if t["value"] is None else t["value"]
+        lines.append(f"| {t['target']} | {t['goal']} | {value} | {met} |")
     return "\n".join(lines)
 
 
