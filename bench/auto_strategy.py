@@ -1,0 +1,619 @@
+"""Automatic strategy ("Auto") vs every built-in builder and DDP, over the model zoo.
+
+For each zoo model (bench/zoo.py) x node count x link bandwidth, on the virtual cluster (one
+worker per node, nodes pinned round-robin to the cores as in ps_vs_ddp.py), every variant is
+built in the same worker processes from the same initial weights and run on the same batches,
+interleaved step by step in a seeded random order:
+
+* every registered built-in builder with its defaults (AllReduce, PartitionedAR, PS,
+  PartitionedPS, Parallax, ...), plus ``AllReduce_fp16`` (AllReduce with the fp16 compressor);
+  a builder whose strategy equals one already built is measured once (``same_as``);
+* ``DDP``: torch DDP on gloo, sparse gradients where the model declares them;
+* ``Auto``: ``AutoDist(strategy_builder="Auto").build_strategy(model)`` when a builder of
+  that name is registered, else recorded as "planner not available";
+* ``HybridRef``: a hand-made reference (Parallax's placement with fp16 all-reduce) that
+  shows what a per-parameter hybrid can gain; it is not a built-in and not Auto.
+
+Per case: median step time of each variant (max over ranks per step), Auto / best built-in,
+Auto / DDP, the planner's prediction and its error ``|pred - meas| / meas`` per variant (when
+``stratagem.planner.predict_step_time`` exists), Auto's build time (calibration + planning),
+the machine's load average. Results merge into bench/results/auto_strategy.json by case, so
+subsets run at different times add up. Needs root (the virtual cluster), except --loopback.
+
+    python bench/auto_strategy.py                                    # everything (long)
+    python bench/auto_strategy.py --nodes 2 --bandwidth 1gbit --models cnn hybrid --steps 4
+    python bench/auto_strategy.py --loopback 2 --tiny --steps 2     # seconds, no namespaces
+    python bench/auto_strategy.py --summary                         # markdown from the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ps_vs_ddp import Phase, Variant, Worker, _commit, _first_line, _gather_json, step_order
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+OUT = RESULTS / "auto_strategy.json"
+FP16 = "AllReduce_fp16"
+HYBRID = "HybridRef"
+NOT_AVAILABLE = "planner not available"
+# Builders that are neither baselines nor candidates here.
+NOT_BUILTIN = {"auto"}
+
+
+# ----------------------------------------------------------------------------- planner hooks
+def auto_registered(name: str = "Auto") -> bool:
+    """Whether a strategy builder named ``name`` ("Auto": the planner) is registered."""
+    from stratagem.strategy import builder_names
+
+    return any(n.lower() == name.lower() for n in builder_names())
+
+
+def predictor() -> Any:
+    """``stratagem.planner.predict_step_time``, or None when the planner lacks it."""
+    try:
+        import stratagem.planner as planner
+    except ImportError:
+        return None
+    fn = getattr(planner, "predict_step_time", None)
+    return fn if callable(fn) else None
+
+
+def builtin_builders() -> dict[str, Any]:
+    """Variant name -> builder: every registered built-in with defaults, plus fp16 AllReduce."""
+    from stratagem.strategy import AllReduce, builder_from_name, builder_names
+
+    out = {n: builder_from_name(n) for n in builder_names() if n.lower() not in NOT_BUILTIN}
+    out[FP16] = AllReduce(compressor="fp16")
+    return out
+
+
+def with_compressor(strategy: Any, compressor: str, name: str) -> Any:
+    """``strategy`` with every all-reduce synchronizer using ``compressor``."""
+    from stratagem.strategy import AllReduceSynchronizer
+
+    def fix(nc: Any) -> Any:
+        sync = nc.synchronizer
+        if isinstance(sync, AllReduceSynchronizer):
+            nc = replace(nc, synchronizer=replace(sync, compressor=compressor))
+        if nc.part_config:
+            nc = replace(nc, part_config=tuple(fix(p) for p in nc.part_config))
+        return nc
+
+    return replace(strategy, node_config=tuple(fix(nc) for nc in strategy.node_config),
+                   builder=name)
+
+
+def predict_all(fn: Any, model: Any, strategies: dict[str, Any], spec: Any, batch_size: int,
+                sample: Any) -> tuple[dict[str, float | None], dict[str, str]]:
+    """``fn(model, strategy, spec, batch_size, sample_input=...)`` for every strategy: the
+    predicted seconds per step (None where it raised or gave no finite positive number),
+    and the errors."""
+    import math
+
+    preds: dict[str, float | None] = {}
+    errors: dict[str, str] = {}
+    for name, s in strategies.items():
+        try:
+            value = float(fn(model, s, spec, batch_size, sample_input=sample))
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"predicted {value!r} s")
+            preds[name] = value
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            preds[name] = None
+            errors[name] = _first_line(exc)
+    return preds, errors
+
+
+def strategy_key(strategy: Any) -> str:
+    """The strategy's content without its id and builder name (to spot duplicates)."""
+    d = strategy.to_dict()
+    d.pop("id", None)
+    d.pop("builder", None)
+    return json.dumps(d, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------- worker side
+class AutoWorker(Worker):
+    """Runs the zoo's cases on one rank (ps_vs_ddp's worker: its timed step, sync flag and
+    runtime wrapping); rank 0 writes the JSON."""
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[auto_strategy {self.world} nodes] {msg}", flush=True)
+
+    def strategies(self, base: Any, names: list[str]) -> tuple[dict[str, Any], dict[str, str],
+                                                                 dict[str, str]]:
+        """(name -> validated strategy, name -> error, duplicate name -> first name)."""
+        import stratagem as sg
+
+        spec = self.ad.resource_spec
+        profile = sg.analyze(base)
+        builders = builtin_builders()
+        out: dict[str, Any] = {}
+        errors: dict[str, str] = {}
+        for name in names:
+            try:
+                if name == HYBRID:
+                    parallax = builders["Parallax"].build(profile, spec)
+                    s = with_compressor(parallax, "fp16", HYBRID)
+                else:
+                    s = builders[name].build(profile, spec)
+                out[name] = sg.strategy.validate(s, profile, spec)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                errors[name] = f"unavailable: {_first_line(exc)}"
+        seen: dict[str, str] = {}
+        same: dict[str, str] = {}
+        for name, s in list(out.items()):
+            key = strategy_key(s)
+            if key in seen:
+                same[name] = seen[key]
+                del out[name]
+            else:
+                seen[key] = name
+        return out, errors, same
+
+    def auto_strategy(self, model: Any) -> tuple[Any, float, str | None]:
+        """(Auto's strategy, seconds to build it, error) via the public AutoDist path."""
+        import stratagem as sg
+
+        name = self.args.auto_builder
+        if not auto_registered(name):
+            return None, 0.0, f"{NOT_AVAILABLE} (no builder named {name})"
+        t0 = time.perf_counter()
+        try:
+            ad = sg.AutoDist(strategy_builder=name, resource_spec=self.ad.resource_spec,
+                             verbose=False)
+            strategy = ad.build_strategy(model)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            if self.args.verbose_errors:
+                traceback.print_exc()
+            return None, time.perf_counter() - t0, f"unavailable: {_first_line(exc)}"
+        return strategy, time.perf_counter() - t0, None
+
+    def build_variant(self, name: str, z: Any, base_state: dict[str, Any], strategy: Any,
+                      warmup: int) -> Variant:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        v = Variant(name, warmup=warmup, strategy=strategy)
+        failed = False
+        try:
+            model = z.make()
+            model.load_state_dict(base_state)
+            opt = torch.optim.SGD(model.parameters(), lr=self.args.lr)
+            if name == "DDP":
+                model = DDP(model)
+            else:
+                model, v.strategy = self.stratagem(model, opt, strategy)
+            v.model, v.opt = model, opt
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            failed = True
+            v.error = f"unavailable: {_first_line(exc)}"
+            if self.args.verbose_errors:
+                traceback.print_exc()
+        if self.agree(failed) and not failed:
+            v.error = "unavailable: failed on another rank"
+        if v.error:
+            v.model = v.opt = None
+            self.log(f"{z.name}/{name}: {v.error}")
+        return v
+
+    def predict(self, z: Any, base_state: dict[str, Any], strategies: dict[str, Any],
+                sample: Any) -> tuple[dict[str, float | None], dict[str, str], float]:
+        """The planner's predicted step time per strategy (every rank calls it: it may
+        calibrate with collectives), errors, and the seconds all predictions took."""
+        fn = predictor()
+        if fn is None:
+            return {}, {}, 0.0
+        model = z.make()
+        model.load_state_dict(base_state)
+        t0 = time.perf_counter()
+        preds, errors = predict_all(fn, model, strategies, self.ad.resource_spec,
+                                    z.local_batch, sample)
+        return preds, errors, time.perf_counter() - t0
+
+    def run_case(self, z: Any) -> dict[str, Any]:
+        import torch
+
+        a = self.args
+        steps = a.lm_steps if z.name == "lstm_lm" else a.steps
+        warmup = a.lm_warmup if z.name == "lstm_lm" else a.warmup
+        load0 = os.getloadavg()[0]
+        torch.manual_seed(a.seed)
+        base = z.make()
+        base_state = {k: t.clone() for k, t in base.state_dict().items()}
+        data = z.data(self.world, a.seed)
+        names = [n for n in [*builtin_builders(), HYBRID]
+                 if not a.builders or n in a.builders]
+        strategies, errors, same = self.strategies(base, names)
+        auto, plan_s, auto_error = self.auto_strategy(base)
+        if auto is not None:
+            strategies["Auto"] = auto
+        sample = data.batches(0)[self.rank].inputs
+        preds, pred_errors, predict_s = self.predict(z, base_state, strategies, sample)
+        del base
+        self.log(f"{z.name}: building {', '.join(strategies)} + DDP"
+                 + (f" (same strategy: {same})" if same else ""))
+        variants = [self.build_variant(n, z, base_state, s, warmup)
+                    for n, s in strategies.items()]
+        variants.append(self.build_variant("DDP", z, base_state, None, warmup))
+        phase = Phase(z.name, lambda sparse: None, data.batches, z.loss, [], steps, warmup)
+        t0 = time.perf_counter()
+        for step in range(warmup + steps):
+            batches = data.batches(step)
+            active = [v for v in variants if v.error is None]
+            for v in step_order(active, a.seed, step):
+                self.timed_step(v, step, batches[self.rank], phase)
+            if step % 5 == 4 or step == warmup + steps - 1:
+                self.log(f"{z.name}: step {step + 1}/{warmup + steps} "
+                         f"({time.perf_counter() - t0:.0f} s)")
+        every = _gather_json({v.name: (v.times, v.tx) for v in variants}, self.world)
+        for v in variants:
+            close = getattr(v.model, "close", None)
+            if v.error is None and callable(close):
+                close()
+        result: dict[str, Any] = {}
+        if self.rank == 0:
+            result = self.case_record(z, variants, every, errors, same, preds, pred_errors,
+                                      auto_error, plan_s, predict_s, steps, warmup)
+            result["host"] = {"loadavg_1m_start": round(load0, 2),
+                              "loadavg_1m_end": round(os.getloadavg()[0], 2)}
+        for v in variants:
+            v.model = v.opt = None
+        gc.collect()
+        return result
+
+    def case_record(self, z: Any, variants: list[Variant], every: list[Any],
+                    errors: dict[str, str], same: dict[str, str],
+                    preds: dict[str, float | None], pred_errors: dict[str, str],
+                    auto_error: str | None, plan_s: float, predict_s: float, steps: int,
+                    warmup: int) -> dict[str, Any]:
+        have_pred = predictor() is not None
+        recs: dict[str, dict[str, Any]] = {}
+        for v in variants:
+            rec: dict[str, Any] = {"status": "ok" if v.error is None else v.error}
+            if v.times and v.error is None:
+                per_rank = [every[r][v.name][0] for r in range(self.world)]
+                job = [max(ts) for ts in zip(*per_rank, strict=True)]
+                rec["median_step_s"] = round(statistics.median(job), 5)
+                rec["step_s"] = [round(t, 5) for t in job]
+                rec["tx_bytes_per_step_rank0"] = int(statistics.median(every[0][v.name][1]))
+            if v.name != "DDP":
+                rec["predicted_step_s"] = preds.get(v.name) if have_pred else None
+                if not have_pred:
+                    rec["prediction"] = NOT_AVAILABLE
+                elif v.name in pred_errors:
+                    rec["prediction"] = f"failed: {pred_errors[v.name]}"
+                meas, pred = rec.get("median_step_s"), rec.get("predicted_step_s")
+                rec["prediction_error"] = (round(abs(pred - meas) / meas, 4)
+                                           if meas and pred is not None else None)
+            recs[v.name] = rec
+        for name, err in errors.items():
+            recs[name] = {"status": err}
+        for name, first in same.items():
+            recs[name] = {**recs.get(first, {}), "same_as": first}
+        if "Auto" not in recs:
+            recs["Auto"] = {"status": auto_error or NOT_AVAILABLE, "predicted_step_s": None,
+                            "prediction_error": None}
+        return {"model": z.name, "summary": z.summary, "nodes": self.world,
+                "link_gbps": self.args.link_gbps or None, "local_batch": z.local_batch,
+                "config": z.config, "steps": steps, "warmup": warmup,
+                "variants": recs, "auto_build_s": round(plan_s, 3) if plan_s else None,
+                "predict_s_all_strategies": round(predict_s, 3) if have_pred else None,
+                **case_ratios(recs)}
+
+
+def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Best built-in, Auto's ratios to it and to DDP, prediction error summary."""
+    def med(name: str) -> float | None:
+        return (recs.get(name) or {}).get("median_step_s")
+
+    builtin = {n: med(n) for n in recs if n not in ("Auto", "DDP", HYBRID) and med(n)}
+    best = min(builtin, key=lambda n: builtin[n]) if builtin else None
+    auto, ddp, hyb = med("Auto"), med("DDP"), med(HYBRID)
+    errs = [r["prediction_error"] for r in recs.values()
+            if r.get("prediction_error") is not None and "same_as" not in r]
+    return {
+        "best_builtin": best,
+        "best_builtin_step_s": builtin.get(best) if best else None,
+        "auto_over_best_builtin": round(auto / builtin[best], 4) if auto and best else None,
+        "auto_over_ddp": round(auto / ddp, 4) if auto and ddp else None,
+        "hybrid_ref_over_best_builtin": round(hyb / builtin[best], 4) if hyb and best else None,
+        "ddp_over_best_builtin": round(ddp / builtin[best], 4) if ddp and best else None,
+        "prediction_error_median": round(statistics.median(errs), 4) if errs else None,
+        "prediction_error_max": round(max(errs), 4) if errs else None,
+    }
+
+
+def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 12's benchmark targets over the measured cases: value, goal and whether met
+    (None: not measurable, e.g. no planner)."""
+    def vals(key: str) -> list[float]:
+        return [c[key] for c in cases.values() if c.get(key) is not None]
+
+    ratios = vals("auto_over_best_builtin")
+    errs = [v["prediction_error"] for c in cases.values()
+            for v in c.get("variants", {}).values()
+            if v.get("prediction_error") is not None and "same_as" not in v]
+    med_err = round(statistics.median(errs), 4) if errs else None
+    lstm4 = [round(1 / c["auto_over_ddp"], 4) for c in cases.values()
+             if c.get("model") == "lstm_lm" and c.get("nodes") == 4 and c.get("auto_over_ddp")]
+    build = vals("auto_build_s")
+
+    def rec(name: str, goal: str, value: Any, ok: bool | None) -> dict[str, Any]:
+        return {"target": name, "goal": goal, "value": value,
+                "met": ok, "cases": len(cases)}
+
+    return [
+        rec("Auto / best built-in, worst case", "<= 1.05", max(ratios, default=None),
+            max(ratios) <= 1.05 if ratios else None),
+        rec("cases with Auto / best built-in < 0.95", ">= 3",
+            sum(r < 0.95 for r in ratios) if ratios else None,
+            sum(r < 0.95 for r in ratios) >= 3 if ratios else None),
+        rec("LSTM LM, 4 nodes: DDP / Auto", ">= 1.5", min(lstm4, default=None),
+            min(lstm4) >= 1.5 if lstm4 else None),
+        rec("prediction error, median", "<= 0.15", med_err,
+            med_err <= 0.15 if med_err is not None else None),
+        rec("prediction error, worst", "<= 0.30", max(errs, default=None),
+            max(errs) <= 0.30 if errs else None),
+        rec("Auto build (calibration + planning) s, worst", "<= 40 (30 + 10)",
+            max(build, default=None), max(build) <= 40 if build else None),
+    ]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from zoo import zoo
+
+    w = AutoWorker(args)
+    w.calibrate()
+    models = zoo(tiny=args.tiny, lstm_vocab=args.lstm_vocab)
+    cases: dict[str, Any] = {}
+    for name in args.models:
+        rec = w.run_case(models[name])
+        if w.rank == 0:  # after every model: a run cut short keeps the cases it finished
+            rec["link"] = args.link_text
+            cases[case_key(name, w.world, args.link_text)] = rec
+            out = {"commit": args.commit, "torch": torch.__version__,
+                   "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S%z"),
+                   "pinning": args.pinning, "tiny": args.tiny, "cases": cases}
+            Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+
+
+def case_key(model: str, nodes: int, link: str) -> str:
+    return f"{model}/{nodes}n/{link}"
+
+
+# ----------------------------------------------------------------------------- summary
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1e3:.1f}"
+
+
+def _r(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def summary_markdown(result: dict[str, Any]) -> str:
+    """Markdown: median step (ms) per model and variant, one column per (nodes, link); then
+    per model and case the ratios, prediction errors, Auto's build time and the load."""
+    cases = result.get("cases", {})
+    gbps = {c["link"]: c.get("link_gbps") or 0.0 for c in cases.values()}
+    cols = sorted({(c["nodes"], c["link"]) for c in cases.values()},
+                  key=lambda x: (x[0], gbps[x[1]], x[1]))
+    by = {(c["model"], c["nodes"], c["link"]): c for c in cases.values()}
+    models = list(dict.fromkeys(c["model"] for c in cases.values()))
+    head = " | ".join(f"{n} nodes {link}" for n, link in cols)
+    lines = [f"| model | variant | {head} |", "|---|---|" + "---:|" * len(cols)]
+    for m in models:
+        names: list[str] = []
+        for n, link in cols:
+            for v in (by.get((m, n, link)) or {"variants": {}})["variants"]:
+                if v not in names:
+                    names.append(v)
+        last = ("DDP", HYBRID, "Auto")
+        for name in [n for n in names if n not in last] + [n for n in last if n in names]:
+            cells = []
+            for n, link in cols:
+                v = (by.get((m, n, link)) or {"variants": {}})["variants"].get(name)
+                if v is None:
+                    cells.append("not run")
+                elif v.get("median_step_s") is not None:
+                    cells.append(_ms(v["median_step_s"])
+                                 + (f" (= {v['same_as']})" if "same_as" in v else ""))
+                else:
+                    cells.append("n/a")
+            lines.append(f"| {m} | {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| model | case | best built-in | Auto / best | Auto / DDP | HybridRef / best |"
+              " DDP / best | pred. error median / max | Auto build (s) | load 1 min |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for c in cases.values():
+        h = c.get("host", {})
+        lines.append(
+            f"| {c['model']} | {c['nodes']} nodes {c['link']} | {c['best_builtin'] or '–'} | "
+            f"{_r(c['auto_over_best_builtin'])} | {_r(c['auto_over_ddp'])} | "
+            f"{_r(c['hybrid_ref_over_best_builtin'])} | {_r(c['ddp_over_best_builtin'])} | "
+            f"{_r(c['prediction_error_median'])} / {_r(c['prediction_error_max'])} | "
+            f"{_r(c['auto_build_s'])} | {h.get('loadavg_1m_start')}–{h.get('loadavg_1m_end')} |")
+    lines += ["", "| target (issue 12) | goal | value | met |", "|---|---|---:|---|"]
+    for t in targets(cases):
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        value = "–" if t["value"] is None else t["value"]
+        lines.append(f"| {t['target']} | {t['goal']} | {value} | {met} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- driver side
+def merge(out: Path, part: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Add ``part``'s cases to the results file (a case measured again replaces the old)."""
+    result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    result.setdefault("benchmark", "auto_strategy")
+    result.setdefault("cases", {})
+    for key, case in part.get("cases", {}).items():
+        case["commit"], case["date"] = part.get("commit"), part.get("date")
+        result["cases"][key] = case
+    result.update(meta)
+    result["targets"] = targets(result["cases"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _worker_argv(args: argparse.Namespace, out: Path, link_gbps: float, link_text: str,
+                 commit: str, pinning: str) -> list[str]:
+    argv = [str(Path(__file__).resolve()), "--worker", "--out", str(out),
+            "--models", *args.models, "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--lm-steps", str(args.lm_steps), "--lm-warmup", str(args.lm_warmup),
+            "--lstm-vocab", str(args.lstm_vocab), "--lr", str(args.lr),
+            "--seed", str(args.seed), "--pg-timeout", str(args.pg_timeout),
+            "--link-gbps", str(link_gbps), "--link-text", link_text, "--commit", commit,
+            "--pinning", pinning]
+    if args.builders:
+        argv += ["--builders", *args.builders]
+    if args.tiny:
+        argv.append("--tiny")
+    if args.auto_builder != "Auto":
+        argv += ["--auto-builder", args.auto_builder]
+    if args.verbose_errors:
+        argv.append("--verbose-errors")
+    return argv
+
+
+def _run(proc: subprocess.Popen[bytes], timeout: int, what: str) -> int:
+    t0 = time.perf_counter()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        print(f"{what}: timed out after {timeout} s", file=sys.stderr)
+        code = 124
+    print(f"{what}: exit {code} after {time.perf_counter() - t0:.0f} s", flush=True)
+    return code
+
+
+def _collect(part_file: Path, args: argparse.Namespace, commit: str) -> None:
+    if not part_file.exists():
+        return
+    meta = {"method": METHOD, "host": {"cpus": os.cpu_count(),
+                                       "python": platform.python_version()},
+            "planner": {"auto_registered": auto_registered(args.auto_builder),
+                        "auto_builder": args.auto_builder,
+                        "predict_step_time": predictor() is not None}}
+    merge(Path(args.out), json.loads(part_file.read_text()), meta)
+
+
+METHOD = {
+    "interleaved": "every variant in the same processes, a seeded random order per step",
+    "step_time": "median over measured steps of the max over ranks",
+    "prediction_error": "|predicted - measured| / measured (stratagem.planner."
+                        "predict_step_time, called with the variant's strategy)",
+    "auto_build_s": "AutoDist(strategy_builder='Auto').build_strategy(model): calibration "
+                    "plus planning",
+    "same_as": "a builder whose strategy equals an earlier one's is measured once",
+    "optimizer": "SGD",
+}
+
+
+def driver(args: argparse.Namespace) -> int:
+    commit = _commit()
+    rc = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.loopback:
+            part = Path(tmp) / "part.json"
+            argv = [sys.executable, "-m", "stratagem", "run", "-q", "--nproc",
+                    str(args.loopback), *_worker_argv(args, part, 0.0, "loopback", commit, "")]
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+            rc = _run(subprocess.Popen(argv, env=env), args.timeout,
+                      f"loopback, {args.loopback} workers")
+            _collect(part, args, commit)
+            return rc
+        sys.path.insert(0, str(ROOT / "tools"))
+        from vcluster import VirtualCluster  # type: ignore[import-not-found]
+
+        ok, reason = VirtualCluster.available()
+        if not ok:
+            print(f"skipped: {reason}")
+            return 0
+        ncpu = len(os.sched_getaffinity(0))
+        for nodes in args.nodes:
+            cpus = [[i % ncpu] for i in range(nodes)]
+            pinning = ":".join(",".join(map(str, c)) for c in cpus)
+            for bw in args.bandwidth:
+                part = Path(tmp) / f"part_{nodes}_{bw}.json"
+                with VirtualCluster(nodes, bandwidth=bw, delay=args.delay, cpus=cpus,
+                                    prefix=args.prefix, subnet=args.subnet) as vc:
+                    spec = vc.write_resource_spec(Path(tmp) / "spec.yml")
+                    shell = (f"{sys.executable} {ROOT / 'tools' / 'vcluster.py'} exec "
+                             f"--prefix {args.prefix} {{address}} --")
+                    argv = [sys.executable, "-m", "stratagem", "run", "-q", "--resource-spec",
+                            str(spec), "--remote-shell", shell,
+                            *_worker_argv(args, part, vc.bandwidth_gbps or 0.0, bw, commit,
+                                          pinning)]
+                    rc = rc or _run(vc.run(0, argv), args.timeout, f"{nodes} nodes, {bw}")
+                _collect(part, args, commit)
+    return rc
+
+
+def main() -> int:
+    from zoo import MODEL_NAMES
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--summary", action="store_true", help="print a markdown table of --out")
+    p.add_argument("--models", nargs="+", choices=MODEL_NAMES, default=list(MODEL_NAMES))
+    p.add_argument("--builders", nargs="+",
+                   help="only these variants (builder names, AllReduce_fp16, HybridRef); "
+                        "DDP and Auto always run")
+    p.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--bandwidth", nargs="+", default=["1gbit", "10gbit"])
+    p.add_argument("--loopback", type=int, default=0, metavar="N",
+                   help="run N workers on this machine over loopback instead (no root)")
+    p.add_argument("--tiny", action="store_true", help="the zoo's tiny models (for tests)")
+    p.add_argument("--delay", default="0.1ms")
+    p.add_argument("--prefix", default="sgauto")
+    p.add_argument("--subnet", default="10.86.0.0/24")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per model")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--lm-steps", type=int, default=5, help="measured steps, LSTM LM")
+    p.add_argument("--lm-warmup", type=int, default=1)
+    p.add_argument("--lstm-vocab", type=int, default=200_000)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pg-timeout", type=int, default=180, help="collective timeout (s)")
+    p.add_argument("--timeout", type=int, default=3600, help="per cluster case (s)")
+    p.add_argument("--verbose-errors", action="store_true")
+    p.add_argument("--auto-builder", default="Auto",
+                   help="the builder measured as Auto (tests: any registered name)")
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--link-gbps", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--link-text", default="", help=argparse.SUPPRESS)
+    p.add_argument("--commit", default="unknown", help=argparse.SUPPRESS)
+    p.add_argument("--pinning", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    if args.summary:
+        print(summary_markdown(json.loads(Path(args.out).read_text())))
+        return 0
+    return driver(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""The auto-strategy benchmark's zoo and harness (bench/zoo.py, bench/auto_strategy.py):
+models train, every built-in builder accepts them, the ratios are computed right, and the
+quick loopback mode runs end to end (no wall-time assertions: see bench/)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stratagem.analysis import analyze
+from stratagem.resource import ResourceSpec
+from stratagem.strategy import AllReduceSynchronizer, PSSynchronizer, validate
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+import auto_strategy  # noqa: E402
+from zoo import MODEL_NAMES, zoo  # noqa: E402
+
+TINY = zoo(tiny=True)
+TWO_NODES = ResourceSpec.from_dict({"nodes": [{"address": "10.0.0.1", "workers": 1, "chief": True},
+                                              {"address": "10.0.0.2", "workers": 1}]})
+
+
+def test_zoo_has_the_issue_models() -> None:
+    assert set(MODEL_NAMES) == {"cnn", "transformer_lm", "dlrm", "lstm_lm", "wide_deep",
+                                "many_small", "hybrid"}
+    assert set(TINY) == set(MODEL_NAMES)
+    assert len(list(analyze(zoo()["many_small"].make()).params)) >= 200  # hundreds of tensors
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_zoo_model_trains_one_step_on_deterministic_data(name: str) -> None:
+    z = TINY[name]
+    first, again = z.data(2, 7).batches(3), z.data(2, 7).batches(3)
+    for a, b in zip(first, again, strict=True):  # the same batch from (seed, step, rank)
+        assert all(torch.equal(x, y) for x, y in zip(a.inputs, b.inputs, strict=True))
+        assert torch.equal(a.target, b.target)
+    assert not torch.equal(first[0].inputs[0], first[1].inputs[0])  # ranks differ
+    torch.manual_seed(0)
+    model = z.make()
+    before = {k: t.clone() for k, t in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = z.loss(model(*first[0].inputs), first[0].target)
+    loss.backward()
+    opt.step()
+    assert math.isfinite(float(loss.detach()))
+    assert all(p.grad is not None for p in model.parameters())
+    assert any(not torch.equal(before[k], t) for k, t in model.state_dict().items())
+
+
+def test_tied_and_sampled_models_are_what_the_issue_asks() -> None:
+    lm = analyze(TINY["transformer_lm"].make())
+    assert any(p.aliases for p in lm.params)  # input and output embedding tied
+    z = zoo(tiny=False)["lstm_lm"]
+    assert z.config["vocab"] == 200_000 and z.config["output_layer_bytes"] > 100e6
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_every_builtin_builder_accepts_the_zoo_model(name: str) -> None:
+    profile = analyze(TINY[name].make())
+    builders = auto_strategy.builtin_builders()
+    assert {"AllReduce", "PS", "PartitionedPS", "Parallax", auto_strategy.FP16} <= set(builders)
+    for label, builder in builders.items():
+        strategy = validate(builder.build(profile, TWO_NODES), profile, TWO_NODES)
+        assert {nc.var_name for nc in strategy.node_config} == {p.name for p in profile.params}, \
+            label
+    parallax = builders["Parallax"].build(profile, TWO_NODES)
+    hybrid = auto_strategy.with_compressor(parallax, "fp16", auto_strategy.HYBRID)
+    validate(hybrid, profile, TWO_NODES)
+
+
+def _leaf_syncs(strategy: Any, name: str) -> list[Any]:
+    return [leaf.synchronizer for leaf in strategy.config_for(name).leaves()]
+
+
+def test_hybrid_model_needs_what_no_builtin_gives() -> None:
+    """Parallax sends the hybrid model's embedding to servers but all-reduces the tower
+    uncompressed; the hand-made reference compresses the tower and keeps the servers."""
+    profile = analyze(TINY["hybrid"].make())
+    parallax = auto_strategy.builtin_builders()["Parallax"].build(profile, TWO_NODES)
+    assert all(isinstance(s, PSSynchronizer) for s in _leaf_syncs(parallax, "embedding.weight"))
+    tower = _leaf_syncs(parallax, "tower.0.weight")
+    assert all(isinstance(s, AllReduceSynchronizer) and s.compressor == "none" for s in tower)
+    hybrid = auto_strategy.with_compressor(parallax, "fp16", auto_strategy.HYBRID)
+    assert all(s.compressor == "fp16" for s in _leaf_syncs(hybrid, "tower.0.weight"))
+    assert all(isinstance(s, PSSynchronizer) for s in _leaf_syncs(hybrid, "embedding.weight"))
+    keys = {auto_strategy.strategy_key(b.build(profile, TWO_NODES))
+            for b in auto_strategy.builtin_builders().values()}
+    assert auto_strategy.strategy_key(hybrid) not in keys
+
+
+def test_case_ratios_known_answer() -> None:
+    recs = {
+        "AllReduce": {"median_step_s": 0.4, "prediction_error": 0.1},
+        "Parallax": {"median_step_s": 0.2, "prediction_error": 0.3},
+        "PartitionedAR": {"median_step_s": 0.4, "prediction_error": 0.1, "same_as": "AllReduce"},
+        "PS": {"status": "unavailable: boom"},
+        "DDP": {"median_step_s": 0.5},
+        "HybridRef": {"median_step_s": 0.1, "prediction_error": 0.2},
+        "Auto": {"median_step_s": 0.15, "prediction_error": 0.05},
+    }
+    r = auto_strategy.case_ratios(recs)
+    assert r["best_builtin"] == "Parallax" and r["best_builtin_step_s"] == 0.2
+    assert r["auto_over_best_builtin"] == 0.75 and r["auto_over_ddp"] == 0.3
+    assert r["hybrid_ref_over_best_builtin"] == 0.5 and r["ddp_over_best_builtin"] == 2.5
+    # duplicates (same_as) count once: errors 0.1, 0.3, 0.2, 0.05
+    assert r["prediction_error_median"] == 0.15 and r["prediction_error_max"] == 0.3
+
+
+def test_merge_adds_cases_and_replaces_remeasured(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    auto_strategy.merge(out, {"commit": "a", "cases": {"x/2n/1gbit": {"v": 1},
+                                                       "y/2n/1gbit": {"v": 2}}}, {})
+    res = auto_strategy.merge(out, {"commit": "b", "cases": {"x/2n/1gbit": {"v": 3}}}, {})
+    assert res["cases"]["x/2n/1gbit"] == {"v": 3, "commit": "b", "date": None}
+    assert res["cases"]["y/2n/1gbit"]["v"] == 2 and json.loads(out.read_text()) == res
+
+
+@pytest.mark.slow
+def test_quick_mode_runs_on_loopback(tmp_path: Path) -> None:
+    out = tmp_path / "auto.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "auto_strategy.py"), "--loopback", "2", "--tiny",
+         "--models", "many_small", "hybrid", "--builders", "AllReduce", "Parallax",
+         "HybridRef", "--steps", "2", "--warmup", "1", "--out", str(out),
+         "--auto-builder", "PartitionedPS"],  # stands in for the planner: the Auto path runs
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res["cases"]) == {"many_small/2n/loopback", "hybrid/2n/loopback"}
+    hybrid = res["cases"]["hybrid/2n/loopback"]
+    for name in ("AllReduce", "Parallax", "HybridRef", "DDP"):
+        v = hybrid["variants"][name]
+        assert v["status"] == "ok" and v["median_step_s"] > 0 and len(v["step_s"]) == 2, name
+    assert hybrid["best_builtin"] in ("AllReduce", "Parallax")
+    small = res["cases"]["many_small/2n/loopback"]
+    assert small["variants"]["Parallax"]["same_as"] == "AllReduce"  # no sparse parameter
+    auto = hybrid["variants"]["Auto"]
+    assert auto["status"] == "ok" and auto["median_step_s"] > 0
+    assert hybrid["auto_over_best_builtin"] == pytest.approx(
+        auto["median_step_s"] / hybrid["best_builtin_step_s"], rel=1e-3)
+    assert hybrid["auto_build_s"] > 0 and res["planner"]["auto_builder"] == "PartitionedPS"
+    if not res["planner"]["predict_step_time"]:
+        assert auto["predicted_step_s"] is None and auto["prediction"] == "planner not available"
+
+
+def test_predict_all_keeps_good_predictions_and_reports_bad_ones() -> None:
+    def fake(model: Any, strategy: str, spec: Any, batch: int, sample_input: Any = None
+             ) -> float:
+        assert model == "m" and spec == "spec" and batch == 8 and sample_input == ("x",)
+        return {"a": 0.25, "b": float("nan")}[strategy]
+
+    preds, errors = auto_strategy.predict_all(fake, "m", {"A": "a", "B": "b", "C": "c"},
+                                              "spec", 8, ("x",))
+    assert preds == {"A": 0.25, "B": None, "C": None}
+    assert set(errors) == {"B", "C"} and "nan" in errors["B"] and "KeyError" in errors["C"]
+
+
+def test_targets_known_answer() -> None:
+    def case(model: str, nodes: int, ratio: float | None, ddp: float | None,
+             errs: list[float], build: float | None) -> dict[str, Any]:
+        return {"model": model, "nodes": nodes, "auto_over_best_builtin": ratio,
+                "auto_over_ddp": ddp, "auto_build_s": build,
+                "variants": {f"v{i}": {"prediction_error": e} for i, e in enumerate(errs)}}
+
+    cases = {"a": case("cnn", 2, 0.9, 1.0, [0.1, 0.2], 5.0),
+             "b": case("hybrid", 2, 0.8, 0.7, [0.05], 12.0),
+             "c": case("lstm_lm", 4, 1.1, 0.5, [0.4], 41.0)}
+    got = {t["target"]: (t["value"], t["met"]) for t in auto_strategy.targets(cases)}
+    assert got["Auto / best built-in, worst case"] == (1.1, False)
+    assert got["cases with Auto / best built-in < 0.95"] == (2, False)
+    assert got["LSTM LM, 4 nodes: DDP / Auto"] == (2.0, True)
+    assert got["prediction error, median"] == (0.15, True)
+    assert got["prediction error, worst"] == (0.4, False)
+    assert got["Auto build (calibration + planning) s, worst"] == (41.0, False)
+    none = {t["target"]: t["met"] for t in auto_strategy.targets(
+        {"a": case("cnn", 2, None, None, [], None)})}
+    assert set(none.values()) == {None}  # no planner: nothing claimed
