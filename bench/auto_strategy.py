@@ -168,8 +168,10 @@ class AutoWorker(Worker):
                 seen[key] = name
         return out, errors, same
 
-    def auto_strategy(self, model: Any) -> tuple[Any, float, str | None]:
-        """(Auto's strategy, seconds to build it, error) via the public AutoDist path."""
+    def auto_strategy(self, model: Any, sample: Any) -> tuple[Any, float, str | None]:
+        """(Auto's strategy, seconds to build it, error) via the public AutoDist path, with
+        one worker's batch as the sample input (so the planner calibrates on this machine,
+        as ``distribute(sample_input=...)`` does in a user's script)."""
         import stratagem as sg
 
         name = self.args.auto_builder
@@ -179,7 +181,7 @@ class AutoWorker(Worker):
         try:
             ad = sg.AutoDist(strategy_builder=name, resource_spec=self.ad.resource_spec,
                              verbose=False)
-            strategy = ad.build_strategy(model)
+            strategy = ad.build_strategy(model, sample_input=sample)
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             if self.args.verbose_errors:
                 traceback.print_exc()
@@ -242,10 +244,10 @@ class AutoWorker(Worker):
         names = [n for n in [*builtin_builders(), HYBRID]
                  if not a.builders or n in a.builders]
         strategies, errors, same = self.strategies(base, names)
-        auto, plan_s, auto_error = self.auto_strategy(base)
+        sample = data.batches(0)[self.rank].inputs
+        auto, plan_s, auto_error = self.auto_strategy(base, sample)
         if auto is not None:
             strategies["Auto"] = auto
-        sample = data.batches(0)[self.rank].inputs
         preds, pred_errors, predict_s = self.predict(z, base_state, strategies, sample)
         del base
         self.log(f"{z.name}: building {', '.join(strategies)} + DDP"
