@@ -43,7 +43,7 @@ from stratagem.runtime.ps.background import Background
 from stratagem.runtime.ps.base import EngineBase
 from stratagem.runtime.ps.cluster import IDLE_TIMEOUT, Cluster, Group
 from stratagem.runtime.ps.dense import DenseBucket, piece_view
-from stratagem.runtime.ps.fetch import FetchClient, FetchService
+from stratagem.runtime.ps.fetch import FetchClient, FetchService, recv_state, send_state
 from stratagem.runtime.ps.optim import (
     ShardOptimizer,
     hparam_layout,
@@ -59,6 +59,7 @@ PULL, PUSH, UPDATE, REFRESH, STOP, SCATTER, DISCARD = 1, 2, 3, 4, 5, 7, 8
 CMD_NAMES = {PULL: "pull", PUSH: "push", UPDATE: "update", REFRESH: "refresh", STOP: "stop",
              SCATTER: "scatter", DISCARD: "discard"}
 HEADER = 4  # cmd, step, arg, number of hyperparameter values
+SLICE_TAG = 51  # a restored piece's values, chief -> dedicated server
 
 
 def _queue_callback(fn: Callable[[], None]) -> None:
@@ -582,13 +583,10 @@ class PSEngine(EngineBase):
         if self.rank == 0:
             for o in self.ps.owners:
                 if o >= self.W:
-                    self.g_owner[o].send_object(
-                        self._slices(list(self.ps.owned_by(o)), values=True), o,
-                        f"restoring {self.cluster.describe(o)}")
+                    self._send_slices(o)
         if self.is_server:
             if self.rank in self.ps.owners:
-                entries = self.g_owner[self.rank].recv_object(0, "receiving restored state")
-                self._apply_owned(self.shards, self.shard_optimizer, entries)
+                self._apply_owned(self.shards, self.shard_optimizer, self._recv_slices())
             self._values_changed()
             return
         if self.shards:  # (values: the shards are views of the loaded parameters)
@@ -597,6 +595,27 @@ class PSEngine(EngineBase):
         self._drop_user_state()
         self._values_changed()
         self._all_fresh()  # (the loaded values are complete)
+
+    def _send_slices(self, o: int) -> None:
+        """Chief: dedicated server ``o``'s share of the loaded values and optimizer state,
+        piece by piece as plain tensors (nothing pickled)."""
+        g = self.g_owner[o]
+        what = f"restoring {self.cluster.describe(o)}"
+        for entry in self._slices(list(self.ps.owned_by(o)), values=True).values():
+            value = entry["value"].contiguous()
+            g.run(lambda v=value: g.send(v, o, SLICE_TAG), what)
+            g.run(lambda st=entry["state"]: send_state(g, o, st), what)
+
+    def _recv_slices(self) -> dict[int, dict[str, Any]]:
+        """Dedicated server: what :meth:`_send_slices` sent, checked against each piece."""
+        g = self.g_owner[self.rank]
+        out = {}
+        for p in self.ps.owned_by(self.rank):
+            value = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+            g.run(lambda v=value: g.recv(v, 0, SLICE_TAG), "receiving restored values")
+            out[p.id] = {"value": value,
+                         "state": recv_state(g, 0, p, "receiving restored optimizer state")}
+        return out
 
     # -- server loop ---------------------------------------------------------------------
     def serve(self) -> None:

@@ -109,12 +109,7 @@ class FetchService:
             return
 
     def _send_state(self, src: int, pid: int) -> None:
-        manifest, blob = statewire.encode(self.state_of(pid))
-        sizes = torch.tensor([manifest.numel(), blob.numel()], dtype=torch.int64)
-        self.group.send(sizes, src, S_HDR).wait()
-        self.group.send(manifest, src, S_MAN).wait()
-        if blob.numel():
-            self.group.send(blob, src, S_BLOB).wait()
+        send_state(self.group, src, self.state_of(pid))
 
     def linger(self, alive: Callable[[], bool] = lambda: True) -> None:
         """Wait until every worker closed (or its process ended), at most the data
@@ -177,30 +172,14 @@ class FetchClient:
         """The optimizer state of ``piece`` from its owner, once the owner's values have
         reached ``version`` (checked against the piece before anything is allocated)."""
         g = self.groups[piece.owner]
-        who = g.cluster.describe(piece.owner)
-        what = f"fetching the optimizer state of {piece.param} from {who}"
+        what = (f"fetching the optimizer state of {piece.param} from "
+                f"{g.cluster.describe(piece.owner)}")
         sizes = torch.empty(2, dtype=torch.int64)
         work = g.recv(sizes, piece.owner, S_HDR)
         hdr = torch.tensor([STATE, self.rank, version, piece.id, 0], dtype=torch.int64)
         g.run(lambda: g.send(hdr, piece.owner, REQ), what)
         g.wait(work, what)
-        n_man, n_blob = (int(v) for v in sizes)
-        if not 0 < n_man <= statewire.MAX_MANIFEST:
-            raise DistributedError(
-                f"malformed optimizer-state reply: a manifest of {n_man} values", where=what,
-                fix="all ranks must run the same Stratagem version")
-        manifest = torch.empty(n_man, dtype=torch.int64)
-        g.run(lambda: g.recv(manifest, piece.owner, S_MAN), what)
-        entries = statewire.layout(manifest, tuple(piece.shape), what)
-        if n_blob != statewire.blob_size(entries):
-            raise DistributedError(
-                f"malformed optimizer-state reply: {n_blob} bytes where the manifest says "
-                f"{statewire.blob_size(entries)}", where=what,
-                fix="all ranks must run the same Stratagem version")
-        blob = torch.empty(n_blob, dtype=torch.uint8)
-        if n_blob:
-            g.run(lambda: g.recv(blob, piece.owner, S_BLOB), what)
-        return statewire.decode(entries, blob)
+        return recv_state(g, piece.owner, piece, what, sizes)
 
     def close(self) -> None:
         """Tell every owner this worker is done (errors: that owner is gone already)."""
@@ -212,3 +191,39 @@ class FetchClient:
             if o != self.rank:
                 with contextlib.suppress(Exception):  # at exit, an owner may have ended
                     g.send(hdr, o, REQ).wait()
+
+
+def send_state(group: Group, dst: int, state: dict[str, Any]) -> None:
+    """Send one piece's optimizer state to ``dst`` as plain tensors (statewire.py): the two
+    lengths, the manifest, the blob."""
+    manifest, blob = statewire.encode(state)
+    sizes = torch.tensor([manifest.numel(), blob.numel()], dtype=torch.int64)
+    group.send(sizes, dst, S_HDR).wait()
+    group.send(manifest, dst, S_MAN).wait()
+    if blob.numel():
+        group.send(blob, dst, S_BLOB).wait()
+
+
+def recv_state(group: Group, src: int, piece: PSPiece, what: str,
+               sizes: torch.Tensor | None = None) -> dict[str, Any]:
+    """Receive what :func:`send_state` sent for ``piece`` (``sizes``: its lengths, already
+    received), checking the manifest against the piece before allocating the blob."""
+    if sizes is None:
+        sizes = torch.empty(2, dtype=torch.int64)
+        group.run(lambda: group.recv(sizes, src, S_HDR), what)
+    n_man, n_blob = (int(v) for v in sizes)
+    fix = "all ranks must run the same Stratagem version"
+    if not 0 < n_man <= statewire.MAX_MANIFEST:
+        raise DistributedError(f"malformed optimizer-state reply: a manifest of {n_man} "
+                               "values", where=what, fix=fix)
+    manifest = torch.empty(n_man, dtype=torch.int64)
+    group.run(lambda: group.recv(manifest, src, S_MAN), what)
+    entries = statewire.layout(manifest, tuple(piece.shape), what)
+    if n_blob != statewire.blob_size(entries):
+        raise DistributedError(f"malformed optimizer-state reply: {n_blob} bytes where the "
+                               f"manifest says {statewire.blob_size(entries)}", where=what,
+                               fix=fix)
+    blob = torch.empty(n_blob, dtype=torch.uint8)
+    if n_blob:
+        group.run(lambda: group.recv(blob, src, S_BLOB), what)
+    return statewire.decode(entries, blob)
