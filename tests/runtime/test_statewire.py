@@ -21,9 +21,9 @@ def _roundtrip(state: dict) -> dict:
 def test_every_kind_of_optimizer_state_comes_back_equal() -> None:
     """Adam's tensors and tensor step, SparseAdam's int step, SGD's sparse momentum rows."""
     g = torch.Generator().manual_seed(0)
-    momentum = torch.sparse_coo_tensor(torch.tensor([[4, 1]]), torch.randn(2, 3, generator=g,
-                                                                            dtype=torch.float64),
-                                       SHAPE).coalesce()
+    rows = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    momentum = torch.sparse_coo_tensor(torch.tensor([[4, 1]]), rows, SHAPE,
+                                       check_invariants=True).coalesce()
     state = {"step": torch.tensor(7.0), "exp_avg": torch.randn(SHAPE, generator=g),
              "exp_avg_sq": torch.rand(SHAPE, dtype=torch.float64, generator=g),
              "momentum_buffer": momentum, "count": 12, "lr": 0.25, "flag": True}
