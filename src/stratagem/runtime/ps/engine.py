@@ -604,7 +604,7 @@ class PSEngine(EngineBase):
         for entry in self._slices(list(self.ps.owned_by(o)), values=True).values():
             value = entry["value"].contiguous()
             g.run(lambda v=value: g.send(v, o, SLICE_TAG), what)
-            g.run(lambda st=entry["state"]: send_state(g, o, st), what)
+            send_state(g, o, entry["state"], what)
 
     def _recv_slices(self) -> dict[int, dict[str, Any]]:
         """Dedicated server: what :meth:`_send_slices` sent, checked against each piece."""

@@ -109,7 +109,7 @@ class FetchService:
             return
 
     def _send_state(self, src: int, pid: int) -> None:
-        send_state(self.group, src, self.state_of(pid))
+        send_state(self.group, src, self.state_of(pid), None)
 
     def linger(self, alive: Callable[[], bool] = lambda: True) -> None:
         """Wait until every worker closed (or its process ended), at most the data
@@ -193,15 +193,19 @@ class FetchClient:
                     g.send(hdr, o, REQ).wait()
 
 
-def send_state(group: Group, dst: int, state: dict[str, Any]) -> None:
+def send_state(group: Group, dst: int, state: dict[str, Any], what: str | None) -> None:
     """Send one piece's optimizer state to ``dst`` as plain tensors (statewire.py): the two
-    lengths, the manifest, the blob."""
+    lengths, the manifest, the blob. ``what`` names the operation in a failure's
+    DistributedError; None: raw errors (a fetch service's thread, which ends on any)."""
     manifest, blob = statewire.encode(state)
     sizes = torch.tensor([manifest.numel(), blob.numel()], dtype=torch.int64)
-    group.send(sizes, dst, S_HDR).wait()
-    group.send(manifest, dst, S_MAN).wait()
-    if blob.numel():
-        group.send(blob, dst, S_BLOB).wait()
+    for t, tag in ((sizes, S_HDR), (manifest, S_MAN), (blob, S_BLOB)):
+        if not t.numel():
+            continue
+        if what is None:
+            group.send(t, dst, tag).wait()
+        else:
+            group.run(lambda t=t, tag=tag: group.send(t, dst, tag), what)
 
 
 def recv_state(group: Group, src: int, piece: PSPiece, what: str,
