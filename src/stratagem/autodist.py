@@ -440,7 +440,8 @@ class AutoDist:
             self.model.grad_weight = weight
 
     def save_checkpoint(self, path: str | os.PathLike[str], **metadata: Any) -> Path:
-        """Collectively save the distributed model and optimizer (all ranks call this)."""
+        """Save the distributed model and optimizer (one rank suffices; see
+        :func:`stratagem.checkpoint.save`)."""
         self._require_distributed("save_checkpoint")
         return checkpoint.save(path, self.model, self.optimizer,
                                 strategy_id=self.strategy.id if self.strategy else None,

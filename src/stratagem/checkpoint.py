@@ -14,6 +14,7 @@ the previous one with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stratagem import env
 from stratagem.errors import CheckpointError
 from stratagem.process_group import rank_world as _rank_world
 from stratagem.safeload import load_json
@@ -130,32 +132,140 @@ def write_collectively(final: Path, write: Callable[[Path], None], meta: dict[st
 def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, *,
          strategy_id: str | None = None, metadata: dict[str, Any] | None = None,
          scaler: Any = None) -> Path:
-    """Collectively save ``model`` (plain or distributed) and ``optimizer`` to ``path``.
+    """Save ``model`` (plain or distributed) and ``optimizer`` to ``path``, from any single
+    rank or from every rank.
 
-    Every rank must call it. ``metadata`` must be JSON-serializable. ``scaler`` (a
-    ``torch.amp.GradScaler``; default: the one attached to ``model``) goes to
-    ``scaler.pt``.
+    One rank suffices (``if rank == 0: save(...)``, also while the other ranks have left
+    the training loop): the model's and the optimizer's state dicts are complete on their
+    own (parameter-server values and optimizer state are fetched from their owners). When
+    several ranks call it for the same path at once, one writes and the others wait for
+    that write (agreed through the job's store, never by waiting for a rank that does not
+    call). Only synchronizers that keep per-rank state (PowerSGD's error feedback) make it
+    collective: then every rank must call it, as each writes its ``sync-rank{r}.pt``.
+
+    ``metadata`` must be JSON-serializable. ``scaler`` (a ``torch.amp.GradScaler``; default:
+    the one attached to ``model``) goes to ``scaler.pt``.
     """
+    final = Path(path)
     rank, _ = _rank_world()
     if scaler is None:
         scaler = getattr(model, "scaler", None)
-    prepare = getattr(model, "before_checkpoint", None)
-    if prepare is not None:  # collective: e.g. gather parameter-server shards on rank 0
-        prepare()
-
-    def write(tmp: Path) -> None:
-        sync_state = getattr(model, "synchronizer_state_dict", None)
-        if sync_state is not None:
-            _save_file(sync_state(), tmp / f"sync-rank{rank}.pt")
-        if rank == 0:
-            _save_file(_inner(model).state_dict(), tmp / "model.pt")
-            if optimizer is not None:
-                _save_file(optimizer.state_dict(), tmp / "optimizer.pt")
-            if scaler is not None:
-                _save_file(scaler.state_dict(), tmp / "scaler.pt")
-
     meta = {"strategy_id": strategy_id, "metadata": metadata or {}}
-    return write_collectively(Path(path), write, meta, replace=True)
+    sync_state = getattr(model, "synchronizer_state_dict", None)
+    per_rank = sync_state() if sync_state is not None else {}
+
+    def write(tmp: Path, writer: bool) -> None:
+        if per_rank:
+            _save_file(per_rank, tmp / f"sync-rank{rank}.pt")
+        if not writer:
+            return
+        prepare = getattr(model, "before_checkpoint", None)
+        if prepare is not None:  # e.g. fetch stale parameter-server rows (this rank alone)
+            prepare()
+        _save_file(_inner(model).state_dict(), tmp / "model.pt")
+        if optimizer is not None:  # (its pre-hook fetches the owners' PS state)
+            _save_file(optimizer.state_dict(), tmp / "optimizer.pt")
+        if scaler is not None:
+            _save_file(scaler.state_dict(), tmp / "scaler.pt")
+
+    if per_rank:
+        return write_collectively(final, lambda tmp: write(tmp, rank == 0), meta,
+                                  replace=True)
+    _write_once(final, lambda: write_alone(final, lambda tmp: write(tmp, True), meta))
+    return final
+
+
+def write_alone(final: Path, write: Callable[[Path], None], meta: dict[str, Any]) -> Path:
+    """Write checkpoint directory ``final`` atomically from this rank only (a temporary
+    directory of its own, fsynced, renamed over any older ``final``)."""
+    _, world = _rank_world()
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.name != META}
+        _save_json({"format": 1, "world_size": world, "time": time.time(), **meta,
+                    "sha256": files}, tmp / META)
+        fsync_dir(tmp)
+        old = final.with_name(f"{final.name}.old-{os.getpid()}")
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        tmp.rename(final)
+        fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _job_store() -> Any:
+    """The default process group's store, or None (one process, or no group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: nobody to agree with
+        return None
+
+
+def _write_once(final: Path, write: Callable[[], Any]) -> None:
+    """Run ``write()`` on this rank, unless another rank is writing ``final`` right now:
+    then wait for its write instead (several ranks calling ``save`` together write once).
+
+    A lease in the job's store names the writer; a rank that finds no lease writes, so a
+    rank saving alone never waits for anyone. Without a reachable store (a peer that hosted
+    it has exited) this rank writes."""
+    store = _job_store()
+    if store is None:
+        write()
+        return
+    key = "stratagem/checkpoint-writer/" + hashlib.sha256(
+        str(final.resolve()).encode()).hexdigest()[:32]
+    rank, _ = _rank_world()
+    me = f"{rank}:{os.getpid()}:{time.time_ns()}"
+    try:
+        holder = store.compare_set(key, "", me).decode()
+    except Exception:  # noqa: BLE001 - the store is gone: write alone
+        write()
+        return
+    if holder == me:
+        status = "ok"
+        try:
+            write()
+        except BaseException as exc:
+            status = f"{type(exc).__name__}: {exc}"[:500]
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                store.set(f"{key}/result/{me}", status)
+                store.delete_key(key)
+        return
+    _wait_for_writer(store, key, holder, final)
+
+
+def _wait_for_writer(store: Any, key: str, holder: str, final: Path) -> None:
+    who = f"rank {holder.split(':')[0]}"
+    deadline = time.monotonic() + env.pg_timeout().total_seconds()
+    try:
+        while store.check([key]) and store.get(key).decode() == holder:
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"{who} has been writing this checkpoint for longer "
+                                      "than the process-group timeout", where=str(final),
+                                      fix=f"see {who}'s log; raise {env.PG_TIMEOUT} for "
+                                          "very large checkpoints")
+            time.sleep(0.05)
+        status = store.get(f"{key}/result/{holder}").decode()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the store went away mid-write
+        raise CheckpointError(f"lost contact with {who} while it wrote this checkpoint "
+                              f"({type(exc).__name__})", where=str(final),
+                              fix=f"see {who}'s log, then save again") from None
+    if status != "ok":
+        raise CheckpointError(f"{who} failed to write this checkpoint: {status}",
+                              where=str(final), fix=f"see {who}'s log, then save again")
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")

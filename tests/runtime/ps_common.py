@@ -81,6 +81,13 @@ def make_optimizers(name: str, model: EmbNet) -> list[torch.optim.Optimizer]:
 def reference(opt: str, steps: int = STEPS, sparse: bool = True, bag: bool = True,
               lr_decay: bool = False) -> dict[str, torch.Tensor]:
     """Plain torch, one process, the global batch."""
+    m, _ = reference_run(opt, steps, sparse, bag, lr_decay)
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def reference_run(opt: str, steps: int = STEPS, sparse: bool = True, bag: bool = True,
+                  lr_decay: bool = False) -> tuple[EmbNet, list[torch.optim.Optimizer]]:
+    """:func:`reference`'s model and optimizers after ``steps`` steps."""
     m = make_model(0, sparse, bag)
     # One Adam over everything is lazy Adam for the rows: SparseAdam + Adam.
     opts = make_optimizers("adam" if opt == "adam1" else opt, m)
@@ -94,7 +101,7 @@ def reference(opt: str, steps: int = STEPS, sparse: bool = True, bag: bool = Tru
             o.step()
         for s in scheds:
             s.step()
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+    return m, opts
 
 
 def train_slices(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,

@@ -147,11 +147,15 @@ def train_step(case: Case, forward: Any, ids: torch.Tensor, y: torch.Tensor) -> 
 
 
 def table_state(opts: list[torch.optim.Optimizer], param: torch.Tensor) -> dict[str, Any]:
-    """The optimizer state of ``param`` (the embedding table), cloned."""
+    """The optimizer state of ``param`` (the embedding table) as ``optimizer.state_dict()``
+    has it (under PS: the owners' state, fetched by the optimizer's hook), cloned."""
     for o in opts:
-        if param in o.state:
+        params = [p for g in o.param_groups for p in g["params"]]
+        index = next((i for i, p in enumerate(params) if p is param), None)
+        if index is not None:
+            state = o.state_dict()["state"].get(index, {})
             return {k: v.clone() if isinstance(v, torch.Tensor) else v
-                    for k, v in o.state[param].items()}
+                    for k, v in state.items()}
     return {}
 
 

@@ -399,7 +399,7 @@ def sparse_case(cluster: Any, spec: Any, name: str, current: list[int] | None = 
         for o in opts:
             o.step()
     unrefreshed = {k: v.detach().clone() for k, v in dm.state_dict().items()}
-    dm.before_checkpoint()  # refresh + the owners' optimizer state into the chief's
+    dm.before_checkpoint()  # current values on this rank (point to point)
     state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
     table = ps_sparse.table_state(opts, model.emb.weight) if rank == 0 else None
     stats = dm.comm_stats

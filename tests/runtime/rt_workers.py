@@ -249,8 +249,39 @@ def powersgd_roundtrip(rank: int, world: int) -> dict:
             "keys": sync_keys}
 
 
-def world2(rank: int, world: int) -> dict:
+def save_case(rank: int, world: int, ckpt_dir: str) -> dict:
+    """``checkpoint.save`` without parameter servers: every rank calling it (one writes,
+    the others wait), rank 0 alone, and PowerSGD (per-rank state: collective)."""
+    from pathlib import Path
+
+    from stratagem import checkpoint
+
+    x, y = regression_data()
+    per = 32 // world
+    out: dict = {}
+    for name, comp in (("allreduce", "none"), ("powersgd", "powersgd")):
+        torch.manual_seed(0)
+        dm = wrap(Regressor(), rank, world, AllReduce(chunk_size=2, compressor=comp,
+                                                      powersgd_rank=2))
+        o = torch.optim.SGD(dm.parameters(), lr=0.05, momentum=0.9)
+        for step in range(3):
+            lo = step * 32 + rank * per
+            o.zero_grad()
+            nn.functional.mse_loss(dm(x[lo:lo + per]), y[lo:lo + per]).backward()
+            o.step()
+        path = Path(ckpt_dir) / f"{name}-all"
+        checkpoint.save(path, dm, o)  # every rank
+        out[name] = {"files": sorted(p.name for p in path.iterdir()), "state": state(dm),
+                     "saved": checkpoint.load_file(path, "model.pt")}
+        if name == "allreduce" and rank == 0:  # rank 0 alone; rank 1 has moved on
+            alone = checkpoint.save(Path(ckpt_dir) / "alone", dm, o)
+            out["alone"] = checkpoint.load_file(alone, "model.pt")
+    return out
+
+
+def world2(rank: int, world: int, ckpt_dir: str) -> dict:
     out = equivalence(rank, world)
+    out["save"] = guarded(lambda: save_case(rank, world, ckpt_dir))
     for name, fn in [("grad_weight", grad_weight_case), ("no_sync", no_sync_case),
                      ("batchnorm", batchnorm_case), ("stats", stats_case),
                      ("unused", unused_case), ("sparse", sparse_case),

@@ -16,7 +16,8 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return spawn(rt_workers.world2, 2, tmp_path_factory.mktemp("w2"))
+    out = tmp_path_factory.mktemp("w2")
+    return spawn(rt_workers.world2, 2, out, ckpt_dir=str(out / "ckpt"))
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,20 @@ def test_powersgd_state_roundtrip(world2: list[dict]) -> None:
         assert_state_close(r["reloaded"], r["continued"], rtol=0, atol=0)
         # Without the state, error feedback and Q restart: the result differs.
         assert any(not torch.equal(r["fresh"][k], r["continued"][k]) for k in r["continued"])
+
+
+def test_checkpoint_save_from_every_rank_or_one(world2: list[dict]) -> None:
+    """Without per-rank synchronizer state a save is one rank's job: both ranks calling it
+    write one checkpoint, rank 0 alone writes it while rank 1 went on; PowerSGD's error
+    feedback keeps it collective (every rank's sync file)."""
+    for r in (check(r["save"]) for r in world2):
+        assert r["allreduce"]["files"] == ["meta.json", "model.pt", "optimizer.pt"]
+        assert r["powersgd"]["files"] == ["meta.json", "model.pt", "optimizer.pt",
+                                          "sync-rank0.pt", "sync-rank1.pt"]
+        for name in ("allreduce", "powersgd"):
+            assert_state_close(r[name]["saved"], r[name]["state"], rtol=0, atol=0)
+    assert_state_close(check(world2[0]["save"])["alone"],
+                       check(world2[0]["save"])["allreduce"]["state"], rtol=0, atol=0)
 
 
 def test_batch_is_divisible() -> None:

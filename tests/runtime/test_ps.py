@@ -191,6 +191,124 @@ def test_one_rank_reads_current_values_while_the_others_leave(
         torch.testing.assert_close(got["eval_grad"], m(x[:2]), rtol=RTOL, atol=1e-9)
 
 
+def _plain_optimizer(opt: str, model: torch.nn.Module, saved: dict
+                     ) -> list[torch.optim.Optimizer]:
+    """Single-process optimizers loaded with a checkpoint's ``optimizer.pt`` (one optimizer
+    over every parameter). For ``adam1`` that is lazy Adam: SparseAdam for the table (saved
+    index 0, step as an int), Adam for the rest (saved indices 1..)."""
+    from ps_common import make_optimizers
+
+    opts = make_optimizers("adam" if opt == "adam1" else opt, model)
+    if opt != "adam1":
+        opts[0].load_state_dict(saved)
+        return opts
+    sparse, dense = (o.state_dict() for o in opts)
+    st = saved["state"]
+    sparse["state"] = {0: {**st[0], "step": int(st[0]["step"])}} if 0 in st else {}
+    dense["state"] = {i - 1: v for i, v in st.items() if i > 0}
+    opts[0].load_state_dict(sparse)
+    opts[1].load_state_dict(dense)
+    return opts
+
+
+def _check_saved_optimizer(opt: str, saved: dict) -> None:
+    """``optimizer.pt`` (one optimizer over emb, fc1, fc2) against single-process training's
+    optimizer state; for ``adam1`` the reference's SparseAdam holds the table."""
+    from ps_common import reference_run
+
+    _, ref_opts = reference_run(opt)
+    want = [o.state_dict()["state"] for o in ref_opts]
+    where = ([(0, 0)] + [(1, i) for i in range(4)] if opt == "adam1"
+             else [(0, i) for i in range(5)])
+    assert sorted(saved["state"]) == list(range(5)), sorted(saved["state"])
+    for i, (o, j) in enumerate(where):
+        assert_same_state(saved["state"][i], want[o][j])
+
+
+# (builder, dedicated servers, optimizer, saving worker, restore into a new 2-worker job)
+SAVE_ALONE = [("Parallax", 0, "sgd", 0, False), ("Parallax", 2, "adam1", 0, True),
+              ("PartitionedPS", 0, "adam1", 1, False), ("PartitionedPS", 2, "sgd", 0, True)]
+
+
+@pytest.mark.parametrize(("builder", "servers", "opt", "saver", "restore"), SAVE_ALONE)
+def test_one_rank_saves_a_checkpoint_while_the_others_leave(
+        builder: str, servers: int, opt: str, saver: int, restore: bool,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Issue 10 section 1: after training, one worker alone calls
+    ``stratagem.checkpoint.save(path, model, optimizer)`` while the other has left the loop
+    and exits (no collective call anywhere): the owners' parameter and optimizer-state shards
+    come from their fetch services. The checkpoint holds what single-process training holds
+    (model and optimizer state); plain torch continues from it to where single-process
+    training goes; a new 2-worker job restores it, saves it again from both ranks at once
+    (the same bytes' values) and continues identically."""
+    import yaml
+    from ps_common import STEPS, batch, loss_fn, make_model, run_script, spec_for
+
+    from stratagem import checkpoint
+
+    more = 5
+    out = tmp_path_factory.mktemp("alone")
+    spec = out / "spec.yml"
+    spec.write_text(yaml.safe_dump(spec_for(2, servers).to_dict()))
+    roles = ["worker", "worker"] + ["server"] * servers
+    ckpt = out / "ckpt"
+    env = {"PS_SPEC": str(spec), "PS_BUILDER": builder, "PS_OPT": opt,
+           "PS_READER": str(saver), "PS_CKPT": str(ckpt)}
+    codes = run_script(Path(__file__).with_name("ps_save_alone.py"), roles, out,
+                       {**env, "PS_MODE": "save"})
+    assert codes == ["0"] * len(roles), codes
+    assert_close(checkpoint.load_file(ckpt, "model.pt"), ref(opt))
+    saved = checkpoint.load_file(ckpt, "optimizer.pt")
+    _check_saved_optimizer(opt, saved)
+
+    model = make_model(7)
+    checkpoint.load(ckpt, model)
+    opts = _plain_optimizer(opt, model, saved)
+    for step in range(STEPS, STEPS + more):
+        x, y = batch(step)
+        for o in opts:
+            o.zero_grad()
+        loss_fn(model(x), y).backward()
+        for o in opts:
+            o.step()
+    want = ref(opt, steps=STEPS + more)
+    assert_close(model.state_dict(), want)
+
+    if not restore:
+        return
+    again = out / "again"
+    codes = run_script(Path(__file__).with_name("ps_save_alone.py"), roles, again,
+                       {**env, "PS_MODE": "restore"})
+    assert codes == ["0"] * len(roles), codes
+    for name in ("model.pt", "optimizer.pt"):
+        first = checkpoint.load_file(ckpt, name)
+        second = checkpoint.load_file(f"{ckpt}-again", name)
+        _assert_same_tree(first, second, name)
+    for r in range(2):
+        assert_close(torch.load(again / f"continued{r}.pt", weights_only=True), want)
+
+
+def _assert_same_tree(a: object, b: object, where: str) -> None:
+    """Equal nested containers; tensors bitwise equal (sparse ones after coalescing)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.is_sparse == b.is_sparse, where
+        if a.is_sparse:
+            a, b = a.coalesce(), b.coalesce()
+            assert torch.equal(a.indices(), b.indices()), where
+            a, b = a.values(), b.values()
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _assert_same_tree(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same_tree(x, y, f"{where}/{i}")
+    else:
+        assert a == b, (where, a, b)
+
+
 def test_a_worker_failing_mid_step_does_not_linger(tmp_path_factory: pytest.TempPathFactory
                                                    ) -> None:
     """Lingering at exit (to serve peers' reads) happens between steps only: a worker whose

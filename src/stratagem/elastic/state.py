@@ -151,7 +151,7 @@ def track_model(model: Any, optimizer: Any = None) -> bool:
     suffix = name[len("model"):]
     model_state = ObjectState(name, model.state_dict, model.load_state_dict)
     prepare = getattr(model, "before_checkpoint", None)
-    if prepare is not None:  # collective before saving (e.g. gather parameter-server shards)
+    if prepare is not None:  # before saving (e.g. fetch stale parameter-server rows)
         model_state.sync = prepare  # type: ignore[method-assign]
     restored = load_state(model_state)
     sync_get = getattr(model, "synchronizer_state_dict", None)

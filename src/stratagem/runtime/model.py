@@ -217,10 +217,10 @@ class DistributedModel(nn.Module):
             self._ps.refresh()
 
     def before_checkpoint(self) -> None:
-        """Collective, before saving: every worker's copy of the PS parameters becomes
-        current and the chief's optimizer gets the owners' optimizer state, so rank 0's
-        ``state_dict()`` and ``optimizer.state_dict()`` are what one process would save.
-        Called by ``stratagem.checkpoint.save`` and the elastic job state."""
+        """Before saving, on this rank alone: its copy of every PS parameter becomes
+        current (the optimizers' own ``state_dict()`` pre-hooks fetch the owners' optimizer
+        state), so its ``state_dict()`` and ``optimizer.state_dict()`` are what one process
+        would save. Called by ``stratagem.checkpoint.save`` and the elastic job state."""
         if self._ps is not None:
             self._ps.before_checkpoint()
 

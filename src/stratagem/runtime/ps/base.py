@@ -156,9 +156,16 @@ class EngineBase:
                 "nn.Embedding/nn.EmbeddingBag, so their rows cannot be tracked",
                 where="parameter-server runtime",
                 fix="look rows up through the embedding module")
-        for opt in self.optimizers:
+        for oi, opt in enumerate(self.optimizers):
             self._handles.append(opt.register_step_pre_hook(
                 lambda *_a, ref=ref: ref() and ref().on_step()))
+            # optimizer.state_dict() holds the owners' state of its PS parameters, fetched
+            # for the call only (state.py), on whichever single rank calls it.
+            if any(loc[0] == oi for loc in self._loc.values()):
+                self._handles.append(opt.register_state_dict_pre_hook(
+                    lambda _opt, oi=oi, ref=ref: ref() and ref().fill_user_state(oi)))
+                self._handles.append(opt.register_state_dict_post_hook(
+                    lambda _opt, _sd, oi=oi, ref=ref: ref() and ref().drop_user_state(oi)))
         # state_dict() of the module or of any submodule holding a PS parameter reads
         # current values (the user's original module is this module).
         holders = {n.rpartition(".")[0] for n in self.by_param}
@@ -168,6 +175,30 @@ class EngineBase:
                     lambda *_a, ref=ref: ref() and ref().make_current()))
 
     # -- checkpoints (see state.py) ------------------------------------------------------
+    def pieces_state(self, pieces: Sequence[PSPiece]) -> dict[int, dict[str, Any]]:
+        """The owners' optimizer state of ``pieces`` (by piece id), without the other
+        workers (engines implement it)."""
+        raise NotImplementedError
+
+    def _names_in(self, oi: int) -> list[str]:
+        return [n for n in self.by_param if self._loc[n][0] == oi]
+
+    def fill_user_state(self, oi: int) -> None:
+        """Before ``optimizers[oi].state_dict()`` (a pre-hook): write the full optimizer
+        state of its PS parameters into it, so the state dict is what one process would
+        have."""
+        names = self._names_in(oi)
+        pieces = [p for n in names for p in self.by_param[n]]
+        payloads = self.pieces_state(pieces)
+        self._consolidate_into_user({pid: {"state": st} for pid, st in payloads.items()},
+                                    names)
+
+    def drop_user_state(self, oi: int) -> None:
+        """After ``state_dict()`` (a post-hook): the owners keep that state, not the user's
+        optimizer (which skips PS parameters), so a later read cannot see it stale."""
+        for name in self._names_in(oi):
+            self.optimizers[oi].state.pop(self.params[name], None)
+
     def _owned_payload(self, shards: dict[int, torch.Tensor], optimizer: Any,
                        values: bool = False) -> dict[int, dict[str, Any]]:
         """This owner's pieces: optimizer state (and values), detached on the CPU."""
@@ -180,10 +211,12 @@ class EngineBase:
             out[pid] = entry
         return out
 
-    def _consolidate_into_user(self, payloads: dict[int, dict[str, Any]]) -> None:
-        """Chief: write every PS parameter's full optimizer state into the user's optimizer,
-        so ``optimizer.state_dict()`` is what one process would have."""
-        for name, pieces in self.by_param.items():
+    def _consolidate_into_user(self, payloads: dict[int, dict[str, Any]],
+                               names: Sequence[str] | None = None) -> None:
+        """Write the full optimizer state of PS parameters ``names`` (default: all) into the
+        user's optimizers, so ``optimizer.state_dict()`` is what one process would have."""
+        for name in self.by_param if names is None else names:
+            pieces = self.by_param[name]
             param = self.params[name]
             opt = self.optimizers[self._loc[name][0]]
             full = consolidate(pieces, [payloads[p.id]["state"] for p in pieces], param,

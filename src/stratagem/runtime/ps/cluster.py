@@ -328,26 +328,6 @@ class Group:
             raise self.cluster.explain(exc, f"starting a {what} on group {self.name}",
                                        self.members) from None
 
-    def send_object(self, obj: object, dst: int, what: str) -> None:
-        """Send tensors in containers (``torch.save`` bytes, loaded weights-only)."""
-        from stratagem.runtime.ps.state import to_bytes
-
-        data = to_bytes(obj)
-        n = torch.tensor([data.numel()], dtype=torch.int64)
-        self.run(lambda: self.send(n, dst, 21), what)
-        if data.numel():
-            self.run(lambda: self.send(data, dst, 22), what)
-
-    def recv_object(self, src: int, what: str) -> object:
-        from stratagem.runtime.ps.state import from_bytes
-
-        n = torch.empty(1, dtype=torch.int64)
-        self.run(lambda: self.recv(n, src, 21), what)
-        data = torch.empty(int(n), dtype=torch.uint8)
-        if data.numel():
-            self.run(lambda: self.recv(data, src, 22), what)
-        return from_bytes(data)
-
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
             self.pg.shutdown()

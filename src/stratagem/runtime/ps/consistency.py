@@ -547,18 +547,18 @@ class AsyncEngine(EngineBase):
             self.refresh()
 
     def before_checkpoint(self) -> None:
-        """Collective: complete values on every worker, the full optimizer state in the
-        chief's optimizer (each owner's state as of this moment; see state.py)."""
+        """Before saving, on this rank alone: :meth:`refresh` (point to point). The owners'
+        optimizer state comes with ``optimizer.state_dict()`` (:meth:`pieces_state`)."""
         self.refresh()
-        if self.rank != 0:
-            return
+
+    def pieces_state(self, pieces: Sequence[PSPiece]) -> dict[int, dict[str, Any]]:
+        """The owners' optimizer state of ``pieces``, each as of this moment (point to
+        point, from any worker)."""
         payload: dict[int, Any] = {}
-        for o in self.services:
-            if not self.pieces_of_owner[o]:
-                continue
+        for o in sorted({p.owner for p in pieces}):
             _, data = self._receive(o, self._request(o, F_STATE))
             payload.update(from_bytes(data))
-        self._consolidate_into_user(payload)
+        return {p.id: payload[p.id]["state"] for p in pieces}
 
     def after_restore(self) -> None:
         """Collective, after every worker loaded the same checkpoint: owners take their

@@ -43,7 +43,7 @@ from stratagem.runtime.ps.background import Background
 from stratagem.runtime.ps.base import EngineBase
 from stratagem.runtime.ps.cluster import IDLE_TIMEOUT, Cluster, Group
 from stratagem.runtime.ps.dense import DenseBucket, piece_view
-from stratagem.runtime.ps.fetch import FetchClient, FetchService
+from stratagem.runtime.ps.fetch import FetchClient, FetchService, recv_state, send_state
 from stratagem.runtime.ps.optim import (
     ShardOptimizer,
     hparam_layout,
@@ -52,12 +52,14 @@ from stratagem.runtime.ps.optim import (
 )
 from stratagem.runtime.ps.plan import PSPiece
 from stratagem.runtime.ps.sparse import SparseExchange, write_rows
+from stratagem.runtime.ps.state import export_state
 from stratagem.runtime.stats import CommStats
 
-PULL, PUSH, UPDATE, REFRESH, STOP, GATHER, SCATTER, DISCARD = 1, 2, 3, 4, 5, 6, 7, 8
+PULL, PUSH, UPDATE, REFRESH, STOP, SCATTER, DISCARD = 1, 2, 3, 4, 5, 7, 8
 CMD_NAMES = {PULL: "pull", PUSH: "push", UPDATE: "update", REFRESH: "refresh", STOP: "stop",
-             GATHER: "gather", SCATTER: "scatter", DISCARD: "discard"}
+             SCATTER: "scatter", DISCARD: "discard"}
 HEADER = 4  # cmd, step, arg, number of hyperparameter values
+SLICE_TAG = 51  # a restored piece's values, chief -> dedicated server
 
 
 def _queue_callback(fn: Callable[[], None]) -> None:
@@ -163,19 +165,24 @@ class PSEngine(EngineBase):
         self._closer = Background(f"stratagem-ps-pull-{self.rank}")
         self._closer_stats = CommStats()
 
-        # Single-rank reads (fetch.py): a group per owner of on-demand rows, its service.
+        # Single-rank reads (fetch.py): a group per owner (on-demand rows and every owned
+        # piece's optimizer state), its service.
         fetch_groups: dict[int, Group] = {}
-        for o in sorted({p.owner for p in self.on_demand}):
+        for o in sorted(ps.owners):
             g = cluster.make_group(f"{ns}/fetch{o}", [*range(self.W), o])
             if g is not None:
                 fetch_groups[o] = g
         self.version = 0  # value changes (updates, restores): the same count on every rank
+        positions = self.sparse.pos if self.sparse is not None else {}
         self.fetch_service = (FetchService(
             fetch_groups[self.rank], [p for p in self.on_demand if p.owner == self.rank],
-            self.sparse.pos, self.shards, self.W) if self.rank in fetch_groups else None)
-        self.fetcher = (FetchClient(fetch_groups, list(ps.sparse), self.rank,
-                                    self.sparse.row_bytes, self.sparse.dtypes)
-                        if fetch_groups and not self.is_server else None)
+            positions, self.shards, self.W, self._owned_state)
+            if self.rank in fetch_groups else None)
+        self.fetcher = (FetchClient(
+            fetch_groups, list(ps.sparse), self.rank,
+            self.sparse.row_bytes if self.sparse is not None else [],
+            self.sparse.dtypes if self.sparse is not None else [])
+            if fetch_groups and not self.is_server else None)
         # piece position -> (version, the rows known current then; None: all of them)
         self._fresh: dict[int, tuple[int, torch.Tensor | None]] = {
             self.sparse.pos[p.id]: (0, None) for p in self.on_demand}
@@ -390,6 +397,7 @@ class PSEngine(EngineBase):
             b.post_values(self.shards)
         self._finish_push()  # the sparse rows (the buckets are done)
         if self.sparse is None:
+            self._values_changed()
             return
         updated_sparse: dict[int, torch.Tensor] = {}
         sparse_ids = self.sparse.attach_grads()
@@ -529,23 +537,30 @@ class PSEngine(EngineBase):
 
     # -- checkpoints ---------------------------------------------------------------------
     def before_checkpoint(self) -> None:
-        """Collective: complete values on every worker, full optimizer state in the chief's
-        optimizer (see state.py)."""
-        self.refresh()
-        if self.is_chief and self.ps.servers:
-            self.stopper.send(GATHER, self.step_count)
-        self._gather()
+        """Before saving, on this rank alone: its copy of every PS parameter becomes current.
+        The owners' optimizer state comes with ``optimizer.state_dict()`` (a pre-hook, see
+        base.py), fetched from their services: no other worker takes part."""
+        self.make_current()
 
-    def _gather(self) -> None:
-        payload = self._owned_payload(self.shards, self.shard_optimizer)
-        if self.rank == 0:
-            for o in self.ps.owners:
-                if o != 0:
-                    payload.update(self.g_owner[o].recv_object(
-                        o, f"gathering optimizer state from {self.cluster.describe(o)}"))
-            self._consolidate_into_user(payload)
-        elif self.rank in self.ps.owners:
-            self.g_owner[self.rank].send_object(payload, 0, "sending optimizer state")
+    def _owned_state(self, pid: int) -> dict[str, Any]:
+        """An owned piece's optimizer state, detached on the CPU (the fetch service's)."""
+        if self.shard_optimizer is None:
+            return {}
+        return export_state(self.shard_optimizer.state_of(self.shards[pid]))
+
+    def pieces_state(self, pieces: Sequence[PSPiece]) -> dict[int, dict[str, Any]]:
+        """The optimizer state of ``pieces`` as their owners hold it after this worker's
+        last update: owned ones from here, the others from their owners' services."""
+        if self._closed or self.fetcher is None and any(p.owner != self.rank for p in pieces):
+            raise StrategyError(
+                "the optimizer state of parameter-server parameters lives on their owners, "
+                "and this worker has closed its connection to them",
+                where="optimizer.state_dict()",
+                fix="save the optimizer before DistributedModel.close()")
+        self._finish_push()
+        self.finish_pulls()
+        return {p.id: (self._owned_state(p.id) if p.owner == self.rank
+                       else self.fetcher.state(p, self.version)) for p in pieces}
 
     def after_restore(self) -> None:
         """Collective, after every worker loaded the same checkpoint into the model and
@@ -563,23 +578,44 @@ class PSEngine(EngineBase):
         self._scatter()
 
     def _scatter(self) -> None:
-        self._values_changed()
-        self._all_fresh()  # (workers: the loaded values are complete)
+        """Owners take their slices; only then does the version advance (a fetch waiting
+        for it must see the restored state, not the one before)."""
         if self.rank == 0:
             for o in self.ps.owners:
                 if o >= self.W:
-                    self.g_owner[o].send_object(
-                        self._slices(list(self.ps.owned_by(o)), values=True), o,
-                        f"restoring {self.cluster.describe(o)}")
+                    self._send_slices(o)
         if self.is_server:
             if self.rank in self.ps.owners:
-                entries = self.g_owner[self.rank].recv_object(0, "receiving restored state")
-                self._apply_owned(self.shards, self.shard_optimizer, entries)
+                self._apply_owned(self.shards, self.shard_optimizer, self._recv_slices())
+            self._values_changed()
             return
         if self.shards:  # (values: the shards are views of the loaded parameters)
             self._apply_owned(self.shards, self.shard_optimizer,
                               self._slices(list(self.ps.owned_by(self.rank)), values=False))
         self._drop_user_state()
+        self._values_changed()
+        self._all_fresh()  # (the loaded values are complete)
+
+    def _send_slices(self, o: int) -> None:
+        """Chief: dedicated server ``o``'s share of the loaded values and optimizer state,
+        piece by piece as plain tensors (nothing pickled)."""
+        g = self.g_owner[o]
+        what = f"restoring {self.cluster.describe(o)}"
+        for entry in self._slices(list(self.ps.owned_by(o)), values=True).values():
+            value = entry["value"].contiguous()
+            g.run(lambda v=value: g.send(v, o, SLICE_TAG), what)
+            send_state(g, o, entry["state"], what)
+
+    def _recv_slices(self) -> dict[int, dict[str, Any]]:
+        """Dedicated server: what :meth:`_send_slices` sent, checked against each piece."""
+        g = self.g_owner[self.rank]
+        out = {}
+        for p in self.ps.owned_by(self.rank):
+            value = torch.empty(p.shape, dtype=getattr(torch, p.dtype))
+            g.run(lambda v=value: g.recv(v, 0, SLICE_TAG), "receiving restored values")
+            out[p.id] = {"value": value,
+                         "state": recv_state(g, 0, p, "receiving restored optimizer state")}
+        return out
 
     # -- server loop ---------------------------------------------------------------------
     def serve(self) -> None:
@@ -619,8 +655,6 @@ class PSEngine(EngineBase):
             elif cmd == DISCARD:
                 self.finish_pulls()
                 self._discard()
-            elif cmd == GATHER:
-                self._gather()
             elif cmd == SCATTER:
                 self.finish_pulls()
                 self._scatter()

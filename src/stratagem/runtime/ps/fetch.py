@@ -13,6 +13,10 @@ answers
            (the number of value changes -- updates, restores -- the asking worker has seen;
            every rank counts them the same way, so the answer is what one process would
            hold after as many steps);
+``STATE``  ``[STATE, src, version, piece id, 0]``: that owned piece's optimizer state once
+           the owner's values have reached ``version``, as plain tensors (``statewire.py``:
+           a length header, an int64 manifest, one byte blob; nothing pickled), so one
+           rank can write a complete checkpoint;
 ``CLOSE``  the worker is done with this owner.
 
 A thread ends at ``CLOSE`` or when its worker's connection closes (the process ended: gloo
@@ -30,15 +34,19 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from stratagem.errors import DistributedError
+from stratagem.runtime.ps import statewire
 from stratagem.runtime.ps.cluster import Group, data_timeout
 from stratagem.runtime.ps.plan import PSPiece
 
-FETCH, CLOSE = 1, 2
-HLEN = 5  # kind, src, version, piece position, number of ids (-1: the whole piece)
+FETCH, CLOSE, STATE = 1, 2, 3
+HLEN = 5  # kind, src, version, piece position (STATE: id), number of ids (-1: the whole piece)
 REQ, IDS, REP = 41, 42, 1 << 21  # REP + piece position: the reply's tag
+S_HDR, S_MAN, S_BLOB = 43, 44, 45  # a STATE reply: lengths, manifest, blob
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -49,11 +57,16 @@ class FetchService:
     """The owner's side: answers each worker's fetches from a thread of its own."""
 
     def __init__(self, group: Group, pieces: Sequence[PSPiece], positions: dict[int, int],
-                 shards: dict[int, torch.Tensor], workers: int) -> None:
+                 shards: dict[int, torch.Tensor], workers: int,
+                 state_of: Callable[[int], dict[str, Any]]) -> None:
+        """``pieces``: the owned on-demand sparse pieces (row fetches, by ``positions``);
+        ``shards``: every owned piece's shard; ``state_of(piece id)``: its optimizer state
+        (detached CPU copies)."""
         self.group = group
         self.rank = group.cluster.rank
         self.pieces = {positions[p.id]: p for p in pieces}  # position -> owned piece
         self.shards = shards
+        self.state_of = state_of
         self.version = 0
         self._cond = threading.Condition()
         self._threads = [threading.Thread(target=self._serve, args=(w,), daemon=True,
@@ -74,7 +87,7 @@ class FetchService:
             while True:
                 self.group.recv(hdr, src, REQ).wait()
                 kind, _, version, pos, n = (int(v) for v in hdr)
-                if kind != FETCH:
+                if kind not in (FETCH, STATE):
                     return
                 ids = None
                 if n >= 0:
@@ -84,6 +97,9 @@ class FetchService:
                 with self._cond:  # (the timeout only bounds a hung owner)
                     self._cond.wait_for(lambda v=version: self.version >= v,
                                         data_timeout().total_seconds())
+                if kind == STATE:
+                    self._send_state(src, pos)
+                    continue
                 p = self.pieces[pos]
                 shard = self.shards[p.id]
                 rows = (shard if ids is None
@@ -91,6 +107,9 @@ class FetchService:
                 self.group.send(_bytes(rows), src, REP + pos).wait()
         except Exception:  # noqa: BLE001 - the worker's process ended: nothing to serve
             return
+
+    def _send_state(self, src: int, pid: int) -> None:
+        send_state(self.group, src, self.state_of(pid), None)
 
     def linger(self, alive: Callable[[], bool] = lambda: True) -> None:
         """Wait until every worker closed (or its process ended), at most the data
@@ -149,6 +168,19 @@ class FetchClient:
             out[pos] = buf.view(self.dtypes[pos]).view(n, *p.shape[1:])
         return out
 
+    def state(self, piece: PSPiece, version: int) -> dict[str, Any]:
+        """The optimizer state of ``piece`` from its owner, once the owner's values have
+        reached ``version`` (checked against the piece before anything is allocated)."""
+        g = self.groups[piece.owner]
+        what = (f"fetching the optimizer state of {piece.param} from "
+                f"{g.cluster.describe(piece.owner)}")
+        sizes = torch.empty(2, dtype=torch.int64)
+        work = g.recv(sizes, piece.owner, S_HDR)
+        hdr = torch.tensor([STATE, self.rank, version, piece.id, 0], dtype=torch.int64)
+        g.run(lambda: g.send(hdr, piece.owner, REQ), what)
+        g.wait(work, what)
+        return recv_state(g, piece.owner, piece, what, sizes)
+
     def close(self) -> None:
         """Tell every owner this worker is done (errors: that owner is gone already)."""
         if self.closed:
@@ -159,3 +191,43 @@ class FetchClient:
             if o != self.rank:
                 with contextlib.suppress(Exception):  # at exit, an owner may have ended
                     g.send(hdr, o, REQ).wait()
+
+
+def send_state(group: Group, dst: int, state: dict[str, Any], what: str | None) -> None:
+    """Send one piece's optimizer state to ``dst`` as plain tensors (statewire.py): the two
+    lengths, the manifest, the blob. ``what`` names the operation in a failure's
+    DistributedError; None: raw errors (a fetch service's thread, which ends on any)."""
+    manifest, blob = statewire.encode(state)
+    sizes = torch.tensor([manifest.numel(), blob.numel()], dtype=torch.int64)
+    for t, tag in ((sizes, S_HDR), (manifest, S_MAN), (blob, S_BLOB)):
+        if not t.numel():
+            continue
+        if what is None:
+            group.send(t, dst, tag).wait()
+        else:
+            group.run(lambda t=t, tag=tag: group.send(t, dst, tag), what)
+
+
+def recv_state(group: Group, src: int, piece: PSPiece, what: str,
+               sizes: torch.Tensor | None = None) -> dict[str, Any]:
+    """Receive what :func:`send_state` sent for ``piece`` (``sizes``: its lengths, already
+    received), checking the manifest against the piece before allocating the blob."""
+    if sizes is None:
+        sizes = torch.empty(2, dtype=torch.int64)
+        group.run(lambda: group.recv(sizes, src, S_HDR), what)
+    n_man, n_blob = (int(v) for v in sizes)
+    fix = "all ranks must run the same Stratagem version"
+    if not 0 < n_man <= statewire.MAX_MANIFEST:
+        raise DistributedError(f"malformed optimizer-state reply: a manifest of {n_man} "
+                               "values", where=what, fix=fix)
+    manifest = torch.empty(n_man, dtype=torch.int64)
+    group.run(lambda: group.recv(manifest, src, S_MAN), what)
+    entries = statewire.layout(manifest, tuple(piece.shape), what)
+    if n_blob != statewire.blob_size(entries):
+        raise DistributedError(f"malformed optimizer-state reply: {n_blob} bytes where the "
+                               f"manifest says {statewire.blob_size(entries)}", where=what,
+                               fix=fix)
+    blob = torch.empty(n_blob, dtype=torch.uint8)
+    if n_blob:
+        group.run(lambda: group.recv(blob, src, S_BLOB), what)
+    return statewire.decode(entries, blob)

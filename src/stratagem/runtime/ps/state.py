@@ -1,13 +1,14 @@
 """Checkpoints of sharded PS state in the single-process format.
 
 A checkpoint holds the model's ``state_dict`` and the user's ``optimizer.state_dict()``
-exactly as one process would write them. Before saving, the owners' optimizer state for
-their pieces is gathered on the chief and written into the user's optimizer (``state[p]``
-of each PS parameter, parts concatenated along their axis, sparse momentum buffers
-re-indexed), so the usual ``optimizer.state_dict()`` is complete. After loading, every
-owner slices its pieces' values and state out of the loaded full ones (dedicated servers
-receive theirs from the chief), so a checkpoint restores into any shard layout, server
-count or strategy -- or into plain single-process torch.
+exactly as one process would write them. When ``optimizer.state_dict()`` is called on any
+worker, the owners' optimizer state for their pieces is fetched (``fetch.py``) and written
+into the user's optimizer for that call (``state[p]`` of each PS parameter, parts
+concatenated along their axis, sparse momentum buffers re-indexed), so the usual state
+dict is complete. After loading, every owner slices its pieces' values and state out of
+the loaded full ones (dedicated servers receive theirs from the chief, as plain tensors),
+so a checkpoint restores into any shard layout, server count or strategy -- or into plain
+single-process torch.
 """
 
 from __future__ import annotations
