@@ -367,6 +367,11 @@ class AutoDist:
         # Job state for checkpoint-restart (restored here when a checkpoint exists).
         if elastic.track_model(self.model, optimizer):
             self.log(f"resumed from checkpoint {elastic.restore_point()}")
+        # The strategy goes into every checkpoint (strategy.json), so a run can be repeated
+        # with --strategy CKPT/strategy.json; a resumed job says when it now plans another.
+        elastic.load_state(elastic.ObjectState(
+            elastic.unique_name("strategy"), self._strategy_dict, self._compare_strategy,
+            format="json"))
         if optimizer is not None:
             self.adaptive = AdaptiveTrainer(
                 self.model, optimizer, scaling_rule=scaling_rule, rank=self.rank,
@@ -439,13 +444,26 @@ class AutoDist:
         if self.model is not None:
             self.model.grad_weight = weight
 
+    def _strategy_dict(self) -> dict[str, Any] | None:
+        return self.strategy.to_dict() if self.strategy is not None else None
+
+    def _compare_strategy(self, saved: Any) -> None:
+        """Restore hook of the checkpointed strategy: the model state does not depend on it,
+        so a different plan is allowed, but said (Auto may choose anew after a restart)."""
+        saved_id = saved.get("id") if isinstance(saved, dict) else None
+        if self.strategy is not None and saved_id not in (None, self.strategy.id):
+            self.log(f"the checkpoint was trained with strategy {saved_id}, this run uses "
+                     f"{self.strategy.id}; to keep the old one, pass --strategy "
+                     f"{elastic.restore_point()}/strategy.json")
+
     def save_checkpoint(self, path: str | os.PathLike[str], **metadata: Any) -> Path:
         """Save the distributed model and optimizer (one rank suffices; see
         :func:`stratagem.checkpoint.save`)."""
         self._require_distributed("save_checkpoint")
         return checkpoint.save(path, self.model, self.optimizer,
                                 strategy_id=self.strategy.id if self.strategy else None,
-                                metadata=metadata)
+                                metadata=metadata,
+                                strategy=self.strategy.to_dict() if self.strategy else None)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore model and optimizer saved by :meth:`save_checkpoint`; returns metadata."""

@@ -37,6 +37,7 @@ from stratagem.process_group import rank_world as _rank_world
 from stratagem.safeload import load_json
 
 META = "meta.json"
+STRATEGY = "strategy.json"  # the strategy the checkpoint was trained with
 PREFIX = "ckpt-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
@@ -131,7 +132,7 @@ def write_collectively(final: Path, write: Callable[[Path], None], meta: dict[st
 
 def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, *,
          strategy_id: str | None = None, metadata: dict[str, Any] | None = None,
-         scaler: Any = None) -> Path:
+         scaler: Any = None, strategy: dict[str, Any] | None = None) -> Path:
     """Save ``model`` (plain or distributed) and ``optimizer`` to ``path``, from any single
     rank or from every rank.
 
@@ -144,7 +145,9 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, 
     collective: then every rank must call it, as each writes its ``sync-rank{r}.pt``.
 
     ``metadata`` must be JSON-serializable. ``scaler`` (a ``torch.amp.GradScaler``; default:
-    the one attached to ``model``) goes to ``scaler.pt``.
+    the one attached to ``model``) goes to ``scaler.pt``. ``strategy`` (a strategy's
+    ``to_dict()``) goes to ``strategy.json``, so ``--strategy CKPT/strategy.json`` reruns
+    the job with the strategy it was trained with (Auto's choice included).
     """
     final = Path(path)
     rank, _ = _rank_world()
@@ -167,6 +170,8 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, 
             _save_file(optimizer.state_dict(), tmp / "optimizer.pt")
         if scaler is not None:
             _save_file(scaler.state_dict(), tmp / "scaler.pt")
+        if strategy is not None:
+            _save_json(strategy, tmp / STRATEGY)
 
     if per_rank:
         return write_collectively(final, lambda tmp: write(tmp, rank == 0), meta,
