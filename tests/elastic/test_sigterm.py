@@ -43,7 +43,8 @@ def _assert_equal(got: dict, want: dict) -> None:
 def test_sigterm_during_step_loses_nothing(tmp_path: Path, job_state: Path, stop: int) -> None:
     _stopped(tmp_path, stop)
     meta = checkpoint.read_meta(checkpoint.CheckpointDir(job_state).checkpoints()[-1])
-    assert set(meta["states"]) == {"model", "sync", "optimizer", "loader", "epoch", "steps"}
+    assert set(meta["states"]) == {"model", "sync", "optimizer", "loader", "epoch", "steps",
+                                   "strategy"}
     final = train(tmp_path)
     _assert_equal(final, reference())  # bitwise: same world size, nothing lost or redone
     steps = logged_steps(tmp_path)
