@@ -43,15 +43,6 @@ def hold_exit() -> Iterator[None]:
         ctx.exit_holds -= 1
 
 
-def any_rank(flag: bool) -> bool:
-    """Collective: whether ``flag`` is set on any rank (on the job's gloo control group)."""
-    if rank_world()[1] == 1:
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=current_job().control_group())
-    return bool(t.item())
-
-
 def any_rank_flags(*flags: bool) -> tuple[bool, ...]:
     """Collective: each flag OR-ed over the ranks, in one all-reduce."""
     if rank_world()[1] == 1:
