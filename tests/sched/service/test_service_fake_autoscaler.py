@@ -112,8 +112,8 @@ def autoscaling_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ob
     finally:
         started = descendants(head.pid)
         os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
+        try:  # `ray start --block` can take 30 s to stop its processes on SIGTERM
+            head.wait(timeout=5)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()

@@ -483,8 +483,9 @@ def choose_nodes(nodes: Sequence[NodeInfo], count: int, need: Mapping[str, float
 
 
 def log_file(log_dir: Path, actor: str) -> str:
-    """Replica ``<allocation>.rN``'s log: ``rank-N.log`` (N is its rank at the start; a
-    replica added by an in-process grow gets the next free N)."""
+    """Replica ``<allocation>.rN``'s log: ``rank-N.log``. N is the replica's index, which is
+    its rank in a checkpoint-restart job; in-process members take ranks in the order they
+    reach the rescale store (a replica added by an in-process grow gets the next free N)."""
     return str(log_dir / f"rank-{actor.rsplit('.r', 1)[-1]}.log")
 
 
