@@ -4,6 +4,7 @@ in the reference fails here)."""
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,6 @@ def test_every_option_is_in_the_reference() -> None:
     found = list(options(build_parser()))
     assert len(found) > 30  # the walk reached the subcommands
     missing = [f"{cmd} {'/'.join(opts)}" for cmd, opts in found
-               if not any(f"`{o}" in text or f"{o} " in text or f"[{o}" in text
+               if not any(re.search(rf"(?<![\w-]){re.escape(o)}(?![\w-])", text)
                           for o in opts)]
     assert not missing, f"undocumented options (add them to docs/reference): {missing}"
