@@ -13,7 +13,9 @@ the thread writes a torch elastic error file naming the lost rank and leaves the
 stops the job and, with ``--max-restarts``, starts it again from the newest checkpoint.
 
 A rank that finishes normally marks itself done when its group is destroyed, so its
-silence afterwards is not a loss.
+silence afterwards is not a loss. Members of an in-process elastic job
+(:mod:`stratagem.elastic.rescale`) beat the same way in the rescale store, one key space
+per generation.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ class PeerWatchdog:
     """Heartbeats of ``rank`` among ``world`` ranks through ``store`` (see module doc)."""
 
     def __init__(self, store: Any, rank: int, world: int, timeout_s: float,
-                 exit_process: bool = True, beat_s: float = BEAT_S) -> None:
+                 exit_process: bool = True, beat_s: float = BEAT_S,
+                 names: tuple[str, ...] = ()) -> None:
         self.store, self.rank, self.world = store, rank, world
+        self.names = names  # per rank, for the message (in-process members' ids)
         self.timeout_s, self.beat_s = timeout_s, beat_s
         self.exit_process = exit_process
         self.lost: str | None = None  # why the watchdog fired (tests read it)
@@ -72,7 +76,7 @@ class PeerWatchdog:
                         seen[peer] = (count, now)
                     elif (now - seen[peer][1] > self.timeout_s
                           and not self.store.check([f"done/{peer}"])):
-                        self._fire(f"rank {peer} stopped answering: no heartbeat for "
+                        self._fire(f"{self._who(peer)} stopped answering: no heartbeat for "
                                    f"{now - seen[peer][1]:.0f} s (frozen, or its node or "
                                    "link is down)", peer)
                         return
@@ -83,6 +87,9 @@ class PeerWatchdog:
                            f"{str(exc)[:120]}): its host, node or link is down", None)
                 return
             self._stop.wait(self.beat_s)
+
+    def _who(self, peer: int) -> str:
+        return f"rank {peer} ({self.names[peer]})" if peer < len(self.names) else f"rank {peer}"
 
     def _fire(self, why: str, peer: int | None) -> None:
         self.lost = why

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,12 +28,14 @@ JOB = Path(__file__).with_name("rescale_job.py")
 pytestmark = pytest.mark.slow
 
 
-def start(out: Path, port: int, nproc: int, *args: str) -> subprocess.Popen:
+def start(out: Path, port: int, nproc: int, *args: str,
+          extra: dict[str, str] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                         "STRATAGEM_CHECKPOINT_DIR", "ADAPTDL_CHECKPOINT_PATH")}
     env.update(STRATAGEM_RESCALE_STORE=f"127.0.0.1:{port}", STRATAGEM_RESCALE_NPROC=str(nproc),
                STRATAGEM_RESCALE_TIMEOUT_S="60", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra or {})
     log = (out / f"worker-{time.monotonic_ns()}.log").open("w")
     # through the worker wrapper, as the how-to says: a plain exit of a gloo job aborts now
     # and then in torch 2.13 (see stratagem.launch.worker)
@@ -151,3 +154,37 @@ def test_states_created_after_joining_take_rank0s_copy() -> None:
     pending["late-counter"] = {"value": {"n": 41}}
     c = Counter()
     assert load_state(c) and c.n == 41 and "late-counter" not in pending
+
+
+def test_a_frozen_member_is_detected_and_the_survivor_leaves(tmp_path: Path) -> None:
+    """Issue 15 section 3: members beat in the rescale store; a member frozen mid-training
+    (SIGSTOP: no socket closes, gloo would wait for the whole collective timeout) is named by
+    the survivor, which leaves its collective in seconds with the peer-lost exit code."""
+    from stratagem.peer_watchdog import EXIT_CODE as PEER_LOST
+
+    port = free_port()
+    store = host_store("127.0.0.1", port)
+    extra = {"STRATAGEM_PEER_TIMEOUT_S": "2", "STRATAGEM_PG_TIMEOUT_S": "600"}
+    procs = [start(tmp_path, port, 2, "--epochs", "200", "--step-sleep", "0.05",
+                   extra=extra)
+             for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while len({r["rank"] for recs in records(tmp_path).values() for r in recs}) < 2:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                logs(tmp_path)
+            time.sleep(0.1)
+        frozen, survivor = procs
+        frozen.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        code = survivor.wait(120)  # far below the 600 s collective timeout
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        del store
+    assert code == PEER_LOST, logs(tmp_path)
+    assert waited < 60, waited
+    assert "PeerLost" in logs(tmp_path) and "stopped answering" in logs(tmp_path)

@@ -55,6 +55,7 @@ from stratagem.elastic.membership import after_change, before_change
 from stratagem.elastic.signals import EXIT_CODE, install_signal_handler, request_exit
 from stratagem.elastic.state import checkpoint_root
 from stratagem.errors import DistributedError
+from stratagem.peer_watchdog import PeerWatchdog
 from stratagem.process_group import destroy_process_group, init_process_group
 from stratagem.process_group import init_single_process_group as init_alone
 
@@ -170,6 +171,7 @@ class ElasticGroup:
         self.pending = False  # started late: joins at its first exit point
         self.history: list[Change] = []
         self.server: dist.TCPStore | None = None  # the store, when this worker hosts it
+        self.watchdog: PeerWatchdog | None = None  # the members' heartbeats
 
     @classmethod
     def from_env(cls) -> ElasticGroup | None:
@@ -243,6 +245,11 @@ class ElasticGroup:
         init_process_group(self.backend, store=store, rank=rank, world_size=world)
         self.rank, self.world_size, self.generation = rank, world, gen
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
+        seconds = env.peer_timeout()
+        if seconds and world > 1:  # a frozen member must not hold the others for the timeout
+            beats = dist.PrefixStore(self._key("peers", gen.number), self.store)
+            self.watchdog = PeerWatchdog(beats, rank, world, seconds,
+                                         names=gen.members).start()
 
     def join_late(self) -> Change:
         """A late worker's first exit point: wait for admission, then take the job state."""
@@ -330,6 +337,9 @@ class ElasticGroup:
 
     def _destroy(self) -> None:
         """Leave the current process group (its cached control group goes with it)."""
+        if self.watchdog is not None:  # done with this generation: not lost
+            self.watchdog.stop(done=True)
+            self.watchdog = None
         self.job.forget_control_group()
         destroy_process_group()
 
