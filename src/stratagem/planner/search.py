@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from stratagem.analysis.profile import ModelProfile, ParamInfo
 from stratagem.errors import StratagemError
@@ -59,6 +60,10 @@ class Choice:
     spec: ResourceSpec
     search_s: float
     notes: tuple[str, ...] = field(default_factory=tuple)
+    trials: tuple[Any, ...] = ()
+    """Low-shot trial steps (:class:`~stratagem.planner.trial.Trial`), when run."""
+    link_probe: Any = None
+    """The measured links (:class:`~stratagem.planner.probe.LinkProbe`), when probed."""
 
     @property
     def strategy(self) -> Strategy:
@@ -187,9 +192,10 @@ def group_count(strategy: Strategy) -> int:
 class _Pricer:
     """Prices strategies (compile + predict), remembering failures as infinite."""
 
-    def __init__(self, profile: ModelProfile, spec: ResourceSpec, cal: Calibration) -> None:
+    def __init__(self, profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
+                 links: LinkModel | None = None) -> None:
         self.profile, self.spec, self.cal = profile, spec, cal
-        self.links = LinkModel.from_spec(spec)
+        self.links = links or LinkModel.from_spec(spec)
         self.count = 0
 
     def __call__(self, strategy: Strategy) -> StepCost | None:
@@ -203,11 +209,12 @@ class _Pricer:
 
 
 def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
-           options: Auto | None = None) -> Choice:
-    """Price every built-in builder and the hybrids; return the cheapest."""
+           options: Auto | None = None, links: LinkModel | None = None) -> Choice:
+    """Price every built-in builder and the hybrids; return the cheapest. ``links``: a
+    measured link model (default: the spec's nominal one)."""
     options = options or Auto()
     started = time.perf_counter()
-    price = _Pricer(profile, spec, cal)
+    price = _Pricer(profile, spec, cal, links)
     found: list[Candidate] = []
     notes: list[str] = []
     for name in builder_names():
