@@ -198,6 +198,13 @@ class AutoWorker(Worker):
             ad = sg.AutoDist(strategy_builder=builder, resource_spec=self.ad.resource_spec,
                              verbose=False)
             strategy = ad.build_strategy(model, sample_input=sample)
+            choice = getattr(ad, "choice", None)
+            if choice is not None and self.rank == 0:  # what the planner measured
+                probe = getattr(choice, "link_probe", None)
+                self.planner_info[AUTO_FP16 if lossy else "Auto"] = {
+                    "chosen": choice.best.name,
+                    "links_measured": probe.to_dict() if probe is not None else None,
+                    "trials": [t.to_dict() for t in getattr(choice, "trials", ())]}
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             if self.args.verbose_errors:
                 traceback.print_exc()
@@ -264,6 +271,7 @@ class AutoWorker(Worker):
                  if not a.builders or n in a.builders]
         strategies, errors, same = self.strategies(base, names)
         sample = data.batches(0)[self.rank].inputs
+        self.planner_info: dict[str, Any] = {}
         auto, plan_s, auto_error = self.auto_strategy(base, sample)
         if auto is not None:
             strategies["Auto"] = auto
@@ -299,6 +307,7 @@ class AutoWorker(Worker):
             if auto16_error and AUTO_FP16 not in result["variants"]:
                 result["variants"][AUTO_FP16] = {"status": auto16_error}
             result["auto_fp16_build_s"] = round(plan16_s, 3) if plan16_s else None
+            result["planner"] = self.planner_info
             result["host"] = {"loadavg_1m_start": round(load0, 2),
                               "loadavg_1m_end": round(os.getloadavg()[0], 2)}
         for v in variants:

@@ -15,7 +15,7 @@ from stratagem.errors import StrategyError
 from stratagem.planner import choose, explain_json, explain_text
 from stratagem.planner.calibrate import estimate
 from stratagem.planner.search import search
-from stratagem.planner.trial import fastest
+from stratagem.planner.trial import fastest, shortlist
 from stratagem.resource import ResourceSpec
 from stratagem.strategy import (
     AllReduceSynchronizer,
@@ -115,9 +115,21 @@ def test_auto_by_name_builds_from_the_profile_alone() -> None:
 
 def test_trials_pick_the_fastest_and_keep_the_better_predicted_on_ties() -> None:
     assert fastest([0.30, 0.10, 0.20]) == 1
-    assert fastest([0.100, 0.099, 0.2]) == 0  # within 2%: the better predicted stays
+    assert fastest([0.100, 0.096, 0.2]) == 0  # within 5%: the better predicted stays
     assert fastest([None, 0.5]) == 1
     assert fastest([0.2, 0.2, 0.2]) == 0
+
+
+def test_shortlist_has_distinct_strategies_and_a_builtin() -> None:
+    model = pw.make("dense")  # no embedding: Parallax's strategy is AllReduce's
+    profile = analyze(model)
+    choice = search(profile, spec(2), estimate(profile, 8))
+    short = shortlist(choice, 3)
+    keys = [json.dumps([nc.to_dict() for nc in c.strategy.node_config], sort_keys=True)
+            for c in short]
+    assert len(set(keys)) == len(keys) and any(c.name != "hybrid" for c in short)
+    assert short[0] is choice.best and len(short) <= 4
+    assert not {"AllReduce", "Parallax"} <= {c.name for c in short}
 
 
 def test_auto_options_are_checked() -> None:

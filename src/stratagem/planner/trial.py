@@ -3,21 +3,24 @@
 The cost model ranks candidates; where its error (fixed costs, contention on busy cores) is
 larger than the gap between them, a few measured steps decide. With a process group up
 (AutoDist builds the strategy inside the workers), every worker runs, for each of the top
-``k`` predicted candidates plus the best built-in builder (so Auto is never slower than it
-by more than the trials' noise), a copy of the model wrapped by the runtime under that
-strategy, for one warm-up and ``steps`` timed training steps on its sample batch (forward,
-backward with the strategy's synchronization, an update with learning rate 0 on the copy).
+``k`` predicted candidates (distinct strategies) plus the best built-in builder (so Auto
+is never slower than it by more than the trials' noise), a copy of the model wrapped by the
+runtime under that strategy, for one warm-up and ``steps`` timed training steps on its
+sample batch (forward, backward with the strategy's synchronization, an update with
+learning rate 0 on the copy); short steps are repeated up to ``MEASURE_S`` of them.
 
 Every worker takes the same decision: the candidates are rank 0's (sent as JSON), a step's
 time is the slowest rank's (an all-reduce of the maximum), and rank 0's pick is broadcast.
 Ties (within ``TIE``) keep the earlier, i.e. better predicted, candidate. Bounded: a
-candidate whose predicted run would overrun ``BUDGET_S`` is not tried (rank 0 decides).
+candidate whose predicted run would overrun ``BUDGET_S`` is not tried, nor is any once
+that much time has passed (rank 0 decides both).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -35,11 +38,17 @@ from stratagem.strategy.validate import server_devices, validate
 
 TOP_K = 3
 STEPS = 2
+"""Timed steps per candidate at least; more for short steps (``MEASURE_S``), at most
+``MAX_STEPS``."""
+MAX_STEPS = 10
+MEASURE_S = 0.3
+"""Predicted seconds of timed steps per candidate that short steps are repeated up to."""
 WARMUP = 1
 BUDGET_S = 20.0
 """Trial steps of all candidates together stop being started past this (predicted)."""
-TIE = 0.02
-"""Measured steps this close (relative) count as equal: the better predicted one stays."""
+TIE = 0.05
+"""Measured steps this close (relative) count as equal: the better predicted one stays
+(the search's own tolerance; steps of a few ms vary by that much between repeats)."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +69,17 @@ def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
     """The ``k`` best-predicted candidates (the chosen one first), plus the best-predicted
     built-in builder (registered builders with their defaults: lossless) when none is
     among them."""
-    out = list(choice.candidates[:k])
-    if not any(c.name != "hybrid" for c in out):
-        builtin = next((c for c in choice.candidates[k:] if c.name != "hybrid"), None)
-        if builtin is not None:
-            out.append(builtin)
+    out: list[Candidate] = []
+    seen: set[str] = set()
+    for c in choice.candidates:
+        key = json.dumps([nc.to_dict() for nc in c.strategy.node_config], sort_keys=True)
+        if key in seen:  # the same strategy under another name (AllReduce = Parallax ...)
+            continue
+        if len(out) < k or (c.name != "hybrid" and all(o.name == "hybrid" for o in out)):
+            out.append(c)
+            seen.add(key)
+        if len(out) >= k and any(o.name != "hybrid" for o in out):
+            break
     return out
 
 
@@ -133,21 +148,29 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
     if dist.get_rank() == 0:
         picked, spent = [], 0.0
         for c in shortlist(choice, k):
-            cost = (WARMUP + steps) * c.cost.total_s
+            n = min(MAX_STEPS, max(steps, math.ceil(MEASURE_S / max(c.cost.total_s, 1e-6))))
+            cost = (WARMUP + n) * c.cost.total_s
             if picked and spent + cost > budget_s:
                 continue
-            picked.append(c)
+            picked.append((c, n))
             spent += cost
-        plan = [{"name": c.name, "predicted_s": c.cost.total_s,
-                 "strategy": c.strategy.to_dict()} for c in picked]
+        plan = [{"name": c.name, "predicted_s": c.cost.total_s, "steps": n,
+                 "strategy": c.strategy.to_dict()} for c, n in picked]
     plan = _broadcast_json(plan)
     trials: list[Trial] = []
     strategies = []
-    for entry in plan:
+    for i, entry in enumerate(plan):
         s = validate(Strategy.from_dict(entry["strategy"], source="rank 0's trial candidate"),
                      choice.profile, choice.spec)
         strategies.append(s)
-        measured = run_trial(model, s, choice, sample_input, loss_fn, steps)
+        # the predictions may be short: rank 0's clock decides whether to go on
+        over = torch.tensor([int(i > 0 and time.perf_counter() - started > budget_s)])
+        dist.broadcast(over, 0)
+        if int(over.item()):
+            trials.append(Trial(entry["name"], entry["predicted_s"], None,
+                                "not run: trial budget spent"))
+            continue
+        measured = run_trial(model, s, choice, sample_input, loss_fn, entry["steps"])
         trials.append(Trial(entry["name"], entry["predicted_s"], measured))
     pick = torch.tensor([fastest([t.measured_s for t in trials])], dtype=torch.int64)
     dist.broadcast(pick, 0)  # the ranks' numbers are equal; rank 0's word is final
@@ -160,7 +183,7 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
         strategy = replace(strategy, builder=f"Auto({name})")
     best = Candidate(name, strategy, cost)
     others = tuple(c for c in choice.candidates if c.name != name)
-    note = (f"trial steps: {len(trials)} candidates, {WARMUP}+{steps} steps each, "
+    note = (f"trial steps: {len(trials)} candidates, {WARMUP}+{steps}..{MAX_STEPS} steps each, "
             f"{time.perf_counter() - started:.1f} s; kept {name}")
     return replace(choice, best=best, candidates=(best, *others), trials=tuple(trials),
                    notes=(*choice.notes, note))
