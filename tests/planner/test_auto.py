@@ -14,7 +14,7 @@ from stratagem.analysis import analyze
 from stratagem.errors import StrategyError
 from stratagem.planner import choose, explain_json, explain_text
 from stratagem.planner.calibrate import estimate
-from stratagem.planner.search import search
+from stratagem.planner.search import all_reduce_only, search
 from stratagem.planner.trial import fastest, shortlist
 from stratagem.resource import ResourceSpec
 from stratagem.strategy import (
@@ -128,8 +128,18 @@ def test_shortlist_has_distinct_strategies_and_a_builtin() -> None:
     keys = [json.dumps([nc.to_dict() for nc in c.strategy.node_config], sort_keys=True)
             for c in short]
     assert len(set(keys)) == len(keys) and any(c.name != "hybrid" for c in short)
-    assert short[0] is choice.best and len(short) <= 4
+    assert any(all_reduce_only(c.strategy) for c in short)
+    assert short[0] is choice.best and len(short) <= 5
     assert not {"AllReduce", "Parallax"} <= {c.name for c in short}
+
+
+def test_lossy_allowed_adds_allreduce_with_each_compressor() -> None:
+    profile = analyze(pw.make("dense"))
+    names = {c.name for c in search(profile, spec(2), estimate(profile, 8),
+                                    Auto(compressors=("none", "fp16"))).candidates}
+    assert "AllReduce(fp16)" in names
+    names = {c.name for c in search(profile, spec(2), estimate(profile, 8)).candidates}
+    assert not any("(" in n for n in names)
 
 
 def test_auto_options_are_checked() -> None:

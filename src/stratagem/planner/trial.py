@@ -3,8 +3,9 @@
 The cost model ranks candidates; where its error (fixed costs, contention on busy cores) is
 larger than the gap between them, a few measured steps decide. With a process group up
 (AutoDist builds the strategy inside the workers), every worker runs, for each of the top
-``k`` predicted candidates (distinct strategies) plus the best built-in builder (so Auto
-is never slower than it by more than the trials' noise), a copy of the model wrapped by the
+``k`` predicted candidates (distinct strategies) plus the best built-in builder and the
+best all-reduce-only candidate (so Auto is never slower than them by more than the trials'
+noise), a copy of the model wrapped by the
 runtime under that strategy, for one warm-up and ``steps`` timed training steps on its
 sample batch (forward, backward with the strategy's synchronization, an update with
 learning rate 0 on the copy); short steps are repeated up to ``MEASURE_S`` of them.
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.planner.calibrate import call_model, default_loss
-from stratagem.planner.search import Candidate, Choice
+from stratagem.planner.search import Candidate, Choice, all_reduce_only
 from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import server_devices, validate
 
@@ -66,19 +67,22 @@ class Trial:
 
 
 def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
-    """The ``k`` best-predicted candidates (the chosen one first), plus the best-predicted
-    built-in builder (registered builders with their defaults: lossless) when none is
-    among them."""
+    """The ``k`` best-predicted candidates with distinct strategies (the chosen one first),
+    plus the best-predicted built-in builder and the best-predicted all-reduce-only
+    candidate when none is among them: the model errs most on parameter servers (their
+    per-piece work), and all-reduce is what a user would run without Auto."""
     out: list[Candidate] = []
     seen: set[str] = set()
+    wants = [lambda c: c.name != "hybrid", lambda c: all_reduce_only(c.strategy)]
     for c in choice.candidates:
         key = json.dumps([nc.to_dict() for nc in c.strategy.node_config], sort_keys=True)
         if key in seen:  # the same strategy under another name (AllReduce = Parallax ...)
             continue
-        if len(out) < k or (c.name != "hybrid" and all(o.name == "hybrid" for o in out)):
+        missing = [w for w in wants if not any(w(o) for o in out)]
+        if len(out) < k or any(w(c) for w in missing):
             out.append(c)
             seen.add(key)
-        if len(out) >= k and any(o.name != "hybrid" for o in out):
+        if len(out) >= k and all(any(w(o) for o in out) for w in wants):
             break
     return out
 
