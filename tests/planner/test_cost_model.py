@@ -183,3 +183,19 @@ def test_runtime_costs_are_measured_and_small() -> None:
 
     tensor_s, group_s = runtime_costs()
     assert 0 < tensor_s < 5e-3 and 0 <= group_s < 0.05
+
+
+def test_rows_found_in_a_dense_gradient_cost_a_scan_of_it() -> None:
+    s = spec(2)
+    w0, _ = s.replicas
+    strat = Strategy(node_config=(
+        NodeConfig("emb", AllReduceSynchronizer()),
+        NodeConfig("fc", PSSynchronizer(reduction_destination=w0, local_replication=True,
+                                         row_sparse=True)))).with_replicas(s.replicas)
+    prof = _profile().with_access([AccessStats("fc", 250, 10.0)])
+    lm = links(s, latency_s=0.0, message_cpu_s=0.0)
+    slow = predict(strat, prof, s, _cal(scan_bps=1e6), lm)
+    fast = predict(strat, prof, s, _cal(scan_bps=1e12), lm)
+    # fc is 1 MB, declared dense: its non-zero rows are found by reading all of it
+    assert slow.parts["row_scan"] == pytest.approx(1.0)
+    assert slow.overhead_s - fast.overhead_s == pytest.approx(1.0 - 1e-6)

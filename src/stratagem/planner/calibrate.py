@@ -55,6 +55,9 @@ class Calibration:
     """The runtime's own seconds per all-reduced tensor (hook, copy in and out)."""
     group_s: float = 0.0
     """The runtime's own seconds per all-reduce group (buffer, launch, wait)."""
+    scan_bps: float = 4e9
+    """Bytes/s of finding a dense gradient's non-zero rows (what the runtime does for a
+    parameter sent as rows though declared dense)."""
 
     @property
     def compute_s(self) -> float:
@@ -69,6 +72,7 @@ class Calibration:
                 "measured": self.measured, "seconds": self.seconds,
                 "copy_bps": self.copy_bps, "flops": self.flops,
                 "tensor_s": self.tensor_s, "group_s": self.group_s,
+                "scan_bps": self.scan_bps,
                 "access": [a.to_dict() for a in self.access]}
 
 
@@ -88,7 +92,19 @@ def machine_rates() -> tuple[float, float]:
         for _ in range(3):
             a @ a
         _RATES["flops"] = 3 * 2 * 256 ** 3 / max(time.perf_counter() - t, 1e-9)
+        g = torch.zeros(2 ** 15, 128)  # 16 MiB: rows of a dense gradient, none touched
+        torch.nonzero(g.any(dim=1))
+        t = time.perf_counter()
+        for _ in range(3):
+            torch.nonzero(g.any(dim=1))
+        _RATES["scan"] = 3 * g.numel() * 4 / max(time.perf_counter() - t, 1e-9)
     return _RATES["copy"], _RATES["flops"]
+
+
+def scan_rate() -> float:
+    """Bytes/s of ``nonzero(grad.any(dim=1))`` over a dense gradient (measured once)."""
+    machine_rates()
+    return _RATES["scan"]
 
 
 def signature(model: nn.Module) -> tuple:
@@ -326,7 +342,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
                       optimizer_s=opt_s, grad_ready_s=ready, layer_forward_s=layers,
                       access=tuple(access), copy_bps=copy_bps, flops=flops, measured=True,
                       seconds=time.perf_counter() - started, tensor_s=tensor_s,
-                      group_s=group_s)
+                      group_s=group_s, scan_bps=scan_rate())
     if use_cache:
         _CACHE[key] = cal
     return cal
@@ -336,6 +352,7 @@ NOMINAL_COPY_BPS = 2e9
 NOMINAL_FLOPS = 1e10
 NOMINAL_TENSOR_S = 40e-6
 NOMINAL_GROUP_S = 100e-6
+NOMINAL_SCAN_BPS = 4e9
 """Rates of :func:`estimate`: fixed, so that every rank plans the same strategy from the
 same profile (a 2-core CPU's order of magnitude; calibration measures the real ones)."""
 
@@ -364,7 +381,8 @@ def estimate(profile: ModelProfile, batch_size: int) -> Calibration:
     return Calibration(batch_size=batch_size, forward_s=forward, backward_s=backward,
                        optimizer_s=profile.total_bytes / copy_bps, grad_ready_s=ready,
                        access=access, copy_bps=copy_bps, flops=flops, measured=False,
-                       tensor_s=NOMINAL_TENSOR_S, group_s=NOMINAL_GROUP_S)
+                       tensor_s=NOMINAL_TENSOR_S, group_s=NOMINAL_GROUP_S,
+                       scan_bps=NOMINAL_SCAN_BPS)
 
 
 def profile_with_access(model: nn.Module, calibration: Calibration) -> ModelProfile:

@@ -139,7 +139,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         work_s += work
         ar_bytes += g.nbytes
 
-    pull_s = refresh_s = fwd_pull_s = sparse_push_s = 0.0
+    pull_s = refresh_s = fwd_pull_s = sparse_push_s = scan_s = 0.0
     owned_bytes = [0.0] * (ps.size if ps else 0)
     if ps is not None:
         # Dense buckets: push as ready (launch order), pull values after the update.
@@ -175,6 +175,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             pinfo = info[p.param]
             rows = pinfo.shape[0]
             row_bytes = pinfo.bytes / max(rows, 1)
+            if p.rows_from_grad:  # the runtime finds the non-zero rows of the dense grad
+                scan_s += p.rows * row_bytes / cal.scan_bps
             stats = access.get(p.param)
             u = _touched(p, rows, stats, cal.batch_size)
             owner = owners_dev[p.owner]
@@ -227,13 +229,13 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     exposed_comm = backward_tail + pull_s + refresh_s + fwd_pull_s
     # Compressor work runs inside the queued transfers (counted there; shown apart).
     # The runtime's own work per tensor (hook, copy in and back) and per group.
-    runtime_s = tensors * cal.tensor_s + len(plan.groups) * cal.group_s
+    runtime_s = tensors * cal.tensor_s + len(plan.groups) * cal.group_s + scan_s
     overhead = messages * links.message_cpu_s + runtime_s
     parts = {"forward": cal.forward_s, "backward": cal.backward_s, "update": update_s,
              "backward_tail": backward_tail, "ps_pull": pull_s, "sparse_pull": fwd_pull_s,
              "sparse_push": sparse_push_s, "refresh": refresh_s,
              "compressor_work": work_s, "messages": float(messages),
-             "runtime": runtime_s, "tensors": float(tensors)}
+             "runtime": runtime_s, "tensors": float(tensors), "row_scan": scan_s}
     return StepCost(compute_s=compute, exposed_comm_s=exposed_comm, overhead_s=overhead,
                     link_bytes=links.flow_bytes(all_flows), parts=parts,
                     slots=tuple(slots))
