@@ -170,9 +170,14 @@ def autodist_case(rank: int, world: int, name: str) -> dict[str, Any]:
     sl = slice(rank * per, (rank + 1) * per)
     inputs, target = batch(name, 0)
     sample, _ = slice_inputs(name, inputs, target, sl)
-    dm, opt = ad.distribute(model, opt, sample_input=sample)
+    from stratagem.planner import explain_json, trial
+
+    trial.INTERLEAVE_BYTES = 0  # candidates one at a time here (rigged_choice: interleaved)
+    try:
+        dm, opt = ad.distribute(model, opt, sample_input=sample)
+    finally:
+        trial.INTERLEAVE_BYTES = 2 ** 30
     state = train_steps(dm, opt, name, rank, world)
-    from stratagem.planner import explain_json
 
     return {"state": state, "strategy": ad.strategy.to_json(), "explain": ad.explain(),
             "json": explain_json(ad.choice), "rigged": rigged_choice(ad.resource_spec)}
@@ -197,7 +202,7 @@ def rigged_choice(spec: Any) -> dict[str, Any]:
     choice = replace(choice, best=rigged, candidates=(rigged, *others))
     fixed = refine(choice, model, sample, k=2)
     return {"chosen": fixed.best.name, "strategy": fixed.strategy.to_json(),
-            "trials": [t.to_dict() for t in fixed.trials]}
+            "trials": [t.to_dict() for t in fixed.trials], "notes": list(fixed.notes)}
 
 
 W0, W1 = "10.0.0.1:CPU:0", "10.0.0.2:CPU:0"

@@ -97,6 +97,8 @@ def test_autodist_with_auto_agrees_across_ranks_and_explains(tmp_path) -> None: 
     assert rigged[0]["strategy"] == rigged[1]["strategy"]
     assert rigged[0]["trials"][0]["name"] == "AllReduce"
     assert rigged[0]["chosen"] != "AllReduce", rigged[0]["trials"]
+    assert "interleaved" in rigged[0]["notes"][-1]
+    assert "in turn" in results[0]["json"]["notes"][-1]
     want = pw.reference("sampled")
     for r in results:
         for k, v in want.items():

@@ -4,17 +4,20 @@ The cost model ranks candidates; where its error (fixed costs, contention on bus
 larger than the gap between them, a few measured steps decide. With a process group up
 (AutoDist builds the strategy inside the workers), every worker runs, for each of the top
 ``k`` predicted candidates (distinct strategies) plus the best built-in builder and the
-best all-reduce-only candidate (so Auto is never slower than them by more than the trials'
-noise), a copy of the model wrapped by the
-runtime under that strategy, for one warm-up and ``steps`` timed training steps on its
-sample batch (forward, backward with the strategy's synchronization, an update with
-learning rate 0 on the copy); short steps are repeated up to ``MEASURE_S`` of them.
+best all-reduce-only candidate (so Auto is never slower than them by more than the
+trials' noise), a copy of the model wrapped by the runtime under that strategy, for one
+warm-up and ``steps`` timed training steps on its sample batch (forward, backward with the
+strategy's synchronization, an update with learning rate 0 on the copy); short steps are
+repeated up to ``MEASURE_S`` of them.
 
-Every worker takes the same decision: the candidates are rank 0's (sent as JSON), a step's
-time is the slowest rank's (an all-reduce of the maximum), and rank 0's pick is broadcast.
-Ties (within ``TIE``) keep the earlier, i.e. better predicted, candidate. Bounded: a
-candidate whose predicted run would overrun ``BUDGET_S`` is not tried, nor is any once
-that much time has passed (rank 0 decides both).
+Candidates small enough are built at once and stepped in turn, the order rotating each
+round (as the benchmarks interleave variants: load that comes and goes hits all alike);
+large ones run one at a time. Every worker takes the same decision: the candidates are
+rank 0's (sent as JSON), a step's time is the slowest rank's (an all-reduce of the
+maximum), and rank 0's pick is broadcast. Ties (within ``TIE``) keep the earlier, i.e.
+better predicted, candidate. Bounded: a candidate whose predicted run would overrun
+``BUDGET_S`` is not tried, nor is any step round started once that much time has passed
+(rank 0 decides both).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ MEASURE_S = 0.3
 WARMUP = 1
 BUDGET_S = 20.0
 """Trial steps of all candidates together stop being started past this (predicted)."""
+INTERLEAVE_BYTES = 2 ** 30
+COPIES = 3
+"""Candidates are stepped in turn (all built at once) while their copies -- about
+``COPIES`` times the parameters each: values, gradients, buffers -- fit in
+``INTERLEAVE_BYTES`` per process; else one at a time."""
 TIE = 0.05
 """Measured steps this close (relative) count as equal: the better predicted one stays
 (the search's own tolerance; steps of a few ms vary by that much between repeats)."""
@@ -108,35 +116,85 @@ def _broadcast_json(obj: Any) -> Any:
     return obj if dist.get_rank() == 0 else json.loads(bytes(buf.tolist()).decode())
 
 
-def run_trial(model: nn.Module, strategy: Strategy, choice: Choice, sample_input: Any,
-              loss_fn: Callable[[Any], torch.Tensor], steps: int = STEPS) -> float:
-    """Median seconds of ``steps`` training steps (after ``WARMUP``) of a copy of
-    ``model`` under ``strategy``, each the slowest rank's (collective: every worker)."""
-    from stratagem.runtime import DistributedModel, compile_plan
+class _Runner:
+    """A copy of the model wrapped by the runtime under one strategy (collective to build,
+    step and close: every worker at once)."""
 
-    replica = copy.deepcopy(model)
-    opt = torch.optim.SGD(replica.parameters(), lr=0.0)
-    plan = compile_plan(strategy, choice.profile, rank=dist.get_rank(),
-                        world_size=dist.get_world_size(), device=torch.device("cpu"),
-                        servers=server_devices(choice.spec))
-    dm = DistributedModel(replica, plan, optimizer=opt)
-    times = []
-    try:
-        for i in range(WARMUP + steps):
-            dist.barrier()
-            t = time.perf_counter()
-            opt.zero_grad()
-            loss_fn(call_model(dm, sample_input)).backward()
-            opt.step()
-            elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if i >= WARMUP:
-                times.append(float(elapsed))
-    finally:
-        close = getattr(dm, "close", None)
+    def __init__(self, model: nn.Module, strategy: Strategy, choice: Choice) -> None:
+        from stratagem.runtime import DistributedModel, compile_plan
+
+        replica = copy.deepcopy(model)
+        self.opt = torch.optim.SGD(replica.parameters(), lr=0.0)
+        plan = compile_plan(strategy, choice.profile, rank=dist.get_rank(),
+                            world_size=dist.get_world_size(), device=torch.device("cpu"),
+                            servers=server_devices(choice.spec))
+        self.dm = DistributedModel(replica, plan, optimizer=self.opt)
+        self.times: list[float] = []
+        self.steps = 0
+
+    def step(self, sample_input: Any, loss_fn: Callable[[Any], torch.Tensor]) -> None:
+        """One training step; its time is the slowest rank's (the first is warm-up)."""
+        dist.barrier()
+        t = time.perf_counter()
+        self.opt.zero_grad()
+        loss_fn(call_model(self.dm, sample_input)).backward()
+        self.opt.step()
+        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if self.steps >= WARMUP:
+            self.times.append(float(elapsed))
+        self.steps += 1
+
+    def close(self) -> None:
+        close = getattr(self.dm, "close", None)
         if callable(close):
             close()
-    return statistics.median(times)
+
+    def median(self) -> float | None:
+        return statistics.median(self.times) if self.times else None
+
+
+def run_trial(model: nn.Module, strategy: Strategy, choice: Choice, sample_input: Any,
+              loss_fn: Callable[[Any], torch.Tensor], steps: int = STEPS) -> float | None:
+    """Median seconds of ``steps`` training steps (after ``WARMUP``) of a copy of
+    ``model`` under ``strategy``, each the slowest rank's (collective: every worker)."""
+    r = _Runner(model, strategy, choice)
+    try:
+        for _ in range(WARMUP + steps):
+            r.step(sample_input, loss_fn)
+    finally:
+        r.close()
+    return r.median()
+
+
+def _over(started: float, budget_s: float) -> bool:
+    """Rank 0's clock says the budget is spent (the same answer on every rank)."""
+    flag = torch.tensor([int(time.perf_counter() - started > budget_s)])
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+def _interleaved(model: nn.Module, strategies: list[Strategy], steps: list[int],
+                 choice: Choice, sample_input: Any, loss_fn: Callable[[Any], torch.Tensor],
+                 started: float, budget_s: float) -> list[float | None]:
+    """Every candidate built at once and stepped in turn, the order rotating each round
+    (load that comes and goes hits all alike, as in the benchmarks)."""
+    runners: list[_Runner] = []
+    try:
+        for s in strategies:
+            runners.append(_Runner(model, s, choice))
+        for rnd in range(WARMUP + max(steps)):
+            if rnd > WARMUP and _over(started, budget_s):
+                break
+            n = len(runners)
+            for j in range(n):
+                i = (rnd + j) % n
+                if runners[i].steps < WARMUP + steps[i]:
+                    runners[i].step(sample_input, loss_fn)
+    finally:
+        for r in runners:
+            r.close()
+    return [r.median() for r in runners]
 
 
 def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
@@ -161,21 +219,24 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
         plan = [{"name": c.name, "predicted_s": c.cost.total_s, "steps": n,
                  "strategy": c.strategy.to_dict()} for c, n in picked]
     plan = _broadcast_json(plan)
-    trials: list[Trial] = []
-    strategies = []
-    for i, entry in enumerate(plan):
-        s = validate(Strategy.from_dict(entry["strategy"], source="rank 0's trial candidate"),
-                     choice.profile, choice.spec)
-        strategies.append(s)
-        # the predictions may be short: rank 0's clock decides whether to go on
-        over = torch.tensor([int(i > 0 and time.perf_counter() - started > budget_s)])
-        dist.broadcast(over, 0)
-        if int(over.item()):
-            trials.append(Trial(entry["name"], entry["predicted_s"], None,
-                                "not run: trial budget spent"))
-            continue
-        measured = run_trial(model, s, choice, sample_input, loss_fn, entry["steps"])
-        trials.append(Trial(entry["name"], entry["predicted_s"], measured))
+    strategies = [validate(Strategy.from_dict(e["strategy"], source="rank 0's trial candidate"),
+                           choice.profile, choice.spec) for e in plan]
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    measured: list[float | None] = []
+    if len(plan) * model_bytes * COPIES <= INTERLEAVE_BYTES:
+        measured = _interleaved(model, strategies, [e["steps"] for e in plan], choice,
+                                sample_input, loss_fn, started, budget_s)
+    else:  # one copy at a time: large models
+        for i, (entry, s) in enumerate(zip(plan, strategies, strict=True)):
+            # the predictions may be short: rank 0's clock decides whether to go on
+            if i > 0 and _over(started, budget_s):
+                measured.append(None)
+                continue
+            measured.append(run_trial(model, s, choice, sample_input, loss_fn,
+                                      entry["steps"]))
+    trials = [Trial(e["name"], e["predicted_s"], m,
+                    "" if m is not None else "not run: trial budget spent")
+              for e, m in zip(plan, measured, strict=True)]
     pick = torch.tensor([fastest([t.measured_s for t in trials])], dtype=torch.int64)
     dist.broadcast(pick, 0)  # the ranks' numbers are equal; rank 0's word is final
     best_i = int(pick.item())
@@ -187,7 +248,9 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
         strategy = replace(strategy, builder=f"Auto({name})")
     best = Candidate(name, strategy, cost)
     others = tuple(c for c in choice.candidates if c.name != name)
-    note = (f"trial steps: {len(trials)} candidates, {WARMUP}+{steps}..{MAX_STEPS} steps each, "
+    how = "interleaved" if len(plan) * model_bytes * COPIES <= INTERLEAVE_BYTES else "in turn"
+    note = (f"trial steps: {len(trials)} candidates {how}, {WARMUP}+{steps}..{MAX_STEPS} "
+            "steps each, "
             f"{time.perf_counter() - started:.1f} s; kept {name}")
     return replace(choice, best=best, candidates=(best, *others), trials=tuple(trials),
                    notes=(*choice.notes, note))
