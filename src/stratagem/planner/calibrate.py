@@ -351,7 +351,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
 NOMINAL_COPY_BPS = 2e9
 NOMINAL_FLOPS = 1e10
 NOMINAL_TENSOR_S = 40e-6
-NOMINAL_GROUP_S = 100e-6
+NOMINAL_GROUP_S = 20e-6
 NOMINAL_SCAN_BPS = 4e9
 """Rates of :func:`estimate`: fixed, so that every rank plans the same strategy from the
 same profile (a 2-core CPU's order of magnitude; calibration measures the real ones)."""

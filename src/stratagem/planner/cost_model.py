@@ -229,7 +229,9 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     exposed_comm = backward_tail + pull_s + refresh_s + fwd_pull_s
     # Compressor work runs inside the queued transfers (counted there; shown apart).
     # The runtime's own work per tensor (hook, copy in and back) and per group.
-    runtime_s = tensors * cal.tensor_s + len(plan.groups) * cal.group_s + scan_s
+    # (a dense PS bucket's machinery -- buffer, posting its sends -- is priced as a group's)
+    groups = len(plan.groups) + (len(ps.buckets) if ps is not None else 0)
+    runtime_s = tensors * cal.tensor_s + groups * cal.group_s + scan_s
     overhead = messages * links.message_cpu_s + runtime_s
     parts = {"forward": cal.forward_s, "backward": cal.backward_s, "update": update_s,
              "backward_tail": backward_tail, "ps_pull": pull_s, "sparse_pull": fwd_pull_s,

@@ -118,18 +118,23 @@ def runtime_costs(repeats: int = 7) -> tuple[float, float]:
         return AllReduceReducer(plan, params, {g.backend: _NullComm() for g in plan.groups},
                                 CommStats())
 
-    plain = _time_backward(model, x, repeats)
-    timed: dict[int, float] = {}
-    for groups in (1, TENSORS // 4):
-        r = reducer(groups)
-        try:
-            timed[groups] = _time_backward(model, x, repeats)
-        finally:
-            r.remove_hooks()
-    plain = min(plain, _time_backward(model, x, repeats))  # the machine may have warmed up
-    one, many = timed[1], timed[TENSORS // 4]
+    # Rounds of (plain, one group, many groups), medians of each: load that comes and
+    # goes hits all three alike.
+    many_groups = TENSORS // 4
+    samples: dict[int, list[float]] = {0: [], 1: [], many_groups: []}
+    _time_backward(model, x, 1)  # warm-up
+    for _ in range(repeats):
+        samples[0].append(_time_backward(model, x, 1))
+        for groups in (1, many_groups):
+            r = reducer(groups)
+            try:
+                samples[groups].append(_time_backward(model, x, 2))
+            finally:
+                r.remove_hooks()
+    plain = statistics.median(samples[0])
+    one, many = statistics.median(samples[1]), statistics.median(samples[many_groups])
     tensor_s = max(0.0, one - plain) / TENSORS
-    group_s = max(0.0, many - one) / (TENSORS // 4 - 1)
+    group_s = max(0.0, many - one) / (many_groups - 1)
     _RUNTIME.update(tensor=tensor_s, group=group_s)
     return tensor_s, group_s
 
