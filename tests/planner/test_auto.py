@@ -120,6 +120,9 @@ def test_trials_pick_the_fastest_and_keep_the_better_predicted_on_ties() -> None
     assert fastest([0.100, 0.096, 0.2]) == 0  # within 5%: the better predicted stays
     assert fastest([None, 0.5]) == 1
     assert fastest([0.2, 0.2, 0.2]) == 0
+    # faster by 10%, but the steps spread by 0.02 s each: within the noise
+    assert fastest([0.20, 0.18], [0.02, 0.02]) == 0
+    assert fastest([0.20, 0.10], [0.02, 0.02]) == 1
 
 
 def test_shortlist_has_distinct_strategies_and_a_builtin() -> None:

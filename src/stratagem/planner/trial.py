@@ -14,10 +14,10 @@ Candidates small enough are built at once and stepped in turn, the order rotatin
 round (as the benchmarks interleave variants: load that comes and goes hits all alike);
 large ones run one at a time. Every worker takes the same decision: the candidates are
 rank 0's (sent as JSON), a step's time is the slowest rank's (an all-reduce of the
-maximum), and rank 0's pick is broadcast. Ties (within ``TIE``) keep the earlier, i.e.
-better predicted, candidate. Bounded: a candidate whose predicted run would overrun
-``BUDGET_S`` is not tried, nor is any step round started once that much time has passed
-(rank 0 decides both).
+maximum), and rank 0's pick is broadcast. Ties -- within ``TIE`` or within the two trials'
+spread -- keep the earlier, i.e. better predicted, candidate. Bounded: a candidate whose
+predicted run would overrun ``BUDGET_S`` is not tried, nor is any step round started once
+that much time has passed (rank 0 decides both).
 """
 
 from __future__ import annotations
@@ -68,10 +68,12 @@ class Trial:
     predicted_s: float
     measured_s: float | None
     note: str = ""
+    spread_s: float = 0.0
+    """Median absolute deviation of the timed steps (the trial's own noise)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "predicted_s": self.predicted_s,
-                "measured_s": self.measured_s, "note": self.note}
+                "measured_s": self.measured_s, "spread_s": self.spread_s, "note": self.note}
 
 
 def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
@@ -95,12 +97,18 @@ def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
     return out
 
 
-def fastest(measured: list[float | None]) -> int:
-    """Index of the fastest measured candidate; one within ``TIE`` of a faster-predicted
-    (earlier) one does not displace it, so equal timings give the same answer always."""
+def fastest(measured: list[float | None], spread: list[float] | None = None) -> int:
+    """Index of the fastest measured candidate. One does not displace a better-predicted
+    (earlier) one unless faster by more than ``TIE`` and by more than the two trials'
+    spreads together (median absolute deviations): within the noise the prediction
+    decides, and equal timings give the same answer always."""
+    spread = spread or [0.0] * len(measured)
     best_i, best_t = 0, float("inf")
     for i, t in enumerate(measured):
-        if t is not None and t < best_t * (1 - TIE):
+        if t is None:
+            continue
+        margin = spread[i] + (spread[best_i] if best_t < float("inf") else 0.0)
+        if t < best_t * (1 - TIE) and t < best_t - margin:
             best_i, best_t = i, t
     return best_i
 
@@ -153,18 +161,24 @@ class _Runner:
     def median(self) -> float | None:
         return statistics.median(self.times) if self.times else None
 
+    def spread(self) -> float:
+        """Median absolute deviation of the timed steps."""
+        m = self.median()
+        return statistics.median(abs(t - m) for t in self.times) if m is not None else 0.0
+
 
 def run_trial(model: nn.Module, strategy: Strategy, choice: Choice, sample_input: Any,
-              loss_fn: Callable[[Any], torch.Tensor], steps: int = STEPS) -> float | None:
-    """Median seconds of ``steps`` training steps (after ``WARMUP``) of a copy of
-    ``model`` under ``strategy``, each the slowest rank's (collective: every worker)."""
+              loss_fn: Callable[[Any], torch.Tensor], steps: int = STEPS
+              ) -> tuple[float | None, float]:
+    """(median, median absolute deviation) of ``steps`` training steps (after ``WARMUP``)
+    of a copy of ``model`` under ``strategy``, each the slowest rank's (collective)."""
     r = _Runner(model, strategy, choice)
     try:
         for _ in range(WARMUP + steps):
             r.step(sample_input, loss_fn)
     finally:
         r.close()
-    return r.median()
+    return r.median(), r.spread()
 
 
 def _over(started: float, budget_s: float) -> bool:
@@ -176,7 +190,7 @@ def _over(started: float, budget_s: float) -> bool:
 
 def _interleaved(model: nn.Module, strategies: list[Strategy], steps: list[int],
                  choice: Choice, sample_input: Any, loss_fn: Callable[[Any], torch.Tensor],
-                 started: float, budget_s: float) -> list[float | None]:
+                 started: float, budget_s: float) -> list[tuple[float | None, float]]:
     """Every candidate built at once and stepped in turn, the order rotating each round
     (load that comes and goes hits all alike, as in the benchmarks)."""
     runners: list[_Runner] = []
@@ -194,7 +208,7 @@ def _interleaved(model: nn.Module, strategies: list[Strategy], steps: list[int],
     finally:
         for r in runners:
             r.close()
-    return [r.median() for r in runners]
+    return [(r.median(), r.spread()) for r in runners]
 
 
 def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
@@ -222,7 +236,7 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
     strategies = [validate(Strategy.from_dict(e["strategy"], source="rank 0's trial candidate"),
                            choice.profile, choice.spec) for e in plan]
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    measured: list[float | None] = []
+    measured: list[tuple[float | None, float]] = []
     if len(plan) * model_bytes * COPIES <= INTERLEAVE_BYTES:
         measured = _interleaved(model, strategies, [e["steps"] for e in plan], choice,
                                 sample_input, loss_fn, started, budget_s)
@@ -230,14 +244,15 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
         for i, (entry, s) in enumerate(zip(plan, strategies, strict=True)):
             # the predictions may be short: rank 0's clock decides whether to go on
             if i > 0 and _over(started, budget_s):
-                measured.append(None)
+                measured.append((None, 0.0))
                 continue
             measured.append(run_trial(model, s, choice, sample_input, loss_fn,
                                       entry["steps"]))
     trials = [Trial(e["name"], e["predicted_s"], m,
-                    "" if m is not None else "not run: trial budget spent")
-              for e, m in zip(plan, measured, strict=True)]
-    pick = torch.tensor([fastest([t.measured_s for t in trials])], dtype=torch.int64)
+                    "" if m is not None else "not run: trial budget spent", spread)
+              for e, (m, spread) in zip(plan, measured, strict=True)]
+    pick = torch.tensor([fastest([t.measured_s for t in trials],
+                                 [t.spread_s for t in trials])], dtype=torch.int64)
     dist.broadcast(pick, 0)  # the ranks' numbers are equal; rank 0's word is final
     best_i = int(pick.item())
     name = plan[best_i]["name"]
