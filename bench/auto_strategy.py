@@ -10,13 +10,17 @@ interleaved step by step in a seeded random order:
   a builder whose strategy equals one already built is measured once (``same_as``);
 * ``DDP``: torch DDP on gloo, sparse gradients where the model declares them;
 * ``Auto``: ``AutoDist(strategy_builder="Auto").build_strategy(model)`` when a builder of
-  that name is registered, else recorded as "planner not available";
+  that name is registered, else recorded as "planner not available" (in the workers: it
+  calibrates, measures the links and runs its trial steps);
+* ``Auto_fp16``: the same with ``Auto(compressors=("none", "fp16"))``, lossy allowed;
 * ``HybridRef``: a hand-made reference (Parallax's placement with fp16 all-reduce) that
   shows what a per-parameter hybrid can gain; it is not a built-in and not Auto.
 
-Per case: median step time of each variant (max over ranks per step), Auto / best built-in,
-Auto / DDP, the planner's prediction and its error ``|pred - meas| / meas`` per variant (when
-``stratagem.planner.predict_step_time`` exists), Auto's build time (calibration + planning),
+Per case: median step time of each variant (max over ranks per step), Auto / best lossless
+built-in (AllReduce_fp16 excluded), Auto_fp16 / best built-in (fp16 included), Auto / DDP,
+the planner's prediction (links measured) and its error ``|pred - meas| / meas`` per variant
+(when ``stratagem.planner.predict_step_time`` exists), Auto's build time (calibration, link
+probe, planning and trial steps),
 the machine's load average. Results merge into bench/results/auto_strategy.json by case, so
 subsets run at different times add up. Needs root (the virtual cluster), except --loopback.
 
@@ -51,6 +55,11 @@ RESULTS = ROOT / "bench" / "results"
 OUT = RESULTS / "auto_strategy.json"
 FP16 = "AllReduce_fp16"
 HYBRID = "HybridRef"
+AUTO_FP16 = "Auto_fp16"
+"""Auto allowed the lossy fp16 compressor (``Auto(compressors=("none", "fp16"))``): judged
+against every built-in, AllReduce_fp16 included; plain Auto (lossless) against the
+lossless built-ins only."""
+NOT_BUILTIN_VARIANTS = ("Auto", AUTO_FP16, "DDP", HYBRID)
 NOT_AVAILABLE = "planner not available"
 # Builders that are neither baselines nor candidates here.
 NOT_BUILTIN = {"auto"}
@@ -100,17 +109,17 @@ def with_compressor(strategy: Any, compressor: str, name: str) -> Any:
 
 
 def predict_all(fn: Any, model: Any, strategies: dict[str, Any], spec: Any, batch_size: int,
-                sample: Any) -> tuple[dict[str, float | None], dict[str, str]]:
-    """``fn(model, strategy, spec, batch_size, sample_input=...)`` for every strategy: the
-    predicted seconds per step (None where it raised or gave no finite positive number),
-    and the errors."""
+                sample: Any, **options: Any) -> tuple[dict[str, float | None], dict[str, str]]:
+    """``fn(model, strategy, spec, batch_size, sample_input=..., **options)`` for every
+    strategy: the predicted seconds per step (None where it raised or gave no finite
+    positive number), and the errors."""
     import math
 
     preds: dict[str, float | None] = {}
     errors: dict[str, str] = {}
     for name, s in strategies.items():
         try:
-            value = float(fn(model, s, spec, batch_size, sample_input=sample))
+            value = float(fn(model, s, spec, batch_size, sample_input=sample, **options))
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"predicted {value!r} s")
             preds[name] = value
@@ -168,20 +177,34 @@ class AutoWorker(Worker):
                 seen[key] = name
         return out, errors, same
 
-    def auto_strategy(self, model: Any, sample: Any) -> tuple[Any, float, str | None]:
+    def auto_strategy(self, model: Any, sample: Any, lossy: bool = False
+                      ) -> tuple[Any, float, str | None]:
         """(Auto's strategy, seconds to build it, error) via the public AutoDist path, with
         one worker's batch as the sample input (so the planner calibrates on this machine,
-        as ``distribute(sample_input=...)`` does in a user's script)."""
+        measures the links and runs its trial steps, as ``distribute(sample_input=...)``
+        does in a user's script). ``lossy``: Auto allowed fp16 (Auto_fp16)."""
         import stratagem as sg
 
         name = self.args.auto_builder
         if not auto_registered(name):
             return None, 0.0, f"{NOT_AVAILABLE} (no builder named {name})"
+        builder: Any = name
+        if lossy:
+            if name != "Auto":
+                return None, 0.0, f"unavailable: {AUTO_FP16} needs the planner's Auto"
+            builder = sg.strategy.Auto(compressors=("none", "fp16"))
         t0 = time.perf_counter()
         try:
-            ad = sg.AutoDist(strategy_builder=name, resource_spec=self.ad.resource_spec,
+            ad = sg.AutoDist(strategy_builder=builder, resource_spec=self.ad.resource_spec,
                              verbose=False)
             strategy = ad.build_strategy(model, sample_input=sample)
+            choice = getattr(ad, "choice", None)
+            if choice is not None and self.rank == 0:  # what the planner measured
+                probe = getattr(choice, "link_probe", None)
+                self.planner_info[AUTO_FP16 if lossy else "Auto"] = {
+                    "chosen": choice.best.name,
+                    "links_measured": probe.to_dict() if probe is not None else None,
+                    "trials": [t.to_dict() for t in getattr(choice, "trials", ())]}
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             if self.args.verbose_errors:
                 traceback.print_exc()
@@ -223,11 +246,14 @@ class AutoWorker(Worker):
         fn = predictor()
         if fn is None:
             return {}, {}, 0.0
+        import inspect
+
         model = z.make()
         model.load_state_dict(base_state)
         t0 = time.perf_counter()
+        probe = {"probe": True} if "probe" in inspect.signature(fn).parameters else {}
         preds, errors = predict_all(fn, model, strategies, self.ad.resource_spec,
-                                    z.local_batch, sample)
+                                    z.local_batch, sample, **probe)
         return preds, errors, time.perf_counter() - t0
 
     def run_case(self, z: Any) -> dict[str, Any]:
@@ -245,9 +271,13 @@ class AutoWorker(Worker):
                  if not a.builders or n in a.builders]
         strategies, errors, same = self.strategies(base, names)
         sample = data.batches(0)[self.rank].inputs
+        self.planner_info: dict[str, Any] = {}
         auto, plan_s, auto_error = self.auto_strategy(base, sample)
         if auto is not None:
             strategies["Auto"] = auto
+        auto16, plan16_s, auto16_error = self.auto_strategy(base, sample, lossy=True)
+        if auto16 is not None:
+            strategies[AUTO_FP16] = auto16
         preds, pred_errors, predict_s = self.predict(z, base_state, strategies, sample)
         del base
         self.log(f"{z.name}: building {', '.join(strategies)} + DDP"
@@ -274,6 +304,10 @@ class AutoWorker(Worker):
         if self.rank == 0:
             result = self.case_record(z, variants, every, errors, same, preds, pred_errors,
                                       auto_error, plan_s, predict_s, steps, warmup)
+            if auto16_error and AUTO_FP16 not in result["variants"]:
+                result["variants"][AUTO_FP16] = {"status": auto16_error}
+            result["auto_fp16_build_s"] = round(plan16_s, 3) if plan16_s else None
+            result["planner"] = self.planner_info
             result["host"] = {"loadavg_1m_start": round(load0, 2),
                               "loadavg_1m_end": round(os.getloadavg()[0], 2)}
         for v in variants:
@@ -322,19 +356,27 @@ class AutoWorker(Worker):
 
 
 def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Best built-in, Auto's ratios to it and to DDP, prediction error summary."""
+    """Best built-in (any, and lossless only), Auto's ratios to them and to DDP, Auto_fp16's
+    to the best built-in, prediction error summary."""
     def med(name: str) -> float | None:
         return (recs.get(name) or {}).get("median_step_s")
 
-    builtin = {n: med(n) for n in recs if n not in ("Auto", "DDP", HYBRID) and med(n)}
+    builtin = {n: med(n) for n in recs if n not in NOT_BUILTIN_VARIANTS and med(n)}
     best = min(builtin, key=lambda n: builtin[n]) if builtin else None
-    auto, ddp, hyb = med("Auto"), med("DDP"), med(HYBRID)
+    lossless = {n: t for n, t in builtin.items() if n != FP16}
+    best_ll = min(lossless, key=lambda n: lossless[n]) if lossless else None
+    auto, ddp, hyb, auto16 = med("Auto"), med("DDP"), med(HYBRID), med(AUTO_FP16)
     errs = [r["prediction_error"] for r in recs.values()
             if r.get("prediction_error") is not None and "same_as" not in r]
     return {
         "best_builtin": best,
         "best_builtin_step_s": builtin.get(best) if best else None,
         "auto_over_best_builtin": round(auto / builtin[best], 4) if auto and best else None,
+        "best_lossless_builtin": best_ll,
+        "auto_over_best_lossless": (round(auto / lossless[best_ll], 4)
+                                    if auto and best_ll else None),
+        "auto_fp16_over_best_builtin": (round(auto16 / builtin[best], 4)
+                                        if auto16 and best else None),
         "auto_over_ddp": round(auto / ddp, 4) if auto and ddp else None,
         "hybrid_ref_over_best_builtin": round(hyb / builtin[best], 4) if hyb and best else None,
         "ddp_over_best_builtin": round(ddp / builtin[best], 4) if ddp and best else None,
@@ -349,7 +391,8 @@ def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
     def vals(key: str) -> list[float]:
         return [c[key] for c in cases.values() if c.get(key) is not None]
 
-    ratios = vals("auto_over_best_builtin")
+    ratios = vals("auto_over_best_lossless")
+    ratios16 = vals("auto_fp16_over_best_builtin")
     errs = [v["prediction_error"] for c in cases.values()
             for v in c.get("variants", {}).values()
             if v.get("prediction_error") is not None and "same_as" not in v]
@@ -363,9 +406,11 @@ def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": ok, "cases": len(cases)}
 
     return [
-        rec("Auto / best built-in, worst case", "<= 1.05", max(ratios, default=None),
+        rec("Auto / best lossless built-in, worst case", "<= 1.05", max(ratios, default=None),
             max(ratios) <= 1.05 if ratios else None),
-        rec("cases with Auto / best built-in < 0.95", ">= 3",
+        rec("Auto_fp16 / best built-in (fp16 included), worst case", "<= 1.05",
+            max(ratios16, default=None), max(ratios16) <= 1.05 if ratios16 else None),
+        rec("cases with Auto / best lossless built-in < 0.95", ">= 3",
             sum(r < 0.95 for r in ratios) if ratios else None,
             sum(r < 0.95 for r in ratios) >= 3 if ratios else None),
         rec("LSTM LM, 4 nodes: DDP / Auto", ">= 1.5", min(lstm4, default=None),
@@ -428,7 +473,7 @@ def summary_markdown(result: dict[str, Any]) -> str:
             for v in (by.get((m, n, link)) or {"variants": {}})["variants"]:
                 if v not in names:
                     names.append(v)
-        last = ("DDP", HYBRID, "Auto")
+        last = ("DDP", HYBRID, "Auto", AUTO_FP16)
         for name in [n for n in names if n not in last] + [n for n in last if n in names]:
             cells = []
             for n, link in cols:
@@ -441,14 +486,17 @@ def summary_markdown(result: dict[str, Any]) -> str:
                 else:
                     cells.append("n/a")
             lines.append(f"| {m} | {name} | " + " | ".join(cells) + " |")
-    lines += ["", "| model | case | best built-in | Auto / best | Auto / DDP | HybridRef / best |"
-              " DDP / best | pred. error median / max | Auto build (s) | load 1 min |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["", "| model | case | best lossless built-in | Auto / it | best built-in |"
+              " Auto_fp16 / it | Auto / DDP | HybridRef / best | DDP / best |"
+              " pred. error median / max | Auto build (s) | load 1 min |",
+              "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for c in cases.values():
         h = c.get("host", {})
         lines.append(
-            f"| {c['model']} | {c['nodes']} nodes {c['link']} | {c['best_builtin'] or '–'} | "
-            f"{_r(c['auto_over_best_builtin'])} | {_r(c['auto_over_ddp'])} | "
+            f"| {c['model']} | {c['nodes']} nodes {c['link']} | "
+            f"{c.get('best_lossless_builtin') or '–'} | {_r(c.get('auto_over_best_lossless'))} | "
+            f"{c['best_builtin'] or '–'} | {_r(c.get('auto_fp16_over_best_builtin'))} | "
+            f"{_r(c['auto_over_ddp'])} | "
             f"{_r(c['hybrid_ref_over_best_builtin'])} | {_r(c['ddp_over_best_builtin'])} | "
             f"{_r(c['prediction_error_median'])} / {_r(c['prediction_error_max'])} | "
             f"{_r(c['auto_build_s'])} | {h.get('loadavg_1m_start')}–{h.get('loadavg_1m_end')} |")
@@ -525,8 +573,13 @@ METHOD = {
     "step_time": "median over measured steps of the max over ranks",
     "prediction_error": "|predicted - measured| / measured (stratagem.planner."
                         "predict_step_time, called with the variant's strategy)",
-    "auto_build_s": "AutoDist(strategy_builder='Auto').build_strategy(model): calibration "
-                    "plus planning",
+    "auto_build_s": "AutoDist(strategy_builder='Auto').build_strategy(model): calibration, "
+                    "link probe, planning and trial steps",
+    "auto_fp16": "Auto_fp16 = Auto(compressors=('none', 'fp16')), judged against every "
+                 "built-in incl. AllReduce_fp16; Auto (lossless) against the lossless "
+                 "built-ins (AllReduce_fp16 excluded)",
+    "prediction": "predict_step_time(..., probe=True): calibrated, links measured in the "
+                  "workers",
     "same_as": "a builder whose strategy equals an earlier one's is measured once",
     "optimizer": "SGD",
 }

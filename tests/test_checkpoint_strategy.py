@@ -47,3 +47,16 @@ def test_elastic_checkpoints_carry_the_strategy_and_a_changed_plan_is_said(
     ad2, _ = _distributed("PartitionedAR")
     assert ad2.strategy.id != ad.strategy.id
     assert any(ad.strategy.id in m and "strategy.json" in m for m in logged), logged
+
+
+def test_saved_strategy_reproduces_an_auto_run(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stratagem run --strategy CKPT/strategy.json`` (STRATAGEM_STRATEGY) over a script that
+    asks for Auto: the saved strategy is used as it is, not planned anew."""
+    ad, _ = _distributed("Auto")
+    path = ad.save_checkpoint(tmp_path / "ckpt")
+    drop_job()
+    monkeypatch.setenv("STRATAGEM_STRATEGY", str(path / checkpoint.STRATEGY))
+    again, _ = _distributed("Auto")
+    assert again.choice is None  # nothing planned
+    assert again.strategy.to_dict()["node_config"] == ad.strategy.to_dict()["node_config"]

@@ -301,9 +301,13 @@ class AutoDist:
             self.log("Auto: dedicated parameter servers plan from the profile (no "
                      "calibration), so that every process chooses alike")
             sample_input = None
+        # Inside the job (every worker plans at once): measure the links, and time the
+        # best few candidates for real (trial steps) when the options ask for it.
+        together = sample_input is not None and self.world_size > 1 and not _PLAN_ONLY
         self.choice = choose(model, self.resource_spec, sample_input=sample_input,
-                             options=options)
-        if sample_input is None or self.world_size == 1 or _PLAN_ONLY:
+                             options=options, probe=together and options.probe,
+                             trials=together and options.trials > 0)
+        if not together:
             return self.choice.strategy
         return self._agree(self.choice.strategy)
 

@@ -105,9 +105,17 @@ def test_case_ratios_known_answer() -> None:
         "DDP": {"median_step_s": 0.5},
         "HybridRef": {"median_step_s": 0.1, "prediction_error": 0.2},
         "Auto": {"median_step_s": 0.15, "prediction_error": 0.05},
+        "AllReduce_fp16": {"median_step_s": 0.16},
+        "Auto_fp16": {"median_step_s": 0.12},
     }
     r = auto_strategy.case_ratios(recs)
+    assert r["best_builtin"] == "AllReduce_fp16" and r["best_builtin_step_s"] == 0.16
+    assert r["best_lossless_builtin"] == "Parallax" and r["auto_over_best_lossless"] == 0.75
+    assert r["auto_fp16_over_best_builtin"] == 0.75
+    del recs["AllReduce_fp16"], recs["Auto_fp16"]
+    r = auto_strategy.case_ratios(recs)
     assert r["best_builtin"] == "Parallax" and r["best_builtin_step_s"] == 0.2
+    assert r["auto_fp16_over_best_builtin"] is None
     assert r["auto_over_best_builtin"] == 0.75 and r["auto_over_ddp"] == 0.3
     assert r["hybrid_ref_over_best_builtin"] == 0.5 and r["ddp_over_best_builtin"] == 2.5
     # duplicates (same_as) count once: errors 0.1, 0.3, 0.2, 0.05
@@ -166,7 +174,8 @@ def test_predict_all_keeps_good_predictions_and_reports_bad_ones() -> None:
 def test_targets_known_answer() -> None:
     def case(model: str, nodes: int, ratio: float | None, ddp: float | None,
              errs: list[float], build: float | None) -> dict[str, Any]:
-        return {"model": model, "nodes": nodes, "auto_over_best_builtin": ratio,
+        return {"model": model, "nodes": nodes, "auto_over_best_lossless": ratio,
+                "auto_fp16_over_best_builtin": None if ratio is None else ratio - 0.1,
                 "auto_over_ddp": ddp, "auto_build_s": build,
                 "variants": {f"v{i}": {"prediction_error": e} for i, e in enumerate(errs)}}
 
@@ -174,8 +183,10 @@ def test_targets_known_answer() -> None:
              "b": case("hybrid", 2, 0.8, 0.7, [0.05], 12.0),
              "c": case("lstm_lm", 4, 1.1, 0.5, [0.4], 41.0)}
     got = {t["target"]: (t["value"], t["met"]) for t in auto_strategy.targets(cases)}
-    assert got["Auto / best built-in, worst case"] == (1.1, False)
-    assert got["cases with Auto / best built-in < 0.95"] == (2, False)
+    assert got["Auto / best lossless built-in, worst case"] == (1.1, False)
+    assert got["Auto_fp16 / best built-in (fp16 included), worst case"] == (
+        pytest.approx(1.0), True)
+    assert got["cases with Auto / best lossless built-in < 0.95"] == (2, False)
     assert got["LSTM LM, 4 nodes: DDP / Auto"] == (2.0, True)
     assert got["prediction error, median"] == (0.15, True)
     assert got["prediction error, worst"] == (0.4, False)

@@ -170,9 +170,39 @@ def autodist_case(rank: int, world: int, name: str) -> dict[str, Any]:
     sl = slice(rank * per, (rank + 1) * per)
     inputs, target = batch(name, 0)
     sample, _ = slice_inputs(name, inputs, target, sl)
-    dm, opt = ad.distribute(model, opt, sample_input=sample)
+    from stratagem.planner import explain_json, trial
+
+    trial.INTERLEAVE_BYTES = 0  # candidates one at a time here (rigged_choice: interleaved)
+    try:
+        dm, opt = ad.distribute(model, opt, sample_input=sample)
+    finally:
+        trial.INTERLEAVE_BYTES = 2 ** 30
     state = train_steps(dm, opt, name, rank, world)
-    return {"state": state, "strategy": ad.strategy.to_json(), "explain": ad.explain()}
+
+    return {"state": state, "strategy": ad.strategy.to_json(), "explain": ad.explain(),
+            "json": explain_json(ad.choice), "rigged": rigged_choice(ad.resource_spec)}
+
+
+def rigged_choice(spec: Any) -> dict[str, Any]:
+    """A cost model rigged to rank a slow strategy first: AllReduce of a 25 MB dense-
+    declared embedding of which a batch reads 128 rows (the rows go as rows in every
+    other candidate). Trial steps must correct it."""
+    from dataclasses import replace
+
+    from stratagem.planner import choose, refine
+    from stratagem.planner.cost_model import StepCost
+
+    torch.manual_seed(0)
+    model = EmbeddingHeavy(rows=200_000)
+    sample = torch.randint(0, 200_000, (32, 4), generator=torch.Generator().manual_seed(1))
+    choice = choose(model, spec, sample_input=sample)
+    slow = next(c for c in choice.candidates if c.name == "AllReduce")
+    rigged = replace(slow, cost=StepCost(1e-6, 0.0, 0.0))
+    others = tuple(c for c in choice.candidates if c.name != "AllReduce")
+    choice = replace(choice, best=rigged, candidates=(rigged, *others))
+    fixed = refine(choice, model, sample, k=2)
+    return {"chosen": fixed.best.name, "strategy": fixed.strategy.to_json(),
+            "trials": [t.to_dict() for t in fixed.trials], "notes": list(fixed.notes)}
 
 
 W0, W1 = "10.0.0.1:CPU:0", "10.0.0.2:CPU:0"

@@ -14,7 +14,8 @@ from stratagem.analysis import analyze
 from stratagem.errors import StrategyError
 from stratagem.planner import choose, explain_json, explain_text
 from stratagem.planner.calibrate import estimate
-from stratagem.planner.search import search
+from stratagem.planner.search import all_reduce_only, search
+from stratagem.planner.trial import fastest, shortlist
 from stratagem.resource import ResourceSpec
 from stratagem.strategy import (
     AllReduceSynchronizer,
@@ -82,6 +83,22 @@ def test_autodist_with_auto_agrees_across_ranks_and_explains(tmp_path) -> None: 
     second = json.loads(results[1]["strategy"])
     assert first["node_config"] == second["node_config"]
     assert "predicted step" in results[0]["explain"]
+    # measured links and trial steps, the same on every rank (averaged / slowest rank)
+    links = [{k: v for k, v in r["json"]["links_measured"].items() if k != "seconds"}
+             for r in results]
+    assert links[0] == links[1] and links[0]["world"] == 2
+    assert links[0]["bus_bps"] > 0 and 0 < links[0]["collective_s"] < 1
+    trials = [r["json"]["trials"] for r in results]
+    assert trials[0] == trials[1] and len(trials[0]) >= 2
+    assert all(t["measured_s"] > 0 for t in trials[0])
+    assert "trial steps" in results[0]["explain"]
+    # a cost model rigged to rank AllReduce of a 25 MB embedding first is corrected
+    rigged = [r["rigged"] for r in results]
+    assert rigged[0]["strategy"] == rigged[1]["strategy"]
+    assert rigged[0]["trials"][0]["name"] == "AllReduce"
+    assert rigged[0]["chosen"] != "AllReduce", rigged[0]["trials"]
+    assert "interleaved" in rigged[0]["notes"][-1]
+    assert "in turn" in results[0]["json"]["notes"][-1]
     want = pw.reference("sampled")
     for r in results:
         for k, v in want.items():
@@ -98,7 +115,41 @@ def test_auto_by_name_builds_from_the_profile_alone() -> None:
     assert [nc.to_dict() for nc in s.node_config] == [nc.to_dict() for nc in again.node_config]
 
 
+def test_trials_pick_the_fastest_and_keep_the_better_predicted_on_ties() -> None:
+    assert fastest([0.30, 0.10, 0.20]) == 1
+    assert fastest([0.100, 0.096, 0.2]) == 0  # within 5%: the better predicted stays
+    assert fastest([None, 0.5]) == 1
+    assert fastest([0.2, 0.2, 0.2]) == 0
+    # faster by 10%, but the steps spread by 0.02 s each: within the noise
+    assert fastest([0.20, 0.18], [0.02, 0.02]) == 0
+    assert fastest([0.20, 0.10], [0.02, 0.02]) == 1
+
+
+def test_shortlist_has_distinct_strategies_and_a_builtin() -> None:
+    model = pw.make("dense")  # no embedding: Parallax's strategy is AllReduce's
+    profile = analyze(model)
+    choice = search(profile, spec(2), estimate(profile, 8))
+    short = shortlist(choice, 3)
+    keys = [json.dumps([nc.to_dict() for nc in c.strategy.node_config], sort_keys=True)
+            for c in short]
+    assert len(set(keys)) == len(keys) and any(c.name != "hybrid" for c in short)
+    assert any(all_reduce_only(c.strategy) for c in short)
+    assert short[0] is choice.best and len(short) <= 5
+    assert not {"AllReduce", "Parallax"} <= {c.name for c in short}
+
+
+def test_lossy_allowed_adds_allreduce_with_each_compressor() -> None:
+    profile = analyze(pw.make("dense"))
+    names = {c.name for c in search(profile, spec(2), estimate(profile, 8),
+                                    Auto(compressors=("none", "fp16"))).candidates}
+    assert "AllReduce(fp16)" in names
+    names = {c.name for c in search(profile, spec(2), estimate(profile, 8)).candidates}
+    assert not any("(" in n for n in names)
+
+
 def test_auto_options_are_checked() -> None:
+    with pytest.raises(StrategyError, match="trials"):
+        Auto(trials=-1)
     with pytest.raises(StrategyError, match="compressor"):
         Auto(compressors=("zip",))
     with pytest.raises(StrategyError, match="batch_size"):

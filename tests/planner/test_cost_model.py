@@ -138,3 +138,64 @@ def test_fp16_halves_the_wire_bytes() -> None:
     half = predict(mk("fp16"), _profile(), s, _cal(), links(s))
     assert half.link_bytes["10.0.0.1 tx"] == pytest.approx(full.link_bytes["10.0.0.1 tx"] / 2)
     assert half.parts["compressor_work"] > 0
+
+
+def test_measured_links_replace_the_spec_only_where_they_differ() -> None:
+    from stratagem.planner.links import LinkModel
+    from stratagem.planner.probe import LinkProbe
+    from stratagem.resource import ResourceSpec
+
+    spec = ResourceSpec.from_dict({"nodes": [
+        {"address": "10.0.0.1", "chief": True, "workers": 1, "network_bandwidth": 1},
+        {"address": "10.0.0.2", "workers": 1, "network_bandwidth": 1}]})
+    base = LinkModel.from_spec(spec)
+    nominal = base.nic_bps[0]
+
+    def probe(bus: float) -> LinkProbe:
+        return LinkProbe(world=2, collective_s=4e-4, bus_bps=bus, message_s=3e-4,
+                         seconds=0.5, nominal_bps=nominal)
+
+    slow = base.measured(probe(25e6), spec)
+    assert slow.nic_bps == (25e6, 25e6)
+    assert slow.latency_s == 2e-4 and slow.message_cpu_s == 3e-4  # t0 / (2(n-1)), m
+    # a ring all-reduce of 10 MB at 25 MB/s: 2(n-1)/n * S / bw + 2(n-1) alpha
+    assert ring_allreduce_time(slow, ["10.0.0.1:CPU:0", "10.0.0.2:CPU:0"], 10e6) == \
+        pytest.approx(10e6 / 25e6 + 2 * 2e-4)
+    assert base.measured(probe(0.95 * nominal), spec).nic_bps == base.nic_bps
+    assert base.measured(probe(1.2 * nominal), spec).nic_bps == base.nic_bps
+    assert base.measured(probe(10 * nominal), spec).nic_bps == (10 * nominal,) * 2
+
+
+def test_runtime_cost_per_tensor_and_group_is_an_overhead() -> None:
+    s = spec(2)
+    strat = Strategy(node_config=(NodeConfig("emb", AllReduceSynchronizer(group=0)),
+                                  NodeConfig("fc", AllReduceSynchronizer(group=1))))
+    strat = strat.with_replicas(s.replicas)
+    lm = links(s, latency_s=0.0)
+    free = predict(strat, _profile(), s, _cal(), lm)
+    paid = predict(strat, _profile(), s, _cal(tensor_s=1e-3, group_s=5e-3), lm)
+    assert paid.overhead_s - free.overhead_s == pytest.approx(2 * 1e-3 + 2 * 5e-3)
+    assert paid.parts["tensors"] == 2 and paid.compute_s == free.compute_s
+
+
+def test_runtime_costs_are_measured_and_small() -> None:
+    from stratagem.planner.probe import runtime_costs
+
+    tensor_s, group_s = runtime_costs()
+    assert 0 < tensor_s < 5e-3 and 0 <= group_s < 0.05
+
+
+def test_rows_found_in_a_dense_gradient_cost_a_scan_of_it() -> None:
+    s = spec(2)
+    w0, _ = s.replicas
+    strat = Strategy(node_config=(
+        NodeConfig("emb", AllReduceSynchronizer()),
+        NodeConfig("fc", PSSynchronizer(reduction_destination=w0, local_replication=True,
+                                         row_sparse=True)))).with_replicas(s.replicas)
+    prof = _profile().with_access([AccessStats("fc", 250, 10.0)])
+    lm = links(s, latency_s=0.0, message_cpu_s=0.0)
+    slow = predict(strat, prof, s, _cal(scan_bps=1e6), lm)
+    fast = predict(strat, prof, s, _cal(scan_bps=1e12), lm)
+    # fc is 1 MB, declared dense: its non-zero rows are found by reading all of it
+    assert slow.parts["row_scan"] == pytest.approx(1.0)
+    assert slow.overhead_s - fast.overhead_s == pytest.approx(1.0 - 1e-6)

@@ -9,9 +9,11 @@ has no model; :func:`predict_step_time` prices any strategy.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from stratagem.analysis.profile import ModelProfile, analyze
@@ -19,15 +21,19 @@ from stratagem.planner.calibrate import Calibration, calibrate, estimate
 from stratagem.planner.cost_model import StepCost, predict
 from stratagem.planner.explain import explain_json, explain_text
 from stratagem.planner.links import LinkModel, ring_allreduce_time
+from stratagem.planner.probe import LinkProbe, probe_links, runtime_costs
 from stratagem.planner.search import Candidate, Choice, search
+from stratagem.planner.trial import Trial, refine
 from stratagem.resource import ResourceSpec
 from stratagem.strategy.builders.auto import Auto, set_planner
 from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import validate
 
-__all__ = ["Auto", "Calibration", "Candidate", "Choice", "LinkModel", "StepCost",
-           "calibrate", "choose", "estimate", "explain_json", "explain_text",
-           "plan_from_profile", "predict", "predict_step_time", "ring_allreduce_time"]
+__all__ = ["Auto", "Calibration", "Candidate", "Choice", "LinkModel", "LinkProbe",
+           "StepCost", "Trial", "calibrate", "choose", "collective_ready", "estimate",
+           "explain_json", "explain_text", "measured_links", "plan_from_profile", "predict",
+           "predict_step_time", "probe_links", "refine", "ring_allreduce_time",
+           "runtime_costs"]
 
 
 def _calibration(model: nn.Module, profile: ModelProfile, batch_size: int | None,
@@ -39,16 +45,44 @@ def _calibration(model: nn.Module, profile: ModelProfile, batch_size: int | None
     return estimate(profile, batch_size or Auto().batch_size), profile
 
 
+def measured_links(spec: ResourceSpec) -> tuple[LinkModel, LinkProbe | None]:
+    """The spec's link model with the probed figures (:func:`probe_links`: collective,
+    every worker at once) where a process group spans the spec's workers."""
+    links = LinkModel.from_spec(spec)
+    probe = probe_links(spec)
+    return (links.measured(probe, spec) if probe is not None else links), probe
+
+
 def choose(model: nn.Module, spec: ResourceSpec, *, batch_size: int | None = None,
            sample_input: Any = None, options: Auto | None = None,
-           loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Choice:
+           loss_fn: Callable[[Any], torch.Tensor] | None = None,
+           probe: bool = False, trials: bool = False) -> Choice:
     """Calibrate ``model`` on ``sample_input`` (one worker's batch; without it, estimate
-    from the profile at ``batch_size`` per worker) and search for its best strategy."""
+    from the profile at ``batch_size`` per worker) and search for its best strategy.
+
+    Collective options (every worker of ``spec`` calls ``choose`` at once, a process
+    group up): ``probe`` measures the links instead of trusting the spec's figures;
+    ``trials`` times the best few candidates for a few real steps and keeps the fastest
+    (:func:`~stratagem.planner.trial.refine`; needs ``sample_input``). Either way
+    every worker returns the same choice only with ``trials``: without it, send rank 0's
+    (AutoDist does)."""
     options = options or Auto()
     profile = analyze(model)
     cal, profile = _calibration(model, profile, batch_size or options.batch_size,
                                 sample_input, loss_fn)
-    return search(profile, spec, cal, options)
+    links, link_probe = measured_links(spec) if probe else (None, None)
+    choice = search(profile, spec, cal, options, links)
+    if link_probe is not None:
+        choice = replace(choice, link_probe=link_probe)
+    if trials and options.trials > 0 and sample_input is not None and collective_ready(spec):
+        choice = refine(choice, model, sample_input, loss_fn=loss_fn, k=options.trials)
+    return choice
+
+
+def collective_ready(spec: ResourceSpec) -> bool:
+    """Whether a process group spans exactly the spec's workers (probes and trials)."""
+    return (dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() == spec.num_workers > 1)
 
 
 def plan_from_profile(options: Auto, profile: ModelProfile, spec: ResourceSpec) -> Strategy:
@@ -62,11 +96,15 @@ set_planner(plan_from_profile)
 
 
 def predict_step_time(model: nn.Module, strategy: Strategy, spec: ResourceSpec,
-                      batch_size: int, sample_input: Any = None) -> float:
+                      batch_size: int, sample_input: Any = None, probe: bool = False
+                      ) -> float:
     """Predicted seconds of one training step of ``model`` under ``strategy`` on ``spec``
     with ``batch_size`` samples per worker; calibrates on ``sample_input`` when given
-    (cached per model signature and input shapes), else estimates from the profile."""
+    (cached per model signature and input shapes), else estimates from the profile.
+    ``probe``: with measured links (collective the first time per spec: every worker
+    calls it at once; cached)."""
     profile = analyze(model)
     cal, profile = _calibration(model, profile, batch_size, sample_input, None)
     strategy = validate(strategy, profile, spec)
-    return predict(strategy, profile, spec, cal).total_s
+    links = measured_links(spec)[0] if probe else None
+    return predict(strategy, profile, spec, cal, links).total_s

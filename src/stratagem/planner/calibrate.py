@@ -25,6 +25,7 @@ from torch import nn
 
 from stratagem.analysis.profile import AccessStats, ModelProfile, analyze
 from stratagem.errors import StratagemError
+from stratagem.planner.probe import runtime_costs
 
 WARMUP = 1
 STEPS = 3
@@ -50,6 +51,13 @@ class Calibration:
     flops: float = 1e10
     measured: bool = True
     seconds: float = 0.0
+    tensor_s: float = 0.0
+    """The runtime's own seconds per all-reduced tensor (hook, copy in and out)."""
+    group_s: float = 0.0
+    """The runtime's own seconds per all-reduce group (buffer, launch, wait)."""
+    scan_bps: float = 4e9
+    """Bytes/s of finding a dense gradient's non-zero rows (what the runtime does for a
+    parameter sent as rows though declared dense)."""
 
     @property
     def compute_s(self) -> float:
@@ -63,6 +71,8 @@ class Calibration:
                 "backward_s": self.backward_s, "optimizer_s": self.optimizer_s,
                 "measured": self.measured, "seconds": self.seconds,
                 "copy_bps": self.copy_bps, "flops": self.flops,
+                "tensor_s": self.tensor_s, "group_s": self.group_s,
+                "scan_bps": self.scan_bps,
                 "access": [a.to_dict() for a in self.access]}
 
 
@@ -82,7 +92,19 @@ def machine_rates() -> tuple[float, float]:
         for _ in range(3):
             a @ a
         _RATES["flops"] = 3 * 2 * 256 ** 3 / max(time.perf_counter() - t, 1e-9)
+        g = torch.zeros(2 ** 15, 128)  # 16 MiB: rows of a dense gradient, none touched
+        torch.nonzero(g.any(dim=1))
+        t = time.perf_counter()
+        for _ in range(3):
+            torch.nonzero(g.any(dim=1))
+        _RATES["scan"] = 3 * g.numel() * 4 / max(time.perf_counter() - t, 1e-9)
     return _RATES["copy"], _RATES["flops"]
+
+
+def scan_rate() -> float:
+    """Bytes/s of ``nonzero(grad.any(dim=1))`` over a dense gradient (measured once)."""
+    machine_rates()
+    return _RATES["scan"]
 
 
 def signature(model: nn.Module) -> tuple:
@@ -128,7 +150,8 @@ def _half(sample: Any, n: int) -> Any:
     return sample
 
 
-def _call(model: nn.Module, sample: Any) -> Any:
+def call_model(model: nn.Module, sample: Any) -> Any:
+    """``model`` applied to a sample batch: a dict as keywords, a tuple/list as arguments."""
     if isinstance(sample, dict):
         return model(**sample)
     if isinstance(sample, (tuple, list)):
@@ -210,7 +233,7 @@ def _one_pass(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tens
         handles.append(p.register_post_accumulate_grad_hook(hook))
     try:
         t0 = time.perf_counter()
-        out = _call(model, sample)
+        out = call_model(model, sample)
         loss = loss_fn(out)
         t1 = time.perf_counter()
         t_back[0] = t1
@@ -310,6 +333,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
         access.append(AccessStats(name=n, rows=rows, rows_touched=float(full),
                                   overlap=overlap, hot_share=hot))
     copy_bps, flops = machine_rates()
+    tensor_s, group_s = runtime_costs()
     ready = {n: _median([r[n] for r in ready_all if n in r]) for n in params
              if any(n in r for r in ready_all)}
     layers = {m: _median([lay.get(m, 0.0) for lay in layer_all]) for m in layer_all[0]} \
@@ -317,7 +341,8 @@ def calibrate(model: nn.Module, sample_input: Any, *,
     cal = Calibration(batch_size=batch, forward_s=_median(fw), backward_s=_median(bw),
                       optimizer_s=opt_s, grad_ready_s=ready, layer_forward_s=layers,
                       access=tuple(access), copy_bps=copy_bps, flops=flops, measured=True,
-                      seconds=time.perf_counter() - started)
+                      seconds=time.perf_counter() - started, tensor_s=tensor_s,
+                      group_s=group_s, scan_bps=scan_rate())
     if use_cache:
         _CACHE[key] = cal
     return cal
@@ -325,6 +350,9 @@ def calibrate(model: nn.Module, sample_input: Any, *,
 
 NOMINAL_COPY_BPS = 2e9
 NOMINAL_FLOPS = 1e10
+NOMINAL_TENSOR_S = 40e-6
+NOMINAL_GROUP_S = 20e-6
+NOMINAL_SCAN_BPS = 4e9
 """Rates of :func:`estimate`: fixed, so that every rank plans the same strategy from the
 same profile (a 2-core CPU's order of magnitude; calibration measures the real ones)."""
 
@@ -352,7 +380,9 @@ def estimate(profile: ModelProfile, batch_size: int) -> Calibration:
                    if p.shape and (p.sparse or (p.embedding_like and not p.aliases)))
     return Calibration(batch_size=batch_size, forward_s=forward, backward_s=backward,
                        optimizer_s=profile.total_bytes / copy_bps, grad_ready_s=ready,
-                       access=access, copy_bps=copy_bps, flops=flops, measured=False)
+                       access=access, copy_bps=copy_bps, flops=flops, measured=False,
+                       tensor_s=NOMINAL_TENSOR_S, group_s=NOMINAL_GROUP_S,
+                       scan_bps=NOMINAL_SCAN_BPS)
 
 
 def profile_with_access(model: nn.Module, calibration: Calibration) -> ModelProfile:

@@ -131,6 +131,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     work_s = 0.0
     messages = 0
     ar_bytes = 0
+    tensors = sum(len(g.members) for g in plan.groups)
     for g in plan.groups:
         wire, work, flows = group_cost(g, links, replicas, cal)
         events.append((_ready(cal, list(g.params)), f"allreduce group {g.id}", wire + work))
@@ -138,7 +139,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         work_s += work
         ar_bytes += g.nbytes
 
-    pull_s = refresh_s = fwd_pull_s = sparse_push_s = 0.0
+    pull_s = refresh_s = fwd_pull_s = sparse_push_s = scan_s = 0.0
     owned_bytes = [0.0] * (ps.size if ps else 0)
     if ps is not None:
         # Dense buckets: push as ready (launch order), pull values after the update.
@@ -156,6 +157,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             push_flows_all += flows
             buckets.append((b, pieces, nbytes))
             messages += 2 * len(flows)  # per worker: one push and one pull per remote owner
+            tensors += len(pieces)
             owned_bytes[b.owner] += nbytes
         push_total = links.transfer_time(push_flows_all)
         dense_bytes = sum(n for *_, n in buckets) or 1
@@ -173,6 +175,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             pinfo = info[p.param]
             rows = pinfo.shape[0]
             row_bytes = pinfo.bytes / max(rows, 1)
+            if p.rows_from_grad:  # the runtime finds the non-zero rows of the dense grad
+                scan_s += p.rows * row_bytes / cal.scan_bps
             stats = access.get(p.param)
             u = _touched(p, rows, stats, cal.batch_size)
             owner = owners_dev[p.owner]
@@ -224,11 +228,16 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     compute = cal.forward_s + cal.backward_s + update_s
     exposed_comm = backward_tail + pull_s + refresh_s + fwd_pull_s
     # Compressor work runs inside the queued transfers (counted there; shown apart).
-    overhead = messages * links.message_cpu_s
+    # The runtime's own work per tensor (hook, copy in and back) and per group.
+    # (a dense PS bucket's machinery -- buffer, posting its sends -- is priced as a group's)
+    groups = len(plan.groups) + (len(ps.buckets) if ps is not None else 0)
+    runtime_s = tensors * cal.tensor_s + groups * cal.group_s + scan_s
+    overhead = messages * links.message_cpu_s + runtime_s
     parts = {"forward": cal.forward_s, "backward": cal.backward_s, "update": update_s,
              "backward_tail": backward_tail, "ps_pull": pull_s, "sparse_pull": fwd_pull_s,
              "sparse_push": sparse_push_s, "refresh": refresh_s,
-             "compressor_work": work_s, "messages": float(messages)}
+             "compressor_work": work_s, "messages": float(messages),
+             "runtime": runtime_s, "tensors": float(tensors), "row_scan": scan_s}
     return StepCost(compute_s=compute, exposed_comm_s=exposed_comm, overhead_s=overhead,
                     link_bytes=links.flow_bytes(all_flows), parts=parts,
                     slots=tuple(slots))

@@ -11,6 +11,7 @@ from typing import Any
 
 from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import Candidate, Choice
+from stratagem.planner.trial import Trial
 from stratagem.strategy.schema import AllReduceSynchronizer, PSSynchronizer, Strategy
 
 WIDTH = 80
@@ -53,8 +54,14 @@ def groups(strategy: Strategy, choice: Choice) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-def why_lost(alt: StepCost, best: StepCost) -> str:
-    """The part of the step where ``alt`` loses most against ``best``."""
+def why_lost(alt: StepCost, best: StepCost, trial: Trial | None = None,
+             best_trial: Trial | None = None) -> str:
+    """The part of the step where ``alt`` loses most against ``best`` (or, when both
+    ran trial steps, their measured times)."""
+    if (trial is not None and best_trial is not None and trial.measured_s is not None
+            and best_trial.measured_s is not None):
+        return (f"trial steps {_ms(trial.measured_s)} vs {_ms(best_trial.measured_s)} ms "
+                "measured")
     deltas = {"compute": alt.compute_s - best.compute_s,
               "exposed communication": alt.exposed_comm_s - best.exposed_comm_s,
               "overheads": alt.overhead_s - best.overhead_s}
@@ -70,6 +77,12 @@ def why_lost(alt: StepCost, best: StepCost) -> str:
     return f"{part} +{_ms(delta)} ms{extra}"
 
 
+def _trials(choice: Choice, alt: Candidate) -> tuple[Trial | None, Trial | None]:
+    """(``alt``'s trial, the chosen candidate's trial), None where not run."""
+    by = {t.name: t for t in choice.trials}
+    return by.get(alt.name), by.get(choice.best.name)
+
+
 def explain_json(choice: Choice) -> dict[str, Any]:
     best = choice.best
     return {
@@ -82,9 +95,11 @@ def explain_json(choice: Choice) -> dict[str, Any]:
         "predicted": best.cost.to_dict(),
         "groups": groups(best.strategy, choice),
         "alternatives": [{"name": c.name, "predicted": c.cost.to_dict(),
-                          "why_lost": why_lost(c.cost, best.cost)}
+                          "why_lost": why_lost(c.cost, best.cost, *_trials(choice, c))}
                          for c in choice.candidates[1:]],
         "notes": list(choice.notes),
+        "links_measured": choice.link_probe.to_dict() if choice.link_probe else None,
+        "trials": [t.to_dict() for t in choice.trials],
     }
 
 
@@ -125,6 +140,22 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
         rows += [[a.name, str(a.rows), f"{a.rows_touched:.0f}", f"{a.overlap:.2f}",
                   f"{a.hot_share:.2f}"] for a in sparse]
         lines += _table(rows, [30, 9, 9, 8, 7], {1, 2, 3, 4})
+    if choice.link_probe is not None:
+        p = choice.link_probe
+        lines += ["", _cut(f"links measured ({p.seconds:.2f} s): {p.bus_bps * 8 / 1e9:.2f} "
+                           f"Gbit/s (spec {p.nominal_bps * 8 / 1e9:.2f}); collective "
+                           f"{p.collective_s * 1e6:.0f} us, message {p.message_s * 1e6:.0f} us",
+                           WIDTH)]
+    if choice.trials:
+        lines += ["", "trial steps (slowest rank, median):"]
+        rows = [["candidate", "predicted ms", "measured ms", "error"]]
+        for t in choice.trials:
+            meas = "-" if t.measured_s is None else _ms(t.measured_s)
+            err = ("-" if not t.measured_s else
+                   f"{abs(t.predicted_s - t.measured_s) / t.measured_s:.2f}")
+            rows.append([t.name + (" *" if t.name == best.name else ""),
+                         _ms(t.predicted_s), meas, err])
+        lines += _table(rows, [24, 13, 12, 6], {1, 2, 3})
     alts = choice.candidates[1:1 + alternatives]
     if alts:
         lines += ["", "best alternatives:"]
@@ -132,6 +163,6 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
         for c in alts:
             ratio = c.cost.total_s / cost.total_s if cost.total_s else 1.0
             rows.append([c.name, _ms(c.cost.total_s), f"{ratio:.2f}x",
-                         why_lost(c.cost, cost)])
+                         why_lost(c.cost, cost, *_trials(choice, c))])
         lines += _table(rows, [21, 9, 6, 36], {1, 2})
     return "\n".join(lines)

@@ -15,7 +15,8 @@ Constants (see docs/concepts/auto-strategy.md for where each comes from):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from stratagem.resource import ResourceSpec
 from stratagem.strategy.validate import server_devices
@@ -38,6 +39,13 @@ INCAST_PENALTY = 0.02
 """Rate lost per extra sender into one link: PartitionedPS moved the same bytes as
 DDP's ring 1-4% slower with three owners sending into each downlink (bench/README,
 13,147 TCP retransmissions against 72)."""
+MEASURED_DIFFERS = 0.10
+"""A probed bandwidth replaces the spec's when it is lower by more than this share..."""
+MEASURED_FASTER = 1.5
+"""...or higher by more than this factor. Between the two, a faster reading is taken for
+the probe's own error, not the link's: at 4 nodes on a 1 Gbit/s link the ring formula read
+gloo's all-reduces of 0.25-4 MiB as 1.15x the spec's effective rate, which point-to-point
+PS traffic cannot reach."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,24 @@ class LinkModel:
         nic = tuple(n.network_bandwidth * GBIT_BYTES * efficiency for n in spec.nodes)
         names = tuple(n.address for n in spec.nodes)
         return cls(node_of=node_of, nic_bps=nic, names=names, **overrides)
+
+    def measured(self, probe: Any, spec: ResourceSpec) -> LinkModel:
+        """This model with ``probe``'s (:class:`~stratagem.planner.probe.LinkProbe`)
+        measured figures: the fixed cost of a collective as the ring's per-message latency,
+        the point-to-point message cost as the PS message cost, and the bus bandwidth as
+        every inter-node link's rate (one node: the intra-node rate) where it differs from
+        the nominal one: lower by more than ``MEASURED_DIFFERS``, or higher by more than
+        ``MEASURED_FASTER`` times."""
+        n = max(probe.world, 2)
+        out = replace(self, latency_s=probe.collective_s / (2 * (n - 1)),
+                      message_cpu_s=probe.message_s)
+        if (probe.bus_bps < (1 - MEASURED_DIFFERS) * probe.nominal_bps
+                or probe.bus_bps > MEASURED_FASTER * probe.nominal_bps):
+            if len(spec.nodes) > 1:
+                out = replace(out, nic_bps=tuple(probe.bus_bps for _ in self.nic_bps))
+            else:
+                out = replace(out, intra_bps=probe.bus_bps)
+        return out
 
     def name(self, node: int) -> str:
         return self.names[node] if node < len(self.names) else f"node{node}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from stratagem.analysis.profile import ModelProfile, ParamInfo
 from stratagem.errors import StratagemError
@@ -21,6 +22,7 @@ from stratagem.planner.cost_model import StepCost, plan_for, predict
 from stratagem.planner.links import LinkModel
 from stratagem.resource import ResourceSpec
 from stratagem.strategy.builders import builder_from_name, builder_names
+from stratagem.strategy.builders.allreduce import AllReduce
 from stratagem.strategy.builders.auto import Auto
 from stratagem.strategy.builders.ps import Placer, ps_capacities, ps_node, ps_servers
 from stratagem.strategy.schema import (
@@ -59,6 +61,10 @@ class Choice:
     spec: ResourceSpec
     search_s: float
     notes: tuple[str, ...] = field(default_factory=tuple)
+    trials: tuple[Any, ...] = ()
+    """Low-shot trial steps (:class:`~stratagem.planner.trial.Trial`), when run."""
+    link_probe: Any = None
+    """The measured links (:class:`~stratagem.planner.probe.LinkProbe`), when probed."""
 
     @property
     def strategy(self) -> Strategy:
@@ -117,6 +123,12 @@ def prefer_simple(pool: list[Candidate], profile: ModelProfile) -> Candidate:
     close = [c for c in pool if c.cost.total_s <= best * (1 + TOLERANCE)]
     return min(close, key=lambda c: (dense_on_servers(c.strategy, profile), collectives(c),
                                      c.cost.total_s))
+
+
+def all_reduce_only(strategy: Strategy) -> bool:
+    """Whether every parameter of ``strategy`` is all-reduced (no parameter servers)."""
+    return all(isinstance(leaf.synchronizer, AllReduceSynchronizer)
+               for nc in strategy.node_config for leaf in nc.leaves())
 
 
 def sends_rows(strategy: Strategy, profile: ModelProfile) -> bool:
@@ -187,9 +199,10 @@ def group_count(strategy: Strategy) -> int:
 class _Pricer:
     """Prices strategies (compile + predict), remembering failures as infinite."""
 
-    def __init__(self, profile: ModelProfile, spec: ResourceSpec, cal: Calibration) -> None:
+    def __init__(self, profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
+                 links: LinkModel | None = None) -> None:
         self.profile, self.spec, self.cal = profile, spec, cal
-        self.links = LinkModel.from_spec(spec)
+        self.links = links or LinkModel.from_spec(spec)
         self.count = 0
 
     def __call__(self, strategy: Strategy) -> StepCost | None:
@@ -203,11 +216,12 @@ class _Pricer:
 
 
 def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
-           options: Auto | None = None) -> Choice:
-    """Price every built-in builder and the hybrids; return the cheapest."""
+           options: Auto | None = None, links: LinkModel | None = None) -> Choice:
+    """Price every built-in builder and the hybrids; return the cheapest. ``links``: a
+    measured link model (default: the spec's nominal one)."""
     options = options or Auto()
     started = time.perf_counter()
-    price = _Pricer(profile, spec, cal)
+    price = _Pricer(profile, spec, cal, links)
     found: list[Candidate] = []
     notes: list[str] = []
     for name in builder_names():
@@ -224,6 +238,14 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
         cost = price(strategy)
         if cost is not None:
             found.append(Candidate(name, strategy, cost))
+    # With lossy compressors allowed: AllReduce with each of them (what a user would try
+    # first; the hybrids below may not reach it from their own starting point).
+    lossy = [c for c in options.compressors if c != "none"]
+    for comp in lossy:
+        strategy = AllReduce(compressor=comp).build(profile, spec)
+        cost = price(strategy)
+        if cost is not None:
+            found.append(Candidate(f"AllReduce({comp})", strategy, cost))
 
     def run(h: Hybrid) -> tuple[Strategy, StepCost | None]:
         s = build_hybrid(h, profile, spec, cal)
@@ -261,7 +283,6 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
         if c is not None and c.total_s < best_c.total_s:
             best_h, best_s, best_c = h, s, c
     # 4. A compressor per group, when lossy ones are allowed.
-    lossy = [c for c in options.compressors if c != "none"]
     if lossy:
         for g in range(group_count(best_s)):
             for comp in lossy:
@@ -274,7 +295,7 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
                     best_h, best_s, best_c = h, s, c
     hybrid = Candidate("hybrid", best_s, best_c)
     allowed_lossless = "none" in options.compressors
-    pool = [c for c in found if allowed_lossless] + [hybrid]
+    pool = [c for c in found if allowed_lossless or "(" in c.name] + [hybrid]
     chosen = prefer_simple(pool, profile)
     others = sorted((c for c in [*found, hybrid] if c is not chosen),
                     key=lambda c: c.cost.total_s)

@@ -37,13 +37,18 @@ class Auto:
     parameter servers as rows (needs an optimizer with a sparse rule: SGD, Adagrad, Adam,
     AdamW without weight decay on them). ``detect_sparse``: measured row-sparse gradients
     count as sparse, not only declared ones. ``batch_size``: samples per worker when no
-    sample batch is given to calibrate with.
+    sample batch is given to calibrate with. Inside a job with a sample batch (AutoDist
+    plans in every worker): ``probe`` measures the links instead of trusting the spec's
+    figures, and ``trials`` candidates (the best predicted, plus the best built-in) are
+    timed for a few real steps and the fastest kept; 0 turns trials off.
     """
 
     compressors: tuple[str, ...] = ("none",)
     rows: bool = True
     detect_sparse: bool = True
     batch_size: int = 32
+    probe: bool = True
+    trials: int = 3
 
     def __post_init__(self) -> None:
         if not self.compressors:
@@ -51,6 +56,10 @@ class Auto:
                                 fix='pass compressors=("none",)')
         for c in self.compressors:
             check_compressor(c)
+        if not isinstance(self.trials, int) or self.trials < 0:
+            raise StrategyError(f"trials must be an integer >= 0, got {self.trials!r}",
+                                fix="pass the number of candidates to time, e.g. "
+                                    "trials=3 (0: none)")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise StrategyError(f"batch_size must be an integer >= 1, got {self.batch_size!r}",
                                 fix="pass the samples per worker, e.g. batch_size=32")

@@ -1,0 +1,221 @@
+"""Measured fixed costs and links: what the cost model's constants are on this machine.
+
+Two measurements, both seconds long at most:
+
+- :func:`runtime_costs` (one process, no process group): the runtime's own cost per
+  all-reduce *tensor* (the gradient hook, the copy into the group buffer and back) and per
+  *group* (buffer handling and launch), timed by running the real
+  :class:`~stratagem.runtime.allreduce.AllReduceReducer` over many small parameters with a
+  collective that completes at once. Small steps of models with hundreds of tensors are
+  dominated by these.
+- :func:`probe_links` (every worker at once, a process group up): the link as the workers
+  see it. A one-element all-reduce repeated gives the fixed cost of one collective; all-
+  reduces of a few sizes give the effective bus bandwidth (the slope); a one-element
+  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message. Every
+  number is averaged over the ranks with an all-reduce, so every rank plans with the same
+  link model. Bounded: sizes are chosen from the spec's nominal rate so that the probe
+  takes about ``PROBE_BUDGET_S``.
+
+Both are cached per process (the link probe per resource spec and world size).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stratagem.planner.links import GBIT_BYTES, LINK_EFFICIENCY
+from stratagem.resource import ResourceSpec
+from stratagem.runtime.plan import compile_plan
+from stratagem.strategy.schema import AllReduceSynchronizer, NodeConfig, Strategy
+
+PROBE_BUDGET_S = 2.0
+"""The link probe's bound (all sizes and repeats together, at the nominal rate)."""
+TINY_REPEATS = 20
+SIZES_MIB = (0.25, 1.0, 4.0)
+TENSORS = 256  # small parameters the runtime-cost measurement runs over
+
+_RUNTIME: dict[str, float] = {}
+_LINKS: dict[tuple, LinkProbe] = {}
+
+
+@dataclass(frozen=True)
+class LinkProbe:
+    """Measured link figures (averaged over ranks): fixed cost of one all-reduce call,
+    effective bus bandwidth (bytes/s; ``2(n-1)/n · S / (T - fixed)``), one point-to-point
+    message's cost, and how long the probe took."""
+
+    world: int
+    collective_s: float
+    bus_bps: float
+    message_s: float
+    seconds: float
+    nominal_bps: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world": self.world, "collective_s": self.collective_s,
+                "bus_bps": self.bus_bps, "message_s": self.message_s,
+                "seconds": self.seconds, "nominal_bps": self.nominal_bps}
+
+
+class _DoneWork:
+    def wait(self) -> bool:
+        return True
+
+
+class _NullComm:
+    """A Comm whose collectives complete at once: what remains is the runtime's own cost."""
+
+    world_size = 2
+
+    def all_reduce(self, tensor: torch.Tensor) -> _DoneWork:
+        return _DoneWork()
+
+    def wait(self, work: _DoneWork) -> None:
+        work.wait()
+
+
+def _time_backward(model: nn.Module, x: torch.Tensor, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        for p in model.parameters():
+            p.grad = None
+        loss = model(x).sum()
+        t = time.perf_counter()
+        loss.backward()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def runtime_costs(repeats: int = 7) -> tuple[float, float]:
+    """(seconds per all-reduced tensor, seconds per all-reduce group) of the runtime's
+    reducer on this process, beyond the collective itself; measured once (~0.2 s)."""
+    if _RUNTIME:
+        return _RUNTIME["tensor"], _RUNTIME["group"]
+    from stratagem.analysis.profile import analyze
+    from stratagem.runtime.allreduce import AllReduceReducer
+    from stratagem.runtime.stats import CommStats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(TENSORS)])
+    x = torch.randn(2, 8)
+    profile = analyze(model)
+    names = [p.name for p in profile.params]
+    params = dict(model.named_parameters())
+
+    def reducer(groups: int) -> AllReduceReducer:
+        per = -(-len(names) // groups)
+        strategy = Strategy(node_config=tuple(
+            NodeConfig(n, AllReduceSynchronizer(group=i // per)) for i, n in enumerate(names)))
+        plan = compile_plan(strategy, profile, rank=0, world_size=2,
+                            device=torch.device("cpu"))
+        return AllReduceReducer(plan, params, {g.backend: _NullComm() for g in plan.groups},
+                                CommStats())
+
+    # Rounds of (plain, one group, many groups), medians of each: load that comes and
+    # goes hits all three alike.
+    many_groups = TENSORS // 4
+    samples: dict[int, list[float]] = {0: [], 1: [], many_groups: []}
+    _time_backward(model, x, 1)  # warm-up
+    for _ in range(repeats):
+        samples[0].append(_time_backward(model, x, 1))
+        for groups in (1, many_groups):
+            r = reducer(groups)
+            try:
+                samples[groups].append(_time_backward(model, x, 2))
+            finally:
+                r.remove_hooks()
+    plain = statistics.median(samples[0])
+    one, many = statistics.median(samples[1]), statistics.median(samples[many_groups])
+    tensor_s = max(0.0, one - plain) / TENSORS
+    group_s = max(0.0, many - one) / (many_groups - 1)
+    _RUNTIME.update(tensor=tensor_s, group=group_s)
+    return tensor_s, group_s
+
+
+def _timed_allreduce(t: torch.Tensor, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        s = time.perf_counter()
+        dist.all_reduce(t)
+        out.append(time.perf_counter() - s)
+    return out
+
+
+def _ping_pong(repeats: int) -> float:
+    """Half a round trip of a one-element message between ranks 0 and 1 (others wait)."""
+    rank = dist.get_rank()
+    t = torch.zeros(1)
+    times = []
+    for _ in range(repeats):
+        s = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        times.append((time.perf_counter() - s) / 2)
+    return statistics.median(times) if rank == 0 else 0.0
+
+
+def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
+    """Measure the links among the job's workers (call on every worker at once); None
+    when no process group spans exactly the spec's workers."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size()
+    if world != spec.num_workers or world < 2:
+        return None
+    nodes = tuple((n.address, n.network_bandwidth, n.workers) for n in spec.nodes)
+    key = (nodes, world)
+    if use_cache and key in _LINKS:
+        return _LINKS[key]
+    started = time.perf_counter()
+    multi = len(spec.nodes) > 1
+    nominal = (min(n.network_bandwidth for n in spec.nodes) * GBIT_BYTES * LINK_EFFICIENCY
+               if multi else 40.0 * GBIT_BYTES)
+    ring = 2 * (world - 1) / world
+    dist.barrier()
+    tiny = torch.zeros(1)
+    _timed_allreduce(tiny, 3)  # warm-up: connections, allocator
+    fixed = statistics.median(_timed_allreduce(tiny, TINY_REPEATS))
+    # sizes that fit the budget at the nominal rate (each size: warm-up + 3 repeats)
+    sizes, spent = [], 0.0
+    for mib in SIZES_MIB:
+        nbytes = int(mib * 2 ** 20)
+        cost = 4 * (ring * nbytes / nominal + fixed)
+        if sizes and spent + cost > PROBE_BUDGET_S * 0.8:
+            break
+        sizes.append(nbytes)
+        spent += cost
+    xs, ys = [], []
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4)
+        _timed_allreduce(t, 1)
+        xs.append(ring * nbytes)
+        ys.append(statistics.median(_timed_allreduce(t, 3)))
+    # least squares of time on ring bytes: the slope is 1/bandwidth
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx \
+        if sxx > 0 else 0.0
+    if slope <= 0:  # one size, or noise: the largest transfer's own rate
+        slope = max((y - fixed) / x for x, y in zip(xs, ys, strict=True))
+    bus = 1.0 / max(slope, 1e-12)
+    message = _ping_pong(TINY_REPEATS)
+    figures = torch.tensor([fixed, bus, message * world], dtype=torch.float64)
+    dist.all_reduce(figures)
+    figures /= world  # the ranks' mean (the message: rank 0's measure)
+    probe = LinkProbe(world=world, collective_s=float(figures[0]), bus_bps=float(figures[1]),
+                      message_s=float(figures[2]), seconds=time.perf_counter() - started,
+                      nominal_bps=nominal)
+    if use_cache:
+        _LINKS[key] = probe
+    return probe

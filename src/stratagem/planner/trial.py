@@ -1,0 +1,271 @@
+"""Low-shot trial steps: time the few best-predicted strategies for real and keep the fastest.
+
+The cost model ranks candidates; where its error (fixed costs, contention on busy cores) is
+larger than the gap between them, a few measured steps decide. With a process group up
+(AutoDist builds the strategy inside the workers), every worker runs, for each of the top
+``k`` predicted candidates (distinct strategies) plus the best built-in builder and the
+best all-reduce-only candidate (so Auto is never slower than them by more than the
+trials' noise), a copy of the model wrapped by the runtime under that strategy, for one
+warm-up and ``steps`` timed training steps on its sample batch (forward, backward with the
+strategy's synchronization, an update with learning rate 0 on the copy); short steps are
+repeated up to ``MEASURE_S`` of them.
+
+Candidates small enough are built at once and stepped in turn, the order rotating each
+round (as the benchmarks interleave variants: load that comes and goes hits all alike);
+large ones run one at a time. Every worker takes the same decision: the candidates are
+rank 0's (sent as JSON), a step's time is the slowest rank's (an all-reduce of the
+maximum), and rank 0's pick is broadcast. Ties -- within ``TIE`` or within the two trials'
+spread -- keep the earlier, i.e. better predicted, candidate. Bounded: a candidate whose
+predicted run would overrun ``BUDGET_S`` is not tried, nor is any step round started once
+that much time has passed (rank 0 decides both).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stratagem.planner.calibrate import call_model, default_loss
+from stratagem.planner.search import Candidate, Choice, all_reduce_only
+from stratagem.strategy.schema import Strategy
+from stratagem.strategy.validate import server_devices, validate
+
+TOP_K = 3
+STEPS = 2
+"""Timed steps per candidate at least; more for short steps (``MEASURE_S``), at most
+``MAX_STEPS``."""
+MAX_STEPS = 10
+MEASURE_S = 0.3
+"""Predicted seconds of timed steps per candidate that short steps are repeated up to."""
+WARMUP = 1
+BUDGET_S = 20.0
+"""Trial steps of all candidates together stop being started past this (predicted)."""
+INTERLEAVE_BYTES = 2 ** 30
+COPIES = 3
+"""Candidates are stepped in turn (all built at once) while their copies -- about
+``COPIES`` times the parameters each: values, gradients, buffers -- fit in
+``INTERLEAVE_BYTES`` per process; else one at a time."""
+TIE = 0.05
+"""Measured steps this close (relative) count as equal: the better predicted one stays
+(the search's own tolerance; steps of a few ms vary by that much between repeats)."""
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One candidate's trial: predicted and measured seconds per step (None: not run)."""
+
+    name: str
+    predicted_s: float
+    measured_s: float | None
+    note: str = ""
+    spread_s: float = 0.0
+    """Median absolute deviation of the timed steps (the trial's own noise)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "predicted_s": self.predicted_s,
+                "measured_s": self.measured_s, "spread_s": self.spread_s, "note": self.note}
+
+
+def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
+    """The ``k`` best-predicted candidates with distinct strategies (the chosen one first),
+    plus the best-predicted built-in builder and the best-predicted all-reduce-only
+    candidate when none is among them: the model errs most on parameter servers (their
+    per-piece work), and all-reduce is what a user would run without Auto."""
+    out: list[Candidate] = []
+    seen: set[str] = set()
+    wants = [lambda c: c.name != "hybrid", lambda c: all_reduce_only(c.strategy)]
+    for c in choice.candidates:
+        key = json.dumps([nc.to_dict() for nc in c.strategy.node_config], sort_keys=True)
+        if key in seen:  # the same strategy under another name (AllReduce = Parallax ...)
+            continue
+        missing = [w for w in wants if not any(w(o) for o in out)]
+        if len(out) < k or any(w(c) for w in missing):
+            out.append(c)
+            seen.add(key)
+        if len(out) >= k and all(any(w(o) for o in out) for w in wants):
+            break
+    return out
+
+
+def fastest(measured: list[float | None], spread: list[float] | None = None) -> int:
+    """Index of the fastest measured candidate. One does not displace a better-predicted
+    (earlier) one unless faster by more than ``TIE`` and by more than the two trials'
+    spreads together (median absolute deviations): within the noise the prediction
+    decides, and equal timings give the same answer always."""
+    spread = spread or [0.0] * len(measured)
+    best_i, best_t = 0, float("inf")
+    for i, t in enumerate(measured):
+        if t is None:
+            continue
+        margin = spread[i] + (spread[best_i] if best_t < float("inf") else 0.0)
+        if t < best_t * (1 - TIE) and t < best_t - margin:
+            best_i, best_t = i, t
+    return best_i
+
+
+def _broadcast_json(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (JSON bytes, parsed strictly)."""
+    payload = json.dumps(obj).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, 0)
+    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if dist.get_rank() == 0
+           else torch.empty(int(size.item()), dtype=torch.uint8))
+    dist.broadcast(buf, 0)
+    return obj if dist.get_rank() == 0 else json.loads(bytes(buf.tolist()).decode())
+
+
+class _Runner:
+    """A copy of the model wrapped by the runtime under one strategy (collective to build,
+    step and close: every worker at once)."""
+
+    def __init__(self, model: nn.Module, strategy: Strategy, choice: Choice) -> None:
+        from stratagem.runtime import DistributedModel, compile_plan
+
+        replica = copy.deepcopy(model)
+        self.opt = torch.optim.SGD(replica.parameters(), lr=0.0)
+        plan = compile_plan(strategy, choice.profile, rank=dist.get_rank(),
+                            world_size=dist.get_world_size(), device=torch.device("cpu"),
+                            servers=server_devices(choice.spec))
+        self.dm = DistributedModel(replica, plan, optimizer=self.opt)
+        self.times: list[float] = []
+        self.steps = 0
+
+    def step(self, sample_input: Any, loss_fn: Callable[[Any], torch.Tensor]) -> None:
+        """One training step; its time is the slowest rank's (the first is warm-up)."""
+        dist.barrier()
+        t = time.perf_counter()
+        self.opt.zero_grad()
+        loss_fn(call_model(self.dm, sample_input)).backward()
+        self.opt.step()
+        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if self.steps >= WARMUP:
+            self.times.append(float(elapsed))
+        self.steps += 1
+
+    def close(self) -> None:
+        close = getattr(self.dm, "close", None)
+        if callable(close):
+            close()
+
+    def median(self) -> float | None:
+        return statistics.median(self.times) if self.times else None
+
+    def spread(self) -> float:
+        """Median absolute deviation of the timed steps."""
+        m = self.median()
+        return statistics.median(abs(t - m) for t in self.times) if m is not None else 0.0
+
+
+def run_trial(model: nn.Module, strategy: Strategy, choice: Choice, sample_input: Any,
+              loss_fn: Callable[[Any], torch.Tensor], steps: int = STEPS
+              ) -> tuple[float | None, float]:
+    """(median, median absolute deviation) of ``steps`` training steps (after ``WARMUP``)
+    of a copy of ``model`` under ``strategy``, each the slowest rank's (collective)."""
+    r = _Runner(model, strategy, choice)
+    try:
+        for _ in range(WARMUP + steps):
+            r.step(sample_input, loss_fn)
+    finally:
+        r.close()
+    return r.median(), r.spread()
+
+
+def _over(started: float, budget_s: float) -> bool:
+    """Rank 0's clock says the budget is spent (the same answer on every rank)."""
+    flag = torch.tensor([int(time.perf_counter() - started > budget_s)])
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+def _interleaved(model: nn.Module, strategies: list[Strategy], steps: list[int],
+                 choice: Choice, sample_input: Any, loss_fn: Callable[[Any], torch.Tensor],
+                 started: float, budget_s: float) -> list[tuple[float | None, float]]:
+    """Every candidate built at once and stepped in turn, the order rotating each round
+    (load that comes and goes hits all alike, as in the benchmarks)."""
+    runners: list[_Runner] = []
+    try:
+        for s in strategies:
+            runners.append(_Runner(model, s, choice))
+        for rnd in range(WARMUP + max(steps)):
+            if rnd > WARMUP and _over(started, budget_s):
+                break
+            n = len(runners)
+            for j in range(n):
+                i = (rnd + j) % n
+                if runners[i].steps < WARMUP + steps[i]:
+                    runners[i].step(sample_input, loss_fn)
+    finally:
+        for r in runners:
+            r.close()
+    return [(r.median(), r.spread()) for r in runners]
+
+
+def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
+           loss_fn: Callable[[Any], torch.Tensor] | None = None, k: int = TOP_K,
+           steps: int = STEPS, budget_s: float = BUDGET_S) -> Choice:
+    """``choice`` with its best candidate replaced by the fastest in trial steps (every
+    worker calls this at once; all return the same choice). The trials go into
+    ``choice.trials`` for the explanation."""
+    loss_fn = loss_fn or default_loss
+    started = time.perf_counter()
+    # Rank 0's shortlist (its predictions) on every rank.
+    plan = None
+    if dist.get_rank() == 0:
+        picked, spent = [], 0.0
+        for c in shortlist(choice, k):
+            n = min(MAX_STEPS, max(steps, math.ceil(MEASURE_S / max(c.cost.total_s, 1e-6))))
+            cost = (WARMUP + n) * c.cost.total_s
+            if picked and spent + cost > budget_s:
+                continue
+            picked.append((c, n))
+            spent += cost
+        plan = [{"name": c.name, "predicted_s": c.cost.total_s, "steps": n,
+                 "strategy": c.strategy.to_dict()} for c, n in picked]
+    plan = _broadcast_json(plan)
+    strategies = [validate(Strategy.from_dict(e["strategy"], source="rank 0's trial candidate"),
+                           choice.profile, choice.spec) for e in plan]
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    measured: list[tuple[float | None, float]] = []
+    if len(plan) * model_bytes * COPIES <= INTERLEAVE_BYTES:
+        measured = _interleaved(model, strategies, [e["steps"] for e in plan], choice,
+                                sample_input, loss_fn, started, budget_s)
+    else:  # one copy at a time: large models
+        for i, (entry, s) in enumerate(zip(plan, strategies, strict=True)):
+            # the predictions may be short: rank 0's clock decides whether to go on
+            if i > 0 and _over(started, budget_s):
+                measured.append((None, 0.0))
+                continue
+            measured.append(run_trial(model, s, choice, sample_input, loss_fn,
+                                      entry["steps"]))
+    trials = [Trial(e["name"], e["predicted_s"], m,
+                    "" if m is not None else "not run: trial budget spent", spread)
+              for e, (m, spread) in zip(plan, measured, strict=True)]
+    pick = torch.tensor([fastest([t.measured_s for t in trials],
+                                 [t.spread_s for t in trials])], dtype=torch.int64)
+    dist.broadcast(pick, 0)  # the ranks' numbers are equal; rank 0's word is final
+    best_i = int(pick.item())
+    name = plan[best_i]["name"]
+    original = next((c for c in choice.candidates if c.name == name), None)
+    cost = original.cost if original is not None else choice.best.cost
+    strategy = strategies[best_i]
+    if name != "hybrid" and not strategy.builder.startswith("Auto"):
+        strategy = replace(strategy, builder=f"Auto({name})")
+    best = Candidate(name, strategy, cost)
+    others = tuple(c for c in choice.candidates if c.name != name)
+    how = "interleaved" if len(plan) * model_bytes * COPIES <= INTERLEAVE_BYTES else "in turn"
+    note = (f"trial steps: {len(trials)} candidates {how}, {WARMUP}+{steps}..{MAX_STEPS} "
+            "steps each, "
+            f"{time.perf_counter() - started:.1f} s; kept {name}")
+    return replace(choice, best=best, candidates=(best, *others), trials=tuple(trials),
+                   notes=(*choice.notes, note))
