@@ -193,7 +193,13 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
             "work_lost_s": kill["time"] - min(redo) if redo else 0.0,
             "time_to_resume_s": min(r["time"] for r in after) - kill["time"],
         })
-    # The global batch of each step per attempt (union over ranks); the last attempt wins.
+    return {"per_kill": per_kill, **sample_accounting(steps)}
+
+
+def sample_accounting(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Samples lost and repeated relative to the checkpoints: the global batch of each step
+    (union over ranks, whatever the world size) from the last attempt that trained it, against
+    an undisturbed run's; and how many replayed steps saw other samples than before."""
     batches: dict[tuple[int, int], list[int]] = {}
     for r in steps:
         batches.setdefault((r["attempt"], r["step"]), []).extend(r["ids"])
@@ -208,7 +214,7 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
     flat_want = [i for b in want for i in b]
     lost = sum(max(0, flat_want.count(i) - flat_got.count(i)) for i in set(flat_want))
     repeated = sum(max(0, flat_got.count(i) - flat_want.count(i)) for i in set(flat_got))
-    return {"per_kill": per_kill, "samples_lost": lost, "samples_repeated": repeated,
+    return {"samples_lost": lost, "samples_repeated": repeated,
             "batches_match_reference": effective == want,
             "replayed_steps_differ": replay_mismatch}
 

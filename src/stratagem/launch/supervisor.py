@@ -127,6 +127,8 @@ class Supervisor:
         self._grow_to: tuple[str, ...] | None = None  # set by the probe thread
         self._probing: threading.Thread | None = None
         self._lost_error: str | None = None  # fewer than MIN nodes left
+        self._failure_probe: dict[tuple[str, ...], dict[str, bool]] = {}
+        self._failure_probe_thread: threading.Thread | None = None
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.grace = grace
@@ -231,6 +233,8 @@ class Supervisor:
                         running |= agent.code is None
                         if agent.code not in (None, 0) and first_failure is None:
                             first_failure = agent
+                if first_failure is not None and self.pool is not None:
+                    self._start_failure_probe()  # runs while the agents are stopped
                 if first_failure is not None or not running:
                     break
                 time.sleep(POLL_S)
@@ -254,11 +258,31 @@ class Supervisor:
         if back and self.plan.addresses == running:
             self._grow_to = self.pool.choose(running, back)
 
+    def _start_failure_probe(self) -> None:
+        """Probe the job's nodes in the background, at once after a failure (a lost node's
+        probe timeout then overlaps the agents' grace period)."""
+        assert self.pool is not None
+        pool, addresses, box = self.pool, self.plan.addresses, self._failure_probe
+
+        def probe() -> None:
+            box[addresses] = pool.reachable(addresses)
+
+        box.clear()
+        thread = threading.Thread(target=probe, daemon=True)
+        thread.start()
+        self._failure_probe_thread = thread
+
     def _lost_nodes(self) -> list[str]:
-        """The job's nodes that do not answer a probe now (none without a pool)."""
+        """The job's nodes that do not answer the failure's probe (none without a pool)."""
         if self.pool is None:
             return []
-        state = self.pool.reachable(self.plan.addresses)
+        thread = self._failure_probe_thread
+        if thread is not None:
+            thread.join()
+            self._failure_probe_thread = None
+        state = self._failure_probe.get(self.plan.addresses)
+        if state is None:
+            state = self.pool.reachable(self.plan.addresses)
         return [a for a in self.plan.addresses if not state.get(a, True)]
 
     def _attempt(self) -> int:
