@@ -2,7 +2,10 @@
 the middle of training, the job continues on node 0 alone from the checkpoint; the link
 comes back, the job grows to two nodes again; it completes with every sample of an
 undisturbed run trained exactly once relative to the checkpoints (bench/chaos_job.py's
-accounting). Needs root (tools/vcluster.py)."""
+accounting) and ends where single-process training ends. The strategy is PartitionedPS, so
+the owners of the parameter shards are re-sharded from the checkpoint at each new world size
+(all-reduce jobs restore onto other sizes in tests/elastic). Needs root
+(tools/vcluster.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from _vcluster import cluster_fixture, launcher_env
 from launch_helpers import job_processes
 from vcluster import VirtualCluster
 
-pytestmark = [pytest.mark.vcluster, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.vcluster, pytest.mark.slow, pytest.mark.timeout(180)]
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 cluster = cluster_fixture(2, tag="sgn", subnet="10.91.0.0/24")
@@ -43,7 +47,8 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:  # noq
         time.sleep(0.05)
 
 
-def _launch(cluster: VirtualCluster, tmp: Path, nnodes: str) -> tuple[subprocess.Popen, str]:
+def _launch(cluster: VirtualCluster, tmp: Path, nnodes: str, *options: str
+            ) -> tuple[subprocess.Popen, str]:
     spec = cluster.write_resource_spec(tmp / "spec.yml")
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
@@ -55,7 +60,7 @@ def _launch(cluster: VirtualCluster, tmp: Path, nnodes: str) -> tuple[subprocess
                            str(spec), "--nnodes", nnodes, "--node-probe-seconds", "1",
                            "--job-id", job, "--checkpoint-dir", str(tmp / "ckpt"),
                            "--checkpoint-steps", "3", "--restart-backoff", "0.2",
-                           "--run-dir", str(tmp / "run"), str(BENCH / "chaos_job.py"),
+                           "--run-dir", str(tmp / "run"), *options, str(BENCH / "chaos_job.py"),
                            "--out", str(logs), "--step-sleep", "0.12"],
                        env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                        text=True)
@@ -64,7 +69,7 @@ def _launch(cluster: VirtualCluster, tmp: Path, nnodes: str) -> tuple[subprocess
 
 def test_lost_link_shrinks_the_job_and_its_return_grows_it(cluster: VirtualCluster,
                                                            tmp_path: Path) -> None:
-    proc, job = _launch(cluster, tmp_path, "1:2")
+    proc, job = _launch(cluster, tmp_path, "1:2", "--strategy", "PartitionedPS")
     logs = tmp_path / "logs"
     link = cluster.host_ifname(1)
     try:
@@ -99,6 +104,9 @@ def test_lost_link_shrinks_the_job_and_its_return_grows_it(cluster: VirtualClust
     result = chaos.sample_accounting(steps)
     assert (result["samples_lost"], result["samples_repeated"]) == (0, 0), result
     assert result["batches_match_reference"] and result["replayed_steps_differ"] == 0
+    got = torch.load(logs / "final.pt", map_location="cpu", weights_only=True)["model"]
+    for name, value in chaos.chaos_job.reference()["model"].items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
     first = {a: min(r["time"] for r in steps if r["attempt"] == a) for a in (1, 2)}
     print(f"link down -> training on 1 node: {first[1] - down:.1f} s; "
           f"link up -> training on 2 nodes: {first[2] - up:.1f} s")
