@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -144,3 +145,55 @@ def test_fewer_than_min_nodes_left_fails_naming_the_node(tmp_path: Path) -> None
     assert (f"stopped: node {C} lost (node 2 ({C}): agent exited with code 3); 2 nodes "
             "left, --nnodes needs at least 3. Fix: bring 10.0.0.3 back") in err
     assert "shrink" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_adaptive_job_restarted_on_fewer_workers_follows_the_new_size(tmp_path: Path) -> None:
+    """What a shrink does to an adaptive job: stopped (SIGTERM: it saves) on 2 workers and
+    started again on 1 from the checkpoint, it re-decides its batch configuration for one
+    replica (the per-replica limit of 4 makes the base batch of 8 two accumulated
+    micro-batches there, one micro-batch per replica on two) and trains every sample of every
+    epoch exactly once over the two runs."""
+    import signal
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    try:
+        import chaos
+    finally:
+        sys.path.pop(0)
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+
+    def run(nproc: int) -> subprocess.Popen[str]:
+        return chaos.launch(logs, ckpt, f"ad-{nproc}-{os.getpid()}", nproc=nproc,
+                            checkpoint_steps=3, step_sleep=0.02, max_restarts=0,
+                            backoff=0.2, job_args=("--adaptive", "--epochs", "2"))
+
+    first = run(2)
+    deadline = time.monotonic() + 120
+    while sum(r["rank"] == 0 for r in chaos.read_steps(logs)) < 6:
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0]
+        time.sleep(0.05)
+    first.send_signal(signal.SIGTERM)  # the launcher stops the workers: they save and exit
+    first.communicate(timeout=60)
+    ended = time.time()
+    second = run(1)
+    out, _ = second.communicate(timeout=180)
+    assert second.returncode == 0, out[-3000:]
+    steps = [{**r, "attempt": int(r["time"] > ended)} for r in chaos.read_steps(logs)]
+    before = [r for r in steps if r["attempt"] == 0]
+    after = [r for r in steps if r["attempt"] == 1]
+    assert before and after
+    assert {r["world"] for r in before} == {2} and {r["world"] for r in after} == {1}
+    for r in steps:  # the micro-batch limit holds at each size
+        assert len(r["ids"]) <= chaos.chaos_job.ADAPTIVE_LOCAL
+        assert r["batch"] <= r["world"] * chaos.chaos_job.ADAPTIVE_LOCAL * (r["accum"] + 1)
+    # the base batch: one micro-batch per replica on two, two accumulated on one
+    assert {r["accum"] for r in before if r["batch"] == 8} <= {0}
+    assert {r["accum"] for r in after if r["batch"] == 8} <= {1}
+    assert any(r["batch"] == 8 for r in after)
+    counts = chaos.per_epoch_counts(steps)
+    assert sorted(counts) == [0, 1]
+    for epoch, seen in counts.items():
+        assert seen == {i: 1 for i in range(chaos.chaos_job.N)}, epoch
