@@ -453,7 +453,10 @@ class Supervisor:
     # -- reporting --------------------------------------------------------------------
     def _lead(self) -> tuple[dict[str, Any], _Agent] | None:
         """The failure record that names the cause (see :meth:`failure_summary`)."""
-        records = [(r, a) for a in self.agents for r in a.failures]
+        # Workers of the agents we stopped that saved and exited on our SIGTERM (exit 143)
+        # are neither the cause nor a stop request (e.g. after another node's agent died).
+        records = [(r, a) for a in self.agents for r in a.failures
+                   if not (a.quiet and str(r.get("message")) == f"SystemExit: {STOP_CODE}")]
 
         def pick(ok: Callable[[dict[str, Any]], bool]) -> tuple[dict[str, Any], _Agent] | None:
             found = [(r, a) for r, a in records if ok(r)]
