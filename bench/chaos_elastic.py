@@ -168,7 +168,9 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
         resumed_at = min(r["step"] for r in after)
         row = {"target": e["target"], "resumed": True,
                "time_to_resume_s": min(r["time"] for r in after) - e["time"],
-               "steps_lost": max(r["step"] for r in before) - resumed_at + 1,
+               # >= 0: a killed agent's workers may train (and checkpoint) on until the
+               # launcher stops them, so the next attempt can resume past the kill's step
+               "steps_lost": max(0, max(r["step"] for r in before) - resumed_at + 1),
                "world_after": max(r["world"] for r in after)}
         if e["target"] == "node":
             grown = [r for r in steps if r["attempt"] == a + 2]

@@ -115,7 +115,7 @@ def plan_job(opts: JobOptions, restart: int = 0,
                               where="--nnodes",
                               fix="pass --resource-spec FILE with up to MAX nodes")
         parse_nnodes(opts.nnodes, len(spec.nodes), spec.source)
-    if spec.is_local and nodes is None:
+    if spec.is_local:  # --nnodes on a one-node spec: that node or nothing
         if opts.nproc is not None and spec_path:  # the workers apply it too (STRATAGEM_NPROC)
             spec = spec.with_local_workers(opts.nproc)
         return plan_local(opts, spec, job_id, spec_path, strategy, restart=restart)
