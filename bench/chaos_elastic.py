@@ -7,7 +7,7 @@ down, then brought back).
 
 Needs root (tools/vcluster.py: 2 network namespaces, subnet 10.93.0.0/24, prefix sgce). The
 job is ``bench/chaos_job.py --adaptive`` (base batch 8, up to 32, at most 4 samples per
-replica and micro-batch) with one worker per node. A worker or agent kill is followed by an
+replica and micro-batch; 8 epochs of 96 samples) with one worker per node. A worker or agent kill is followed by an
 ordinary restart on both nodes; a node loss by a *shrink* to the survivor and, once the link
 is back, a *grow* to two nodes. Measured per event: the time from the kill (or link down) to
 the first training step of the next attempt, and the steps trained again; for node losses
@@ -61,7 +61,7 @@ def _trains(logs: Path, attempt: int) -> bool:
 
 def run(work: Path, *, kills: int, agent_kills: int, node_losses: int, seed: int,
         checkpoint_steps: int, step_sleep: float, backoff: float, max_delay: float,
-        peer_timeout: float, timeout: float) -> dict[str, Any]:
+        peer_timeout: float, timeout: float, epochs: int) -> dict[str, Any]:
     rng = random.Random(seed)
     targets = ["worker"] * kills + ["agent"] * agent_kills + ["node"] * node_losses
     rng.shuffle(targets)
@@ -86,7 +86,7 @@ def run(work: Path, *, kills: int, agent_kills: int, node_losses: int, seed: int
                           "--max-restarts", str(kills + agent_kills + 1),
                           "--restart-backoff", str(backoff), "--run-dir", str(work / "run"),
                           str(chaos.JOB), "--out", str(logs), "--step-sleep",
-                          str(step_sleep), "--adaptive"],
+                          str(step_sleep), "--adaptive", "--epochs", str(epochs)],
                       env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                       text=True)
 
@@ -200,6 +200,8 @@ def main() -> None:
     parser.add_argument("--max-delay", type=float, default=1.5)
     parser.add_argument("--peer-timeout", type=float, default=3.0)
     parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--epochs", type=int, default=8,
+                        help="epochs of 12 base steps: enough training for every event")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos_elastic.json")
     args = parser.parse_args()
     load = os.getloadavg()
@@ -208,7 +210,7 @@ def main() -> None:
                   node_losses=args.node_losses, seed=args.seed,
                   checkpoint_steps=args.checkpoint_steps, step_sleep=args.step_sleep,
                   backoff=args.backoff, max_delay=args.max_delay,
-                  peer_timeout=args.peer_timeout, timeout=args.timeout)
+                  peer_timeout=args.peer_timeout, timeout=args.timeout, epochs=args.epochs)
     result = analyse(raw)
     events = result["per_event"]
     survived = [e for e in events if e["resumed"]]

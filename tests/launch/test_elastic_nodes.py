@@ -73,8 +73,8 @@ def test_plan_on_a_node_subset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         plan_job(JobOptions(script="train.py", nnodes="1:2"))
 
 
-# A fake agent: prints its attempt and node; on attempt 0 node C fails; then waits to be
-# stopped (attempt 0: by the failure; attempt 1: by the grow); attempt 2 finishes.
+# A fake agent: prints its attempt and node; on attempt 0 node C fails and the others wait
+# to be stopped; on fewer than 3 nodes it waits for the grow; on 3 nodes it finishes.
 AGENT = """
 import os, signal, sys, time
 attempt, me = int(os.environ["STRATAGEM_RESTART_COUNT"]), sys.argv[1]
@@ -82,7 +82,7 @@ signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
 print(f"attempt {attempt} on {me} of {sys.argv[2]}", flush=True)
 if attempt == 0 and me == sys.argv[3]:
     sys.exit(3)
-if attempt < 2:
+if attempt == 0 or sys.argv[2].count(",") < 2:  # stopped by the failure, or until grown
     time.sleep(60)
 """
 
@@ -90,9 +90,9 @@ if attempt < 2:
 class ScriptedPool(NodePool):
     """A NodePool whose probe answers from ``self.up`` (and records what it was asked)."""
 
-    def __init__(self, spec_path: str, min_nodes: int) -> None:
+    def __init__(self, spec_path: str, min_nodes: int, c_up: bool = False) -> None:
         super().__init__(spec_path, None, min_nodes, 3)
-        self.up = {A: True, B: True, C: False}
+        self.up = {A: True, B: True, C: c_up}
         self.asked: list[tuple[str, ...]] = []
 
     def reachable(self, addresses: Sequence[str]) -> dict[str, bool]:
@@ -114,13 +114,14 @@ def _plan(nodes: Sequence[str], attempt: int) -> LaunchPlan:
     return LaunchPlan("job-e", f"{nodes[0]}:1", tuple(agents))
 
 
-def _supervise(tmp: Path, min_nodes: int) -> tuple[int, str, str, ScriptedPool]:
+def _supervise(tmp: Path, min_nodes: int, c_up: bool = False, max_restarts: int = 0
+              ) -> tuple[int, str, str, ScriptedPool]:
     spec = tmp / "spec.yml"
     spec.write_text("nodes:\n" + SPEC)
-    pool = ScriptedPool(str(spec), min_nodes)
+    pool = ScriptedPool(str(spec), min_nodes, c_up)
     out, err = io.StringIO(), io.StringIO()
-    policy = RestartPolicy(max_restarts=0, backoff_s=0.01, min_nodes=min_nodes, max_nodes=3,
-                           probe_interval_s=0.2)
+    policy = RestartPolicy(max_restarts=max_restarts, backoff_s=0.01, min_nodes=min_nodes,
+                           max_nodes=3, probe_interval_s=0.2)
     sup = Supervisor(_plan((A, B, C), 0), out=out, err=err, grace=2.0, policy=policy,
                      pool=pool, replan=lambda n, nodes=(A, B, C): _plan(nodes, n))
     return sup.run(), out.getvalue(), err.getvalue(), pool
@@ -137,6 +138,17 @@ def test_lost_node_shrinks_the_job_and_its_return_grows_it(tmp_path: Path) -> No
            f"on 2 of 3 nodes" in err
     assert f"grow 1: node {C} reachable; stopped the workers" in err
     assert re.search(r"job job-e finished: 3 workers, [\d.]+ s \(1 shrink, 1 grow\)", err)
+
+
+def test_failure_on_nodes_that_all_answer_is_an_ordinary_restart(tmp_path: Path) -> None:
+    """C's agent fails but C answers the probe (a SIGKILLed worker on a healthy node): the
+    job restarts on every node, using the restart budget."""
+    code, out, err, pool = _supervise(tmp_path, min_nodes=2, c_up=True, max_restarts=1)
+    assert pool.asked[0] == (A, B, C)
+    assert "shrink 1" not in err and "grow 1" not in err
+    assert f"failure 1: node 2 ({C}): agent exited with code 3; restarting" in err
+    assert f"attempt 1 on {C} of {A},{B},{C}" in out
+    assert code == 0 and "(1 restart, 0 shrinks, 0 grows)" in err
 
 
 def test_fewer_than_min_nodes_left_fails_naming_the_node(tmp_path: Path) -> None:
