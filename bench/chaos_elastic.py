@@ -5,17 +5,18 @@ down, then brought back).
     python bench/chaos_elastic.py [--kills 10] [--agent-kills 1] [--node-losses 1] [--seed 0]
                                   [--out bench/results/chaos_elastic.json]
 
-Needs root (tools/vcluster.py: 2 network namespaces, subnet 10.93.0.0/24, prefix sgce). The
-job is ``bench/chaos_job.py --adaptive`` (base batch 8, up to 32, at most 4 samples per
-replica and micro-batch; 8 epochs of 96 samples) with one worker per node. A worker or agent kill is followed by an
-ordinary restart on both nodes; a node loss by a *shrink* to the survivor and, once the link
-is back, a *grow* to two nodes. Measured per event: the time from the kill (or link down) to
-the first training step of the next attempt, and the steps trained again; for node losses
-also link up -> training on two nodes. Checked: the job completes; every sample of every
-epoch is trained exactly once along the checkpoints' lineage (``chaos.per_epoch_counts``).
-The final parameters are not compared with an undisturbed run: the adaptive batch size (and
-with it the learning-rate scaling and the accumulation) depends on the world sizes the job
-ran at and on measured step times, so they legitimately differ.
+Needs root (tools/vcluster.py: 2 network namespaces, subnet 10.93.0.0/24, prefix sgce).
+The job is ``bench/chaos_job.py --adaptive`` (base batch 8, up to 32, at most 4 samples per
+replica and micro-batch; 8 epochs of 96 samples) with one worker per node. A worker or
+agent kill is followed by an ordinary restart on both nodes; a node loss by a *shrink* to
+the survivor and, once the link is back, a *grow* to two nodes. Measured per event: the
+time from the kill (or link down) to the first training step of the next attempt, and the
+steps trained again; for node losses also link up -> training on two nodes. Checked: the
+job completes; every sample of every epoch is trained exactly once along the checkpoints'
+lineage (``chaos.per_epoch_counts``). The final parameters are not compared with an
+undisturbed run: the adaptive batch size (and with it the learning-rate scaling and the
+accumulation) depends on the world sizes the job ran at and on measured step times, so
+they legitimately differ.
 """
 
 from __future__ import annotations
