@@ -272,6 +272,14 @@ class Supervisor:
         thread.start()
         self._failure_probe_thread = thread
 
+    def _probed_lost(self) -> set[str]:
+        """The nodes the failure's probe, once finished, found unreachable (else none)."""
+        thread = self._failure_probe_thread
+        if thread is None or thread.is_alive():
+            return set()
+        state = self._failure_probe.get(self.plan.addresses, {})
+        return {a for a, up in state.items() if not up}
+
     def _lost_nodes(self) -> list[str]:
         """The job's nodes that do not answer the failure's probe (none without a pool)."""
         if self.pool is None:
@@ -280,7 +288,7 @@ class Supervisor:
         if thread is not None:
             thread.join()
             self._failure_probe_thread = None
-        state = self._failure_probe.get(self.plan.addresses)
+        state = self._failure_probe.pop(self.plan.addresses, None)
         if state is None:
             state = self.pool.reachable(self.plan.addresses)
         return [a for a in self.plan.addresses if not state.get(a, True)]
@@ -431,6 +439,9 @@ class Supervisor:
                 for agent in live:
                     self._killpg(agent, signal.SIGKILL)
                 break
+            for agent in live:  # a lost node's agent cannot stop its workers: no grace
+                if agent.launch.node.address in self._probed_lost():
+                    self._killpg(agent, signal.SIGKILL)
             time.sleep(POLL_S)
         for agent in self.agents:
             with contextlib.suppress(OSError, ValueError):
