@@ -85,13 +85,14 @@ def _wait(predicate: Any, proc: subprocess.Popen[str], timeout: float) -> bool:
 
 
 def launch(logs: Path, ckpt: Path, job_id: str, *, nproc: int, checkpoint_steps: int,
-           step_sleep: float, max_restarts: int, backoff: float) -> subprocess.Popen[str]:
+           step_sleep: float, max_restarts: int, backoff: float,
+           job_args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     logs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "stratagem", "run", "--nproc", str(nproc), "--job-id", job_id,
            "--checkpoint-dir", str(ckpt), "--checkpoint-steps", str(checkpoint_steps),
            "--max-restarts", str(max_restarts), "--restart-backoff", str(backoff),
            "--run-dir", str(logs / "run"), str(JOB), "--out", str(logs),
-           "--step-sleep", str(step_sleep)]
+           "--step-sleep", str(step_sleep), *job_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for var in ("STRATAGEM_CHECKPOINT_DIR", "ADAPTDL_CHECKPOINT_PATH", "RANK", "WORLD_SIZE"):
         env.pop(var, None)
@@ -193,7 +194,13 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
             "work_lost_s": kill["time"] - min(redo) if redo else 0.0,
             "time_to_resume_s": min(r["time"] for r in after) - kill["time"],
         })
-    # The global batch of each step per attempt (union over ranks); the last attempt wins.
+    return {"per_kill": per_kill, **sample_accounting(steps)}
+
+
+def sample_accounting(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Samples lost and repeated relative to the checkpoints: the global batch of each step
+    (union over ranks, whatever the world size) from the last attempt that trained it, against
+    an undisturbed run's; and how many replayed steps saw other samples than before."""
     batches: dict[tuple[int, int], list[int]] = {}
     for r in steps:
         batches.setdefault((r["attempt"], r["step"]), []).extend(r["ids"])
@@ -208,9 +215,31 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
     flat_want = [i for b in want for i in b]
     lost = sum(max(0, flat_want.count(i) - flat_got.count(i)) for i in set(flat_want))
     repeated = sum(max(0, flat_got.count(i) - flat_want.count(i)) for i in set(flat_got))
-    return {"per_kill": per_kill, "samples_lost": lost, "samples_repeated": repeated,
+    return {"samples_lost": lost, "samples_repeated": repeated,
             "batches_match_reference": effective == want,
             "replayed_steps_differ": replay_mismatch}
+
+
+def lineage(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps the final state descends from, whatever the batch sizes: attempts in order,
+    each discarding the earlier attempts' steps from its first step on (it resumed from a
+    checkpoint taken before them)."""
+    kept: list[dict[str, Any]] = []
+    for attempt in sorted({r["attempt"] for r in steps}):
+        mine = [r for r in steps if r["attempt"] == attempt]
+        first = min(r["step"] for r in mine)
+        kept = [r for r in kept if r["step"] < first] + mine
+    return kept
+
+
+def per_epoch_counts(steps: list[dict[str, Any]]) -> dict[int, dict[int, int]]:
+    """Epoch -> sample id -> times trained, over :func:`lineage` (exactly once: all 1)."""
+    counts: dict[int, dict[int, int]] = {}
+    for r in lineage(steps):
+        epoch = counts.setdefault(r["epoch"], {})
+        for i in r["ids"]:
+            epoch[i] = epoch.get(i, 0) + 1
+    return counts
 
 
 def compare_params(final: Path, other: dict[str, Any]) -> tuple[bool, float]:

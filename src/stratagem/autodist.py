@@ -28,7 +28,7 @@ from stratagem.adapt.step_metrics import StepRecorder
 from stratagem.analysis import ModelProfile, analyze
 from stratagem.data import DistributedDataLoader
 from stratagem.errors import StratagemError, install_excepthook
-from stratagem.launch.env import nproc_override
+from stratagem.launch.env import active_nodes, nproc_override
 from stratagem.observe import MetricsFile, ProgressDisplay, logger
 from stratagem.planner import Choice, choose, explain_text
 from stratagem.process_group import default_backend, init_process_group
@@ -154,6 +154,9 @@ class AutoDist:
             nproc = nproc_override()  # `stratagem run --nproc N` with a single-node spec
             if path and nproc is not None and spec.is_local:
                 spec = spec.with_local_workers(nproc)
+            active = active_nodes()  # `stratagem run --nnodes MIN:MAX`: the reachable nodes
+            if path and active is not None:
+                spec = spec.subset(active)
         if server_devices(spec) and self.world_size == spec.num_workers + len(
                 server_devices(spec)):
             return spec  # the spec's dedicated parameter servers run in this job too

@@ -71,6 +71,14 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-seconds", type=float, metavar="T",
                    help="also save the job state at the first step after T seconds since "
                         "the last save (STRATAGEM_CHECKPOINT_SECONDS)")
+    p.add_argument("--nnodes", metavar="MIN:MAX",
+                   help="elastic node count (needs --resource-spec listing up to MAX nodes): "
+                        "start on the reachable nodes if at least MIN are; when a node is "
+                        "lost, continue on the survivors from the checkpoint; grow back when "
+                        "it (or a node added to the spec) answers again")
+    p.add_argument("--node-probe-seconds", type=float, default=10.0, metavar="SECONDS",
+                   help="with --nnodes below MAX: how often to probe the missing nodes "
+                        "(default 10)")
     level = p.add_mutually_exclusive_group()
     level.add_argument("-q", "--quiet", action="store_true",
                        help="only warnings and errors from Stratagem (STRATAGEM_LOG_LEVEL)")
@@ -95,7 +103,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         log_level="WARNING" if args.quiet else "DEBUG" if args.verbose else None,
         tensorboard=args.tensorboard, max_restarts=args.max_restarts,
         restart_backoff=args.restart_backoff, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_steps=args.checkpoint_steps, checkpoint_seconds=args.checkpoint_seconds))
+        checkpoint_steps=args.checkpoint_steps, checkpoint_seconds=args.checkpoint_seconds,
+        nnodes=args.nnodes, node_probe_seconds=args.node_probe_seconds))
 
 
 # -- plan -----------------------------------------------------------------------------------

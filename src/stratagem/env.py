@@ -25,6 +25,7 @@ NODE_ADDRESS = "STRATAGEM_NODE_ADDRESS"
 JOB_ID = "STRATAGEM_JOB_ID"
 ROLE = "STRATAGEM_ROLE"
 NPROC = "STRATAGEM_NPROC"
+NODES = "STRATAGEM_NODES"
 REMOTE_SHELL = "STRATAGEM_REMOTE_SHELL"
 VERBOSE = "STRATAGEM_VERBOSE"
 CHECKPOINT_DIR = "STRATAGEM_CHECKPOINT_DIR"
@@ -185,6 +186,13 @@ def checkpoint_seconds() -> float | None:
     job state at the first step boundary after this many seconds since the last save
     (rank 0's clock decides); None/0: no time-based saves."""
     return _positive_or_none(CHECKPOINT_SECONDS, float)
+
+
+def nodes() -> str | None:
+    """``STRATAGEM_NODES``: the comma-separated addresses of the spec's nodes that this
+    attempt of a ``stratagem run --nnodes MIN:MAX`` job runs on, as written (unset: all of
+    them); every worker applies it to the spec it loads (``ResourceSpec.subset``)."""
+    return _first(NODES)
 
 
 def restart_count() -> int:

@@ -12,7 +12,7 @@ import difflib
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -131,6 +131,24 @@ class ResourceSpec:
         node = self.nodes[0]
         gpus = node.gpus if len(node.gpus) >= workers else ()
         return replace(self, nodes=(replace(node, workers=workers, gpus=gpus),))
+
+    def subset(self, addresses: Collection[str]) -> ResourceSpec:
+        """This spec with only the nodes at ``addresses`` (a ``--nnodes MIN:MAX`` job running
+        on the reachable part of its spec), in file order. When the chief is left out, the
+        first node kept takes its place (it hosts the rendezvous and rank 0)."""
+        wanted = set(addresses)
+        unknown = sorted(wanted - {n.address for n in self.nodes})
+        if unknown:
+            raise ResourceSpecError(f"no node with address {unknown[0]!r}", where=self.source,
+                                    fix=f"use addresses of {[n.address for n in self.nodes]}")
+        kept = [n for n in self.nodes if n.address in wanted]
+        if not any(n.workers for n in kept):
+            raise ResourceSpecError(f"none of the nodes {sorted(wanted)} runs a worker",
+                                    where=self.source,
+                                    fix="keep at least one node with workers")
+        if not any(n.chief for n in kept):
+            kept[0] = replace(kept[0], chief=True)
+        return replace(self, nodes=tuple(kept))
 
     # -- queries ------------------------------------------------------------------------
     @property

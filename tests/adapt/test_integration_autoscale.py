@@ -56,6 +56,20 @@ def test_no_model_yet_keeps_the_batch_within_the_memory_limit() -> None:
     assert no_accum.decide(None, None, 1, 2, BatchConfig.of(256, 2))[0].global_bsz == 128
 
 
+def test_restored_configuration_follows_a_new_world_size() -> None:
+    """A restart at another size (``--nnodes`` shrink or grow) restores the old replicas'
+    configuration; without a model yet it is re-derived for the new number of replicas."""
+    scaler = Autoscaler(8, 32, (1, 4), gradient_accumulation=True)
+    on_two = BatchConfig.of(8, 2)  # 2 x 4
+    alone = scaler.decide(None, None, 1, 1, on_two)[0]
+    assert alone == BatchConfig(8, 4, 1)  # one replica: 2 accumulated micro-batches of 4
+    assert scaler.decide(None, None, 2, 2, alone)[0] == BatchConfig(8, 4, 0)  # grown back
+    assert scaler.decide(None, None, 2, 2, on_two)[0] is on_two  # unchanged: kept as is
+    big = BatchConfig.of(16, 1, 3)  # 4 micro-batches of 4 on one replica
+    assert scaler.decide(None, None, 1, 1, big)[0] == BatchConfig(16, 4, 3)
+    assert scaler.decide(None, None, 1, 4, big)[0] == BatchConfig(16, 4, 0)
+
+
 def test_hysteresis_keeps_a_nearly_optimal_batch_and_switches_on_a_real_gain() -> None:
     scaler = Autoscaler(BASE, 1024, (8, 256))
     gns = noise(400.0)

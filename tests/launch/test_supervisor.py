@@ -145,3 +145,16 @@ def test_agent_reads_only_the_key_line_from_stdin() -> None:
             assert read_key(read) == ""
         finally:
             os.close(read)
+
+
+def test_workers_that_saved_on_our_stop_are_not_a_stop_request() -> None:
+    """Node 1's agent was SIGKILLed (no records); node 0's worker, stopped by the launcher,
+    saved and exited 143: the failure is the agent, and it is restarted (not a user stop)."""
+    saved = _exc(0, 1.0, "SystemExit: 143")
+    sup, agents = _supervisor([saved], [], code=-9)
+    agents[0].quiet = True  # stopped by the launcher after node 1's agent died
+    failure = sup.describe_failure(agents[1])
+    assert failure.line == "node 1 (10.0.0.2): agent exited with signal SIGKILL"
+    assert not failure.stop_request
+    agents[0].quiet = False  # a SIGTERM from elsewhere: the workers' own stop
+    assert sup.describe_failure(agents[0]).stop_request

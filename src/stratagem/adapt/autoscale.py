@@ -54,14 +54,22 @@ class Autoscaler:
     min_updates: int = 20  # noise-scale updates before the first switch (early ones are noisy)
 
     def fallback(self, current: BatchConfig, replicas: int) -> BatchConfig:
-        """Without a model: keep ``current`` but respect the micro-batch limit (accumulate
-        when allowed, else the largest global batch within the limit)."""
+        """Without a model: keep ``current``'s global batch within the micro-batch limit.
+        With accumulation, in the fewest micro-steps that respect the limit on ``replicas``
+        (a single replica beyond the base batch takes two, so its noise stays measurable):
+        after a restart at another world size the restored configuration is re-derived for
+        the new size -- a job grown from one replica to two drops the accumulation it needed
+        alone. Without accumulation: the largest global batch within the limit."""
         hi = self.local_bsz_bounds[1]
+        if self.gradient_accumulation and hi is not None:
+            accum = -(-current.global_bsz // (replicas * hi)) - 1
+            if replicas == 1 and current.global_bsz > self.base_batch_size:
+                accum = max(accum, 1)
+            if accum == current.accum_steps:
+                return current
+            return BatchConfig.of(current.global_bsz, replicas, accum)
         if hi is None or current.local_bsz <= hi:
             return current
-        if self.gradient_accumulation:
-            accum = -(-current.global_bsz // (replicas * hi)) - 1
-            return BatchConfig.of(current.global_bsz, replicas, accum)
         return BatchConfig.of(max(min(current.global_bsz, replicas * hi), replicas), replicas)
 
     def decide(self, params: ThroughputParams | None, gns: GradientNoiseScale | None,

@@ -12,6 +12,8 @@ elastic's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/...:
                              servers, one process each); unset on worker nodes
 ``STRATAGEM_NPROC``          ``--nproc`` given with a single-node spec: the worker count that
                              replaces the spec's ``workers`` (read by :func:`nproc_override`)
+``STRATAGEM_NODES``          with ``--nnodes MIN:MAX``: the addresses of the spec's nodes this
+                             attempt runs on (read by :func:`active_nodes`)
 ``CUDA_DEVICE_ORDER``        ``PCI_BUS_ID`` unless already set, so a spec's ``gpus: [2, 3]``
                              are the GPUs ``nvidia-smi`` numbers 2 and 3; local rank ``i``
                              trains on ``cuda:{gpus[i]}``
@@ -40,6 +42,7 @@ ENV_NODE_ADDRESS = env.NODE_ADDRESS
 ENV_JOB_ID = env.JOB_ID
 ENV_ROLE = env.ROLE
 ENV_NPROC = env.NPROC
+ENV_NODES = env.NODES
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 NCCL_IFNAME = "NCCL_SOCKET_IFNAME"
 
@@ -116,6 +119,14 @@ def nproc_override(environ: Mapping[str, str] | None = None) -> int | None:
         raise LaunchError(f"{ENV_NPROC}={value!r} is not a worker count", where=ENV_NPROC,
                           fix=f"unset it, or give 1 to {MAX_WORKERS_PER_NODE}")
     return int(value)
+
+
+def active_nodes(environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """``STRATAGEM_NODES``: the spec nodes this attempt of a ``--nnodes MIN:MAX`` job runs
+    on (None: every node of the spec), so every worker keeps only those of its spec."""
+    value = (env.nodes() if environ is None else environ.get(ENV_NODES)) or ""
+    names = [a for a in value.split(",") if a]
+    return names or None
 
 
 def apply_node_env(environ: MutableMapping[str, str] | None = None) -> str | None:

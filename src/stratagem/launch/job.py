@@ -11,6 +11,7 @@ from stratagem.resource import Node
 AGENT_MODULE = "stratagem.launch.agent"
 WORKER_MODULE = "stratagem.launch.worker"
 DEFAULT_RDZV_PORT = 29400  # torch elastic's c10d default, used when the host is remote
+DEFAULT_NODE_PROBE_S = 10.0  # --nnodes MIN:MAX below MAX: probe the missing nodes this often
 DEFAULT_MAX_RESTARTS = 3  # for a job with a checkpoint directory (it resumes, not restarts)
 
 
@@ -36,6 +37,8 @@ class JobOptions:
     checkpoint_dir: str | None = None  # the workers' STRATAGEM_CHECKPOINT_DIR
     checkpoint_steps: int | None = None  # the workers' STRATAGEM_CHECKPOINT_STEPS
     checkpoint_seconds: float | None = None  # the workers' STRATAGEM_CHECKPOINT_SECONDS
+    nnodes: str | None = None  # "MIN:MAX" (or "N"): how many of the spec's nodes to run on
+    node_probe_seconds: float = DEFAULT_NODE_PROBE_S  # below MAX: how often to look for nodes
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class RestartPolicy:
     backoff_s: float = 1.0  # wait before the first restart; doubled while no progress
     max_backoff_s: float = 30.0
     checkpoint_dir: str | None = None  # where progress shows (a newer checkpoint)
+    min_nodes: int | None = None  # --nnodes MIN:MAX: fewer reachable nodes end the job
+    max_nodes: int | None = None  # ... and never more than MAX are started
+    probe_interval_s: float = DEFAULT_NODE_PROBE_S  # below MAX: look for nodes this often
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,13 @@ class LaunchPlan:
     endpoint: str
     agents: tuple[AgentLaunch, ...]
     skipped: tuple[tuple[int, Node], ...] = field(default=())  # nodes with no workers
+    unused: tuple[tuple[int, Node], ...] = field(default=())  # --nnodes: spec nodes not used
     spec_source: str = "<this machine>"
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The addresses of the nodes this plan starts, in spec order."""
+        return tuple(a.node.address for a in self.agents)
 
     @property
     def num_workers(self) -> int:
@@ -89,6 +101,7 @@ class LaunchPlan:
                  a.via + (", rendezvous host" if a.is_host and nodes > 1 else ""))
                 for a in self.agents]
         rows += [(i, n, "no workers", "not started") for i, n in self.skipped]
+        rows += [(i, n, "not used", "unreachable or above MAX") for i, n in self.unused]
         width = max(len(n.address) for _, n, _, _ in rows)
         for i, node, workers, how in sorted(rows, key=lambda r: r[0]):
             chief = "chief" if node.chief else ""

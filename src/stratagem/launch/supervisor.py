@@ -6,6 +6,17 @@ failed job is stopped everywhere and started again -- every agent, from a fresh 
 an exponential backoff; the workers resume from the newest good checkpoint. Each failure and
 each restart gets one line; the final summary counts the restarts. When the restarts are used
 up, the job fails with the *first* failure's cause (later ones are often its echoes).
+
+With ``--nnodes MIN:MAX`` (a :class:`~stratagem.launch.probe.NodePool`), every failure is
+followed by a probe of the job's nodes: when some cannot be reached, the job *shrinks* --
+it restarts from the checkpoint on the survivors if at least MIN remain (else it fails,
+naming the lost nodes). A failure on nodes that all answer is an ordinary restart. While the
+job runs on fewer than MAX nodes, the missing ones (and nodes newly added to the spec file)
+are probed every ``probe_interval_s``; when one answers, the job *grows*: the workers are
+stopped with SIGTERM (they save and exit), and the job restarts on the larger set. Shrinks
+and grows do not count against ``--max-restarts`` (a lost node is not the job failing the
+same way again; MIN bounds how far it shrinks); each gets one line, and the final summary
+counts them.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from stratagem.errors import LaunchError
 from stratagem.launch.agent import FAILURE_MARKER
 from stratagem.launch.env import ENV_JOB_ID
 from stratagem.launch.job import AgentLaunch, LaunchPlan, RestartPolicy
+from stratagem.launch.probe import NodePool
 
 CKPT_NAME = re.compile(r"ckpt-(\d+)")
 STOP_CODE = 143  # a worker that saved and exited on SIGTERM (stratagem.elastic.EXIT_CODE)
@@ -101,12 +113,22 @@ class Supervisor:
     def __init__(self, plan: LaunchPlan, out: IO[str] | None = None,
                  err: IO[str] | None = None, grace: float = GRACE_S,
                  policy: RestartPolicy | None = None,
-                 replan: Callable[[int], LaunchPlan] | None = None) -> None:
+                 replan: Callable[..., LaunchPlan] | None = None,
+                 pool: NodePool | None = None) -> None:
         self.plan = plan
         self.policy = policy or RestartPolicy()
-        self.replan = replan  # restart number -> the plan to start (default: the same)
+        # (attempt number[, node addresses]) -> the plan to start (default: the same)
+        self.replan = replan
+        self.pool = pool  # --nnodes MIN:MAX: the nodes the job may shrink to and grow on
         self.failures: list[Failure] = []
         self.restarts = 0
+        self.shrinks = 0
+        self.grows = 0
+        self._grow_to: tuple[str, ...] | None = None  # set by the probe thread
+        self._probing: threading.Thread | None = None
+        self._lost_error: str | None = None  # fewer than MIN nodes left
+        self._failure_probe: dict[tuple[str, ...], dict[str, bool]] = {}
+        self._failure_probe_thread: threading.Thread | None = None
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.grace = grace
@@ -188,12 +210,22 @@ class Supervisor:
         """Start the plan's agents and watch them until all finished (None), one failed
         (it is returned) or a signal arrived; every agent is stopped on the way out."""
         self.agents = []
+        self._grow_to = None
         first_failure: _Agent | None = None
+        next_probe = time.monotonic() + self.policy.probe_interval_s
         try:
             for launch in self.plan.agents:
                 if self._signal is None:
                     self._start(launch)
             while self._signal is None:
+                if self._grow_to is not None:
+                    break
+                if self._can_grow() and time.monotonic() >= next_probe and (
+                        self._probing is None or not self._probing.is_alive()):
+                    next_probe = time.monotonic() + self.policy.probe_interval_s
+                    self._probing = threading.Thread(target=self._look_for_nodes,
+                                                     args=(self.plan.addresses,), daemon=True)
+                    self._probing.start()
                 running = False
                 for agent in self.agents:
                     if agent.code is None:
@@ -201,6 +233,8 @@ class Supervisor:
                         running |= agent.code is None
                         if agent.code not in (None, 0) and first_failure is None:
                             first_failure = agent
+                if first_failure is not None and self.pool is not None:
+                    self._start_failure_probe()  # runs while the agents are stopped
                 if first_failure is not None or not running:
                     break
                 time.sleep(POLL_S)
@@ -210,6 +244,58 @@ class Supervisor:
         if hidden:
             self.say(f"({hidden} lines of shutdown output from stopped agents not shown)")
         return first_failure
+
+    def _can_grow(self) -> bool:
+        pool = self.pool
+        return pool is not None and len(self.plan.agents) < pool.max_nodes
+
+    def _look_for_nodes(self, running: tuple[str, ...]) -> None:
+        """(Probe thread) When a node the job does not run on answers, ask to grow."""
+        assert self.pool is not None
+        missing = [n.address for n in self.pool.listed().nodes if n.address not in running]
+        state = self.pool.reachable(missing)
+        back = [a for a in missing if state.get(a)]
+        if back and self.plan.addresses == running:
+            self._grow_to = self.pool.choose(running, back)
+
+    def _start_failure_probe(self) -> None:
+        """Probe the job's nodes in the background, at once after a failure (a lost node's
+        probe timeout then overlaps the agents' grace period)."""
+        assert self.pool is not None
+        pool, addresses, box = self.pool, self.plan.addresses, self._failure_probe
+
+        def probe() -> None:
+            box[addresses] = pool.reachable(addresses)
+
+        box.clear()
+        thread = threading.Thread(target=probe, daemon=True)
+        thread.start()
+        self._failure_probe_thread = thread
+
+    def _probed_lost(self) -> set[str]:
+        """The nodes the failure's probe, once finished, found unreachable (else none)."""
+        thread = self._failure_probe_thread
+        if thread is None or thread.is_alive():
+            return set()
+        state = self._failure_probe.get(self.plan.addresses, {})
+        return {a for a, up in state.items() if not up}
+
+    def _lost_nodes(self) -> list[str]:
+        """The job's nodes that do not answer the failure's probe (none without a pool)."""
+        if self.pool is None:
+            return []
+        thread = self._failure_probe_thread
+        if thread is not None:
+            thread.join()
+            self._failure_probe_thread = None
+        state = self._failure_probe.pop(self.plan.addresses, None)
+        if state is None:
+            state = self.pool.reachable(self.plan.addresses)
+        return [a for a in self.plan.addresses if not state.get(a, True)]
+
+    def _attempt(self) -> int:
+        """How many times the job was started before (the workers' restart count)."""
+        return self.restarts + self.shrinks + self.grows
 
     def _wait(self, seconds: float) -> None:
         """Sleep, but return at once when a stop signal arrives."""
@@ -230,10 +316,22 @@ class Supervisor:
             while True:
                 mark = newest_checkpoint(policy.checkpoint_dir)
                 failed = self._run_once()
-                if self._signal is not None or failed is None:
+                if self._signal is not None:
+                    break
+                if failed is None and self._grow_to is not None:
+                    self._grow(self._grow_to)
+                    continue
+                if failed is None:
                     break
                 self.failures.append(self.describe_failure(failed))
-                if self.restarts >= policy.max_restarts or self.failures[-1].stop_request:
+                if self.failures[-1].stop_request:
+                    break
+                lost = self._lost_nodes()
+                if lost:
+                    if not self._shrink(lost):
+                        break
+                    continue
+                if self.restarts >= policy.max_restarts:
                     break
                 resume = newest_checkpoint(policy.checkpoint_dir)
                 if self.restarts and (resume is None or resume == mark):
@@ -251,19 +349,28 @@ class Supervisor:
                 if self._signal is not None:
                     break
                 if self.replan is not None:
-                    self.plan = self.replan(self.restarts)
+                    self.plan = (self.replan(self._attempt()) if self.pool is None
+                                 else self.replan(self._attempt(), self.plan.addresses))
                 self.say(f"restart {self.restarts}: starting job {self.plan.job_id} again "
                          f"({self.plan.num_workers} workers)")
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        again = (f" ({self.restarts} restart{'s' * (self.restarts != 1)})"
-                 if policy.max_restarts else "")
+        counts = [f"{self.restarts} restart{'s' * (self.restarts != 1)}"] \
+            if policy.max_restarts else []
+        if self.pool is not None:
+            counts += [f"{self.shrinks} shrink{'s' * (self.shrinks != 1)}",
+                       f"{self.grows} grow{'s' * (self.grows != 1)}"]
+        again = f" ({', '.join(counts)})" if counts else ""
         if self._signal is not None:
             name = signal.Signals(self._signal).name
             self.say(f"job {self.plan.job_id}: {name} received; stopped every worker "
                      f"on {len(self.agents)} node{'s' * (len(self.agents) != 1)}{again}")
             return 128 + self._signal
+        if self._lost_error is not None:
+            self.say(self.failures[-1].summary)
+            self.say(self._lost_error)
+            return 1
         if failed is not None:
             first = self.failures[0]
             self.say(first.summary)
@@ -278,6 +385,43 @@ class Supervisor:
         self.say(f"job {self.plan.job_id} finished: {self.plan.num_workers} workers, "
                  f"{time.monotonic() - started:.1f} s{again}")
         return 0
+
+    def _shrink(self, lost: list[str]) -> bool:
+        """Restart on the nodes that still answer (after the backoff); False when fewer than
+        MIN remain (the reason is kept for the summary) or a signal arrived."""
+        assert self.pool is not None and self.replan is not None
+        left = [a for a in self.plan.addresses if a not in lost]
+        names = ", ".join(lost)
+        if len(left) < self.pool.min_nodes:
+            self._lost_error = (
+                f"job {self.plan.job_id} stopped: node{'s' * (len(lost) != 1)} {names} "
+                f"lost ({self.failures[-1].line}); {len(left)} node"
+                f"{'s' * (len(left) != 1)} left, --nnodes needs at least "
+                f"{self.pool.min_nodes}. Fix: bring {names} back, or restart with a lower "
+                f"MIN; the job resumes from its newest checkpoint")
+            return False
+        self.shrinks += 1
+        resume = newest_checkpoint(self.policy.checkpoint_dir) or "the start"
+        self.say(f"shrink {self.shrinks}: node{'s' * (len(lost) != 1)} {names} lost "
+                 f"({self.failures[-1].line}); restarting on {len(left)} of "
+                 f"{self.pool.max_nodes} nodes from {resume} in "
+                 f"{self.policy.backoff_s:.3g} s")
+        self._wait(self.policy.backoff_s)
+        if self._signal is not None:
+            return False
+        self.plan = self.replan(self._attempt(), tuple(left))
+        return True
+
+    def _grow(self, nodes: tuple[str, ...]) -> None:
+        """The job was stopped (the workers saved on SIGTERM): start it on ``nodes``."""
+        assert self.replan is not None
+        back = [a for a in nodes if a not in self.plan.addresses]
+        self.grows += 1
+        before = len(self.plan.agents)
+        self.plan = self.replan(self._attempt(), nodes)
+        self.say(f"grow {self.grows}: node{'s' * (len(back) != 1)} {', '.join(back)} "
+                 f"reachable; stopped the workers at a checkpoint and restarting on "
+                 f"{len(nodes)} nodes (was {before})")
 
     def stop_all(self) -> None:
         """SIGTERM every running agent's process group, SIGKILL after the grace; then sweep
@@ -295,6 +439,9 @@ class Supervisor:
                 for agent in live:
                     self._killpg(agent, signal.SIGKILL)
                 break
+            for agent in live:  # a lost node's agent cannot stop its workers: no grace
+                if agent.launch.node.address in self._probed_lost():
+                    self._killpg(agent, signal.SIGKILL)
             time.sleep(POLL_S)
         for agent in self.agents:
             with contextlib.suppress(OSError, ValueError):
@@ -317,7 +464,10 @@ class Supervisor:
     # -- reporting --------------------------------------------------------------------
     def _lead(self) -> tuple[dict[str, Any], _Agent] | None:
         """The failure record that names the cause (see :meth:`failure_summary`)."""
-        records = [(r, a) for a in self.agents for r in a.failures]
+        # Workers of the agents we stopped that saved and exited on our SIGTERM (exit 143)
+        # are neither the cause nor a stop request (e.g. after another node's agent died).
+        records = [(r, a) for a in self.agents for r in a.failures
+                   if not (a.quiet and str(r.get("message")) == f"SystemExit: {STOP_CODE}")]
 
         def pick(ok: Callable[[dict[str, Any]], bool]) -> tuple[dict[str, Any], _Agent] | None:
             found = [(r, a) for r, a in records if ok(r)]
