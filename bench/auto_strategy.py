@@ -385,6 +385,45 @@ def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+ALL_REDUCE_VARIANTS = {"AllReduce", "PartitionedAR", "RandomAxisPartitionAR", FP16}
+
+
+def _family(name: str, recorded: str | None = None) -> str | None:
+    """A variant's or trial's family (``planner.trial.family``): as recorded, else from the
+    built-in's name; None for a hybrid whose family was not recorded."""
+    from stratagem.planner.trial import ALL_REDUCE, SERVERS
+
+    if recorded:
+        return recorded
+    if name in ("hybrid", "Auto", AUTO_FP16, "DDP"):
+        return None
+    return ALL_REDUCE if name in ALL_REDUCE_VARIANTS else SERVERS
+
+
+def refined_errors(case: dict[str, Any]) -> list[float]:
+    """Prediction errors of the built-in variants after the low-shot refinement
+    (``planner.trial.scales`` of Auto's trial steps in this case), leave-one-out: a
+    variant's own trial, if it had one, is left out of the factors that rescale it."""
+    from stratagem.planner.trial import Trial, scales
+
+    info = (case.get("planner") or {}).get("Auto") or {}
+    trials = [Trial(t["name"], t["predicted_s"], t["measured_s"], t.get("note", ""),
+                    t.get("spread_s", 0.0), _family(t["name"], t.get("family")) or "")
+              for t in info.get("trials", [])]
+    trials = [t for t in trials if t.family]
+    if not trials:
+        return []
+    errs = []
+    for name, v in case.get("variants", {}).items():
+        fam = _family(name)
+        meas, pred = v.get("median_step_s"), v.get("predicted_step_s")
+        if fam is None or "same_as" in v or not meas or pred is None:
+            continue
+        factors = scales([t for t in trials if t.name != name])
+        errs.append(abs(pred * factors.get(fam, 1.0) - meas) / meas)
+    return errs
+
+
 def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 12's benchmark targets over the measured cases: value, goal and whether met
     (None: not measurable, e.g. no planner)."""
@@ -397,6 +436,9 @@ def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
             for v in c.get("variants", {}).values()
             if v.get("prediction_error") is not None and "same_as" not in v]
     med_err = round(statistics.median(errs), 4) if errs else None
+    refined = [e for c in cases.values() for e in refined_errors(c)]
+    med_ref = round(statistics.median(refined), 4) if refined else None
+    max_ref = round(max(refined), 4) if refined else None
     lstm4 = [round(1 / c["auto_over_ddp"], 4) for c in cases.values()
              if c.get("model") == "lstm_lm" and c.get("nodes") == 4 and c.get("auto_over_ddp")]
     build = vals("auto_build_s")
@@ -419,6 +461,10 @@ def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
             med_err <= 0.15 if med_err is not None else None),
         rec("prediction error, worst", "<= 0.30", max(errs, default=None),
             max(errs) <= 0.30 if errs else None),
+        rec("prediction error after the trials' refinement (leave-one-out), median",
+            "<= 0.15", med_ref, med_ref <= 0.15 if med_ref is not None else None),
+        rec("prediction error after the trials' refinement (leave-one-out), worst",
+            "<= 0.30", max_ref, max_ref <= 0.30 if max_ref is not None else None),
         rec("Auto build (calibration + planning) s, worst", "<= 40 (30 + 10)",
             max(build, default=None), max(build) <= 40 if build else None),
     ]
@@ -488,10 +534,12 @@ def summary_markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {m} | {name} | " + " | ".join(cells) + " |")
     lines += ["", "| model | case | best lossless built-in | Auto / it | best built-in |"
               " Auto_fp16 / it | Auto / DDP | HybridRef / best | DDP / best |"
-              " pred. error median / max | Auto build (s) | load 1 min |",
-              "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+              " pred. error median / max | refined | Auto build (s) | load 1 min |",
+              "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in cases.values():
         h = c.get("host", {})
+        ref = refined_errors(c)
+        refined = (f"{_r(statistics.median(ref))} / {_r(max(ref))}" if ref else "–")
         lines.append(
             f"| {c['model']} | {c['nodes']} nodes {c['link']} | "
             f"{c.get('best_lossless_builtin') or '–'} | {_r(c.get('auto_over_best_lossless'))} | "
@@ -499,7 +547,8 @@ def summary_markdown(result: dict[str, Any]) -> str:
             f"{_r(c['auto_over_ddp'])} | "
             f"{_r(c['hybrid_ref_over_best_builtin'])} | {_r(c['ddp_over_best_builtin'])} | "
             f"{_r(c['prediction_error_median'])} / {_r(c['prediction_error_max'])} | "
-            f"{_r(c['auto_build_s'])} | {h.get('loadavg_1m_start')}–{h.get('loadavg_1m_end')} |")
+            f"{refined} | {_r(c['auto_build_s'])} | "
+            f"{h.get('loadavg_1m_start')}–{h.get('loadavg_1m_end')} |")
     lines += ["", "| target (issue 12) | goal | value | met |", "|---|---|---:|---|"]
     for t in targets(cases):
         met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]

@@ -15,7 +15,16 @@ from stratagem.errors import StrategyError
 from stratagem.planner import choose, explain_json, explain_text
 from stratagem.planner.calibrate import estimate
 from stratagem.planner.search import all_reduce_only, search
-from stratagem.planner.trial import fastest, shortlist
+from stratagem.planner.trial import (
+    ALL_REDUCE,
+    SERVERS,
+    Trial,
+    family,
+    fastest,
+    refined_s,
+    scales,
+    shortlist,
+)
 from stratagem.resource import ResourceSpec
 from stratagem.strategy import (
     AllReduceSynchronizer,
@@ -123,6 +132,22 @@ def test_trials_pick_the_fastest_and_keep_the_better_predicted_on_ties() -> None
     # faster by 10%, but the steps spread by 0.02 s each: within the noise
     assert fastest([0.20, 0.18], [0.02, 0.02]) == 0
     assert fastest([0.20, 0.10], [0.02, 0.02]) == 1
+
+
+def test_trials_rescale_predictions_per_family() -> None:
+    trials = [Trial("a", 0.10, 0.20, family=SERVERS), Trial("b", 0.20, 0.30, family=SERVERS),
+              Trial("c", 0.30, 0.36, family=SERVERS), Trial("d", 1.0, None, family=SERVERS),
+              Trial("e", 0.50, 0.55, family=ALL_REDUCE)]
+    factors = scales(trials)
+    assert factors == pytest.approx({SERVERS: 1.5, ALL_REDUCE: 1.1})  # medians of 2, 1.5, 1.2
+    assert scales(trials[:3]) == pytest.approx({SERVERS: 1.5})  # no all-reduce trial: none
+    assert scales([Trial("d", 1.0, None, family=SERVERS)]) == {}
+    profile = analyze(pw.make("dense"))
+    ar = builder_from_name("AllReduce").build(profile, spec(2))
+    ps = builder_from_name("PS").build(profile, spec(2))
+    assert (family(ar), family(ps)) == (ALL_REDUCE, SERVERS)
+    assert refined_s(0.2, ps, factors) == pytest.approx(0.3)
+    assert refined_s(0.2, ar, {SERVERS: 1.5}) == pytest.approx(0.2)  # no factor: as modelled
 
 
 def test_shortlist_has_distinct_strategies_and_a_builtin() -> None:

@@ -70,10 +70,39 @@ class Trial:
     note: str = ""
     spread_s: float = 0.0
     """Median absolute deviation of the timed steps (the trial's own noise)."""
+    family: str = ""
+    """:func:`family` of the candidate's strategy (what its measurement rescales)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "predicted_s": self.predicted_s,
-                "measured_s": self.measured_s, "spread_s": self.spread_s, "note": self.note}
+                "measured_s": self.measured_s, "spread_s": self.spread_s, "note": self.note,
+                "family": self.family}
+
+
+ALL_REDUCE, SERVERS = "all-reduce", "parameter servers"
+
+
+def family(strategy: Strategy) -> str:
+    """Which part of the cost model a strategy's time rests on: all-reduce only, or some
+    parameter on servers (the model errs differently on the two: per-piece server work)."""
+    return ALL_REDUCE if all_reduce_only(strategy) else SERVERS
+
+
+def scales(trials: tuple[Trial, ...] | list[Trial]) -> dict[str, float]:
+    """Low-shot refinement of the cost model: per :func:`family`, the median of measured /
+    predicted over the trials of that family that ran. A family no trial measured keeps
+    its predictions as modelled (the two err differently: borrowing the other's factor
+    made them worse on the benchmark)."""
+    ratios: dict[str, list[float]] = {}
+    for t in trials:
+        if t.measured_s and t.predicted_s > 0 and t.family:
+            ratios.setdefault(t.family, []).append(t.measured_s / t.predicted_s)
+    return {f: statistics.median(rs) for f, rs in ratios.items()}
+
+
+def refined_s(predicted_s: float, strategy: Strategy, factors: dict[str, float]) -> float:
+    """``predicted_s`` of ``strategy`` rescaled by the trials' ``factors`` (:func:`scales`)."""
+    return predicted_s * factors.get(family(strategy), 1.0)
 
 
 def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
@@ -249,8 +278,9 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
             measured.append(run_trial(model, s, choice, sample_input, loss_fn,
                                       entry["steps"]))
     trials = [Trial(e["name"], e["predicted_s"], m,
-                    "" if m is not None else "not run: trial budget spent", spread)
-              for e, (m, spread) in zip(plan, measured, strict=True)]
+                    "" if m is not None else "not run: trial budget spent", spread,
+                    family(s))
+              for e, (m, spread), s in zip(plan, measured, strategies, strict=True)]
     pick = torch.tensor([fastest([t.measured_s for t in trials],
                                  [t.spread_s for t in trials])], dtype=torch.int64)
     dist.broadcast(pick, 0)  # the ranks' numbers are equal; rank 0's word is final
