@@ -9,7 +9,6 @@ the owners of the parameter shards are re-sharded from the checkpoint at each ne
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -28,15 +27,17 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 cluster = cluster_fixture(2, tag="sgn", subnet="10.91.0.0/24")
 
 
+def _chaos():  # noqa: ANN202 - bench/chaos.py: the step log reader and the accounting
+    sys.path.insert(0, str(BENCH))
+    try:
+        import chaos
+    finally:
+        sys.path.remove(str(BENCH))
+    return chaos
+
+
 def _steps(logs: Path) -> list[dict]:
-    out = []
-    for path in logs.glob("steps-rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
+    return _chaos().read_steps(logs)
 
 
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:  # noqa: ANN001
@@ -96,11 +97,7 @@ def test_lost_link_shrinks_the_job_and_its_return_grows_it(cluster: VirtualClust
     # world sizes per attempt: 2 nodes, the survivor, 2 again
     sizes = {a: len({r["rank"] for r in steps if r["attempt"] == a}) for a in (0, 1, 2)}
     assert sizes == {0: 2, 1: 1, 2: 2}, sizes
-    sys.path.insert(0, str(BENCH))
-    try:
-        import chaos
-    finally:
-        sys.path.remove(str(BENCH))
+    chaos = _chaos()
     result = chaos.sample_accounting(steps)
     assert (result["samples_lost"], result["samples_repeated"]) == (0, 0), result
     assert result["batches_match_reference"] and result["replayed_steps_differ"] == 0
