@@ -258,8 +258,8 @@ def summarize(values: list[float]) -> dict[str, float | None]:
             "worst": max(values) if values else None}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_chaos_options(parser: argparse.ArgumentParser, out: Path) -> None:
+    """The options both chaos benchmarks take (chaos.py, chaos_elastic.py)."""
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--agent-kills", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -267,7 +267,12 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.1)
     parser.add_argument("--backoff", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
+    parser.add_argument("--out", type=Path, default=out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_chaos_options(parser, HERE / "results" / "chaos.json")
     args = parser.parse_args()
     import torch
 

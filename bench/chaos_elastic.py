@@ -191,19 +191,12 @@ def analyse(raw: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kills", type=int, default=10)
-    parser.add_argument("--agent-kills", type=int, default=1)
+    chaos.add_chaos_options(parser, HERE / "results" / "chaos_elastic.json")
     parser.add_argument("--node-losses", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint-steps", type=int, default=4)
-    parser.add_argument("--step-sleep", type=float, default=0.1)
-    parser.add_argument("--backoff", type=float, default=1.0)
     parser.add_argument("--max-delay", type=float, default=1.5)
     parser.add_argument("--peer-timeout", type=float, default=3.0)
-    parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--epochs", type=int, default=8,
                         help="epochs of 12 base steps: enough training for every event")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos_elastic.json")
     args = parser.parse_args()
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="stratagem-chaos-el-") as tmp:
