@@ -103,6 +103,21 @@ class ScriptedPool(NodePool):
         return answer
 
 
+class FlappingPool(ScriptedPool):
+    """C is lost at the failure, then answers the grow probes as ``script`` says (and
+    stays up once the script is used up)."""
+
+    def __init__(self, spec_path: str, script: Sequence[bool]) -> None:
+        super().__init__(spec_path, 2)
+        self.script = list(script)
+
+    def reachable(self, addresses: Sequence[str]) -> dict[str, bool]:
+        self.asked.append(tuple(addresses))
+        if len(self.asked) > 1 and self.script:
+            self.up[C] = self.script.pop(0)
+        return {a: self.up[a] for a in addresses}
+
+
 def _plan(nodes: Sequence[str], attempt: int) -> LaunchPlan:
     agents = []
     for i, a in enumerate((A, B, C)):
@@ -114,11 +129,12 @@ def _plan(nodes: Sequence[str], attempt: int) -> LaunchPlan:
     return LaunchPlan("job-e", f"{nodes[0]}:1", tuple(agents))
 
 
-def _supervise(tmp: Path, min_nodes: int, c_up: bool = False, max_restarts: int = 0
-              ) -> tuple[int, str, str, ScriptedPool]:
+def _supervise(tmp: Path, min_nodes: int, c_up: bool = False, max_restarts: int = 0,
+               flaps: Sequence[bool] | None = None) -> tuple[int, str, str, ScriptedPool]:
     spec = tmp / "spec.yml"
     spec.write_text("nodes:\n" + SPEC)
-    pool = ScriptedPool(str(spec), min_nodes, c_up)
+    pool = (ScriptedPool(str(spec), min_nodes, c_up) if flaps is None
+            else FlappingPool(str(spec), flaps))
     out, err = io.StringIO(), io.StringIO()
     policy = RestartPolicy(max_restarts=max_restarts, backoff_s=0.01, min_nodes=min_nodes,
                            max_nodes=3, probe_interval_s=0.2)
@@ -138,6 +154,38 @@ def test_lost_node_shrinks_the_job_and_its_return_grows_it(tmp_path: Path) -> No
            f"on 2 of 3 nodes" in err
     assert f"grow 1: node {C} reachable; stopped the workers" in err
     assert re.search(r"job job-e finished: 3 workers, [\d.]+ s \(1 shrink, 1 grow\)", err)
+
+
+def test_a_flapping_node_must_stay_reachable_before_the_job_grows_onto_it(
+        tmp_path: Path) -> None:
+    """Lost once, C must answer two probes a probe period apart: an answer followed by a
+    miss does not count, so the job grows at the 4th probe after the shrink, not the 1st."""
+    code, out, err, pool = _supervise(tmp_path, min_nodes=2, flaps=[True, False, True, True])
+    assert code == 0, err
+    grow_probes = pool.asked[1:]
+    assert grow_probes == [(C,)] * 4, grow_probes  # no grow before the 4th probe
+    assert err.count(f"node {C} answers again (lost 1 time); growing onto it once it has "
+                     "stayed reachable for 0.2 s") == 1
+    assert f"grow 1: node {C} reachable" in err and "(1 shrink, 1 grow)" in err
+    assert f"attempt 2 on {C} of {A},{B},{C}" in out
+
+
+def test_node_pool_damping_doubles_with_each_loss(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yml"
+    spec.write_text("nodes:\n" + SPEC)
+    pool = NodePool(str(spec), None, 1, 3)
+    assert pool.settled({C: True}, 0.0, 1.0, 5.0) == ([C], {})  # never lost: at once
+    pool.mark_lost([C])
+    assert pool.settled({C: True}, 10.0, 1.0, 5.0) == ([], {C: 1.0})
+    assert pool.settled({C: True}, 11.0, 1.0, 5.0) == ([C], {})
+    pool.mark_lost([C])  # lost again: two periods
+    assert pool.settled({C: True}, 20.0, 1.0, 5.0) == ([], {C: 2.0})
+    assert pool.settled({C: False}, 21.0, 1.0, 5.0) == ([], {})  # a miss starts over
+    assert pool.settled({C: True}, 22.0, 1.0, 5.0) == ([], {C: 2.0})
+    assert pool.settled({C: True}, 24.0, 1.0, 5.0) == ([C], {})
+    for _ in range(5):
+        pool.mark_lost([C])
+    assert pool.settle_s(C, 1.0, 5.0) == 5.0  # capped
 
 
 def test_failure_on_nodes_that_all_answer_is_an_ordinary_restart(tmp_path: Path) -> None:

@@ -125,7 +125,14 @@ def probe_nodes(spec: ResourceSpec, nodes: Sequence[Node], remote_shell: str | N
 
 class NodePool:
     """The nodes a ``--nnodes MIN:MAX`` job may use: the spec file's nodes (re-read on every
-    look, so a node added to the file counts), probed for reachability."""
+    look, so a node added to the file counts), probed for reachability.
+
+    It also damps flapping: a node the job lost must stay reachable for a while before the
+    job grows back onto it -- one probe period after its first loss, doubling with every
+    further loss up to a cap -- so a node whose link comes and goes does not stop and restart
+    the job at every probe. A node never lost (a late one, one added to the spec) joins at
+    its first answer.
+    """
 
     def __init__(self, spec_path: str, remote_shell: str | None, min_nodes: int,
                  max_nodes: int, timeout: float = PROBE_TIMEOUT_S) -> None:
@@ -135,6 +142,38 @@ class NodePool:
         self.max_nodes = max_nodes
         self.timeout = timeout
         self.spec = ResourceSpec.from_file(spec_path)
+        self.losses: dict[str, int] = {}  # address -> times the job lost it
+        self.up_since: dict[str, float] = {}  # address -> start of its current answering run
+
+    def mark_lost(self, addresses: Sequence[str]) -> None:
+        """The job lost these nodes (it shrank without them)."""
+        for a in addresses:
+            self.losses[a] = self.losses.get(a, 0) + 1
+            self.up_since.pop(a, None)
+
+    def settle_s(self, address: str, interval: float, cap: float) -> float:
+        """How long ``address`` must keep answering before the job grows onto it: 0 for a
+        node never lost, else ``interval * 2**(losses - 1)``, at most ``cap``."""
+        losses = self.losses.get(address, 0)
+        return 0.0 if not losses else min(cap, interval * 2 ** (losses - 1))
+
+    def settled(self, state: dict[str, bool], now: float, interval: float, cap: float
+                ) -> tuple[list[str], dict[str, float]]:
+        """Record a probe started at ``now`` (address -> answered); returns the answering
+        nodes that have answered long enough to grow onto, and the seconds each other
+        answering node still has to wait."""
+        ready, waiting = [], {}
+        for a, up in state.items():
+            if not up:
+                self.up_since.pop(a, None)
+                continue
+            since = self.up_since.setdefault(a, now)
+            left = self.settle_s(a, interval, cap) - (now - since)
+            if left <= 1e-6:
+                ready.append(a)
+            else:
+                waiting[a] = left
+        return ready, waiting
 
     def listed(self) -> ResourceSpec:
         """The spec file as it is now (the last good read when it is being edited)."""

@@ -129,6 +129,7 @@ class Supervisor:
         self._lost_error: str | None = None  # fewer than MIN nodes left
         self._failure_probe: dict[tuple[str, ...], dict[str, bool]] = {}
         self._failure_probe_thread: threading.Thread | None = None
+        self._told_waiting: set[tuple[str, int]] = set()  # (node, losses) announced
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self.grace = grace
@@ -222,9 +223,11 @@ class Supervisor:
                     break
                 if self._can_grow() and time.monotonic() >= next_probe and (
                         self._probing is None or not self._probing.is_alive()):
-                    next_probe = time.monotonic() + self.policy.probe_interval_s
+                    now = time.monotonic()
+                    next_probe = now + self.policy.probe_interval_s
                     self._probing = threading.Thread(target=self._look_for_nodes,
-                                                     args=(self.plan.addresses,), daemon=True)
+                                                     args=(self.plan.addresses, now),
+                                                     daemon=True)
                     self._probing.start()
                 running = False
                 for agent in self.agents:
@@ -249,12 +252,23 @@ class Supervisor:
         pool = self.pool
         return pool is not None and len(self.plan.agents) < pool.max_nodes
 
-    def _look_for_nodes(self, running: tuple[str, ...]) -> None:
-        """(Probe thread) When a node the job does not run on answers, ask to grow."""
+    def _look_for_nodes(self, running: tuple[str, ...], now: float) -> None:
+        """(Probe thread, started at ``now``, at least one probe period after the previous
+        one) When a node the job does not run on answers, and a node it lost has answered
+        long enough, ask to grow."""
         assert self.pool is not None
         missing = [n.address for n in self.pool.listed().nodes if n.address not in running]
         state = self.pool.reachable(missing)
-        back = [a for a in missing if state.get(a)]
+        damping = (self.policy.probe_interval_s, self.policy.max_backoff_s)
+        back, waiting = self.pool.settled({a: bool(state.get(a)) for a in missing}, now,
+                                          *damping)
+        for a in waiting:
+            losses = self.pool.losses.get(a, 0)
+            if (a, losses) not in self._told_waiting:  # once per node and loss
+                self._told_waiting.add((a, losses))
+                self.say(f"node {a} answers again (lost {losses} time"
+                         f"{'s' * (losses != 1)}); growing onto it once it has stayed "
+                         f"reachable for {self.pool.settle_s(a, *damping):.3g} s")
         if back and self.plan.addresses == running:
             self._grow_to = self.pool.choose(running, back)
 
@@ -401,6 +415,7 @@ class Supervisor:
                 f"MIN; the job resumes from its newest checkpoint")
             return False
         self.shrinks += 1
+        self.pool.mark_lost(lost)
         resume = newest_checkpoint(self.policy.checkpoint_dir) or "the start"
         self.say(f"shrink {self.shrinks}: node{'s' * (len(lost) != 1)} {names} lost "
                  f"({self.failures[-1].line}); restarting on {len(left)} of "
