@@ -44,6 +44,8 @@ def train(steps: range) -> None:
 
 if os.environ["PS_MODE"] == "save":
     train(range(STEPS))
+    # longer than the data timeout without a read: the owners must still answer
+    time.sleep(float(os.environ.get("PS_IDLE_S", "0")))
     if ad.rank != READER:
         (OUT / f"left{ad.rank}").touch()
         sys.exit(0)  # leaves while the saver still needs its state: atexit handlers run

@@ -225,14 +225,17 @@ def _check_saved_optimizer(opt: str, saved: dict) -> None:
         assert_same_state(saved["state"][i], want[o][j])
 
 
-# (builder, dedicated servers, optimizer, saving worker, restore into a new 2-worker job)
-SAVE_ALONE = [("Parallax", 0, "sgd", 0, False), ("Parallax", 2, "adam1", 0, True),
-              ("PartitionedPS", 0, "adam1", 1, False), ("PartitionedPS", 2, "sgd", 0, True)]
+# (builder, dedicated servers, optimizer, saving worker, restore into a new 2-worker job,
+#  seconds idle after training: more than the data timeout of IDLE_TIMEOUT_S)
+SAVE_ALONE = [("Parallax", 0, "sgd", 0, False, 12), ("Parallax", 2, "adam1", 0, True, 0),
+              ("PartitionedPS", 0, "adam1", 1, False, 0),
+              ("PartitionedPS", 2, "sgd", 0, True, 0)]
+IDLE_TIMEOUT_S = 8
 
 
-@pytest.mark.parametrize(("builder", "servers", "opt", "saver", "restore"), SAVE_ALONE)
+@pytest.mark.parametrize(("builder", "servers", "opt", "saver", "restore", "idle"), SAVE_ALONE)
 def test_one_rank_saves_a_checkpoint_while_the_others_leave(
-        builder: str, servers: int, opt: str, saver: int, restore: bool,
+        builder: str, servers: int, opt: str, saver: int, restore: bool, idle: int,
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """Issue 10 section 1: after training, one worker alone calls
     ``stratagem.checkpoint.save(path, model, optimizer)`` while the other has left the loop
@@ -254,8 +257,10 @@ def test_one_rank_saves_a_checkpoint_while_the_others_leave(
     ckpt = out / "ckpt"
     env = {"PS_SPEC": str(spec), "PS_BUILDER": builder, "PS_OPT": opt,
            "PS_READER": str(saver), "PS_CKPT": str(ckpt)}
+    timeouts = ({"PS_IDLE_S": str(idle), "STRATAGEM_PG_TIMEOUT_S": str(IDLE_TIMEOUT_S)}
+                if idle else {})  # owners idle past the timeout still serve the save
     codes = run_script(Path(__file__).with_name("ps_save_alone.py"), roles, out,
-                       {**env, "PS_MODE": "save"})
+                       {**env, "PS_MODE": "save", **timeouts})
     assert codes == ["0"] * len(roles), codes
     assert_close(checkpoint.load_file(ckpt, "model.pt"), ref(opt))
     saved = checkpoint.load_file(ckpt, "optimizer.pt")

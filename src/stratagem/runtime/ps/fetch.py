@@ -31,9 +31,11 @@ the one it asked for.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,6 +45,7 @@ from stratagem.runtime.ps import statewire
 from stratagem.runtime.ps.cluster import Group, data_timeout
 from stratagem.runtime.ps.plan import PSPiece
 
+IDLE = timedelta(days=365)  # an owner waits this long for a worker's next request
 FETCH, CLOSE, STATE = 1, 2, 3
 HLEN = 5  # kind, src, version, piece position (STATE: id), number of ids (-1: the whole piece)
 REQ, IDS, REP = 41, 42, 1 << 21  # REP + piece position: the reply's tag
@@ -51,6 +54,14 @@ S_HDR, S_MAN, S_BLOB = 43, 44, 45  # a STATE reply: lengths, manifest, blob
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).cpu().view(torch.uint8)
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` is a receive failing because the peer's process ended, or this
+    owner's group being shut down at exit (gloo's wording, or a DistributedError's)."""
+    text = str(exc).lower()
+    return any(k in text for k in ("closed", "connection reset", "shutdown", "shut down",
+                                   "aborted", "timed out", "timeout"))
 
 
 class FetchService:
@@ -85,7 +96,10 @@ class FetchService:
         hdr = torch.empty(HLEN, dtype=torch.int64)
         try:
             while True:
-                self.group.recv(hdr, src, REQ).wait()
+                # A worker may train far longer than the data timeout between reads: the
+                # wait for its next request must not time out (gloo closes the pair then,
+                # and the worker's next read would find the owner gone).
+                self.group.recv(hdr, src, REQ).wait(IDLE)
                 kind, _, version, pos, n = (int(v) for v in hdr)
                 if kind not in (FETCH, STATE):
                     return
@@ -95,8 +109,14 @@ class FetchService:
                     if n:
                         self.group.recv(ids, src, IDS).wait()
                 with self._cond:  # (the timeout only bounds a hung owner)
-                    self._cond.wait_for(lambda v=version: self.version >= v,
-                                        data_timeout().total_seconds())
+                    reached = self._cond.wait_for(lambda v=version: self.version >= v,
+                                                  data_timeout().total_seconds())
+                if not reached:  # never serve rows older than asked: end, and say why
+                    print(f"stratagem: parameter-server owner {self.rank}: worker {src} "
+                          f"asked for values at version {version}, still at "
+                          f"{self.version} after {data_timeout()}; not answering it "
+                          "(its fetch fails)", file=sys.stderr, flush=True)
+                    return
                 if kind == STATE:
                     self._send_state(src, pos)
                     continue
@@ -105,7 +125,11 @@ class FetchService:
                 rows = (shard if ids is None
                         else shard.index_select(0, (ids - p.row_start).to(shard.device)))
                 self.group.send(_bytes(rows), src, REP + pos).wait()
-        except Exception:  # noqa: BLE001 - the worker's process ended: nothing to serve
+        except Exception as exc:  # noqa: BLE001 - the thread ends; the worker's fetch fails
+            if not _peer_gone(exc):  # a closed connection is the worker ending: normal
+                print(f"stratagem: parameter-server owner {self.rank} stopped serving "
+                      f"worker {src}: {type(exc).__name__}: {str(exc)[:200]}",
+                      file=sys.stderr, flush=True)
             return
 
     def _send_state(self, src: int, pid: int) -> None:
