@@ -111,6 +111,15 @@ def start_for_default_group() -> PeerWatchdog | None:
     """A watchdog for the default group when torch elastic launched this process with its
     agent's store (at MASTER_ADDR:MASTER_PORT; it outlives the workers), the world has peers
     and ``STRATAGEM_PEER_TIMEOUT_S`` is not 0; else None."""
+    if not dist.is_initialized():
+        return None
+    return start_for_world(dist.get_rank(), dist.get_world_size())
+
+
+def start_for_world(rank: int, world: int) -> PeerWatchdog | None:
+    """A watchdog for ``rank`` of the ``world`` processes torch elastic started (a job with
+    dedicated parameter servers has no default group spanning them all), under the same
+    conditions as :func:`start_for_default_group`."""
     seconds = env.peer_timeout()
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -118,7 +127,7 @@ def start_for_default_group() -> PeerWatchdog | None:
         return None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None  # the store lives in rank 0, which may exit first: not a safe beacon
-    if not dist.is_initialized() or dist.get_world_size() < 2:
+    if world < 2:
         return None
     try:
         client = dist.TCPStore(addr, int(port), is_master=False,
@@ -128,4 +137,4 @@ def start_for_default_group() -> PeerWatchdog | None:
         return None
     attempt = f"{env.restart_count()}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store = dist.PrefixStore(f"stratagem/peers/{run_id}/{attempt}/", client)
-    return PeerWatchdog(store, dist.get_rank(), dist.get_world_size(), seconds).start()
+    return PeerWatchdog(store, rank, world, seconds).start()

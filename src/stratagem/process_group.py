@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem import env
-from stratagem.peer_watchdog import PeerWatchdog, start_for_default_group
+from stratagem.peer_watchdog import PeerWatchdog, start_for_default_group, start_for_world
 
 _watchdogs: list[PeerWatchdog] = []  # the default group's, when it has one
 
@@ -52,6 +52,17 @@ def init_process_group(backend: str | None = None, *, store: Any = None,
         if watchdog is not None:
             _watchdogs.append(watchdog)
     atexit.unregister(destroy_process_group)  # one hook per process, however many groups
+    atexit.register(destroy_process_group)
+
+
+def watch_world(rank: int, world: int) -> None:
+    """Peer heartbeats over every process torch elastic started (``rank`` of ``world``), for
+    a job whose default group does not span them all: workers and dedicated parameter
+    servers. Stopped, as done, by :func:`destroy_process_group` at exit."""
+    watchdog = start_for_world(rank, world)
+    if watchdog is not None:
+        _watchdogs.append(watchdog)
+    atexit.unregister(destroy_process_group)
     atexit.register(destroy_process_group)
 
 

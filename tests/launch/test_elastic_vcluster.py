@@ -4,11 +4,13 @@ comes back, the job grows to two nodes again; it completes with every sample of 
 undisturbed run trained exactly once relative to the checkpoints (bench/chaos_job.py's
 accounting) and ends where single-process training ends. The strategy is PartitionedPS, so
 the owners of the parameter shards are re-sharded from the checkpoint at each new world size
-(all-reduce jobs restore onto other sizes in tests/elastic). Needs root
-(tools/vcluster.py)."""
+(all-reduce jobs restore onto other sizes in tests/elastic). On a 3-node cluster whose last
+node is a dedicated parameter server, that node's link goes down: the job shrinks to its
+two worker nodes within seconds. Needs root (tools/vcluster.py)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ pytestmark = [pytest.mark.vcluster, pytest.mark.slow, pytest.mark.timeout(180)]
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 cluster = cluster_fixture(2, tag="sgn", subnet="10.91.0.0/24")
+cluster3 = cluster_fixture(3, tag="sgv", subnet="10.94.0.0/24")
 
 
 def _chaos():  # noqa: ANN202 - bench/chaos.py: the step log reader and the accounting
@@ -48,9 +51,13 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:  # noq
         time.sleep(0.05)
 
 
-def _launch(cluster: VirtualCluster, tmp: Path, nnodes: str, *options: str
-            ) -> tuple[subprocess.Popen, str]:
+def _launch(cluster: VirtualCluster, tmp: Path, nnodes: str, *options: str,
+            server_last: bool = False) -> tuple[subprocess.Popen, str]:
     spec = cluster.write_resource_spec(tmp / "spec.yml")
+    if server_last:  # the last node is a dedicated parameter server
+        text = spec.read_text()
+        cut = text.rindex("workers: 1")
+        spec.write_text(text[:cut] + "workers: 0" + text[cut + len("workers: 1"):])
     logs = tmp / "logs"
     logs.mkdir(exist_ok=True)
     job = f"el-{uuid.uuid4().hex[:8]}"
@@ -107,6 +114,45 @@ def test_lost_link_shrinks_the_job_and_its_return_grows_it(cluster: VirtualClust
     first = {a: min(r["time"] for r in steps if r["attempt"] == a) for a in (1, 2)}
     print(f"link down -> training on 1 node: {first[1] - down:.1f} s; "
           f"link up -> training on 2 nodes: {first[2] - up:.1f} s")
+    assert job_processes(job) == []
+
+
+def test_lost_server_node_is_detected_in_seconds_and_the_workers_go_on(
+        cluster3: VirtualCluster, tmp_path: Path) -> None:
+    """A dedicated parameter server's node loses its link: the workers' heartbeats (over
+    every process of the job, servers included) name it within STRATAGEM_PEER_TIMEOUT_S
+    instead of waiting out the collective timeout, the job shrinks to the two worker nodes,
+    their owners are re-sharded from the checkpoint, and it ends where single-process
+    training ends with every sample trained exactly once."""
+    proc, job = _launch(cluster3, tmp_path, "2:3", "--strategy", "PartitionedPS",
+                        server_last=True)
+    logs = tmp_path / "logs"
+    link = cluster3.host_ifname(2)
+    try:
+        _wait_for(lambda: sum(r["attempt"] == 0 and r["rank"] == 0
+                              for r in _steps(logs)) >= 4, proc, 90)
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-4000:]
+    server = cluster3.addresses[2]
+    assert "PS server    remote shell" in out, out  # the spec's last node served
+    assert re.search(r"PeerLost: rank 2 stopped answering: no heartbeat for [34] s", out), out
+    assert f"shrink 1: node {server} lost" in out and "restarting on 2 of 3 nodes" in out, out
+    steps = _steps(logs)
+    assert {a: len({r["rank"] for r in steps if r["attempt"] == a}) for a in (0, 1)} == \
+        {0: 2, 1: 2}
+    chaos = _chaos()
+    result = chaos.sample_accounting(steps)
+    assert (result["samples_lost"], result["samples_repeated"]) == (0, 0), result
+    assert result["batches_match_reference"] and result["replayed_steps_differ"] == 0
+    got = torch.load(logs / "final.pt", map_location="cpu", weights_only=True)["model"]
+    for name, value in chaos.chaos_job.reference()["model"].items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
     assert job_processes(job) == []
 
 

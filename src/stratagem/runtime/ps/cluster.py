@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from stratagem import env
 from stratagem.errors import DistributedError
-from stratagem.process_group import init_process_group
+from stratagem.process_group import init_process_group, watch_world
 
 ENV_ROLE = env.ROLE
 ENV_NODE_ADDRESS = env.NODE_ADDRESS
@@ -348,6 +348,7 @@ def join_cluster(replicas: Sequence[str], servers: Sequence[str], *,
                                    "spec has server nodes")
     store, grank, world = next(dist.rendezvous("env://", timeout=timeout or data_timeout()))
     store.set_timeout(timeout or data_timeout())
+    watch_world(grank, world)  # a frozen or unreachable server or worker ends the job fast
     namespace = f"stratagem/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}"
     mine = {"role": env.role(),
             "address": env.node_address(),
