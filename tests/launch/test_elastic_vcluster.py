@@ -51,6 +51,18 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:  # noq
         time.sleep(0.05)
 
 
+def _check_every_sample_once(steps: list[dict], logs: Path) -> None:
+    """No sample lost or trained twice relative to the checkpoints, and the final parameters
+    are single-process training's."""
+    chaos = _chaos()
+    result = chaos.sample_accounting(steps)
+    assert (result["samples_lost"], result["samples_repeated"]) == (0, 0), result
+    assert result["batches_match_reference"] and result["replayed_steps_differ"] == 0
+    got = torch.load(logs / "final.pt", map_location="cpu", weights_only=True)["model"]
+    for name, value in chaos.chaos_job.reference()["model"].items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+
+
 def _launch(cluster: VirtualCluster, tmp: Path, nnodes: str, *options: str,
             server_last: bool = False) -> tuple[subprocess.Popen, str]:
     spec = cluster.write_resource_spec(tmp / "spec.yml")
@@ -104,13 +116,7 @@ def test_lost_link_shrinks_the_job_and_its_return_grows_it(cluster: VirtualClust
     # world sizes per attempt: 2 nodes, the survivor, 2 again
     sizes = {a: len({r["rank"] for r in steps if r["attempt"] == a}) for a in (0, 1, 2)}
     assert sizes == {0: 2, 1: 1, 2: 2}, sizes
-    chaos = _chaos()
-    result = chaos.sample_accounting(steps)
-    assert (result["samples_lost"], result["samples_repeated"]) == (0, 0), result
-    assert result["batches_match_reference"] and result["replayed_steps_differ"] == 0
-    got = torch.load(logs / "final.pt", map_location="cpu", weights_only=True)["model"]
-    for name, value in chaos.chaos_job.reference()["model"].items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+    _check_every_sample_once(steps, logs)
     first = {a: min(r["time"] for r in steps if r["attempt"] == a) for a in (1, 2)}
     print(f"link down -> training on 1 node: {first[1] - down:.1f} s; "
           f"link up -> training on 2 nodes: {first[2] - up:.1f} s")
@@ -141,18 +147,13 @@ def test_lost_server_node_is_detected_in_seconds_and_the_workers_go_on(
     assert proc.returncode == 0, out[-4000:]
     server = cluster3.addresses[2]
     assert "PS server    remote shell" in out, out  # the spec's last node served
-    assert re.search(r"PeerLost: rank 2 stopped answering: no heartbeat for [34] s", out), out
+    silent = re.search(r"PeerLost: rank 2 stopped answering: no heartbeat for (\d+) s", out)
+    assert silent and int(silent.group(1)) < 30, out  # seconds, not the 300 s timeout
     assert f"shrink 1: node {server} lost" in out and "restarting on 2 of 3 nodes" in out, out
     steps = _steps(logs)
     assert {a: len({r["rank"] for r in steps if r["attempt"] == a}) for a in (0, 1)} == \
         {0: 2, 1: 2}
-    chaos = _chaos()
-    result = chaos.sample_accounting(steps)
-    assert (result["samples_lost"], result["samples_repeated"]) == (0, 0), result
-    assert result["batches_match_reference"] and result["replayed_steps_differ"] == 0
-    got = torch.load(logs / "final.pt", map_location="cpu", weights_only=True)["model"]
-    for name, value in chaos.chaos_job.reference()["model"].items():
-        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+    _check_every_sample_once(steps, logs)
     assert job_processes(job) == []
 
 
