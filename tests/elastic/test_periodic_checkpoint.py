@@ -14,7 +14,13 @@ from torch.utils.data import TensorDataset
 import stratagem as sg
 from stratagem import env
 from stratagem.checkpoint import CheckpointDir
-from stratagem.elastic import boundary, exit_point, job_context, register_state
+from stratagem.elastic import (
+    boundary,
+    exit_point,
+    job_context,
+    register_state,
+    wait_for_checkpoint,
+)
 from stratagem.elastic.state import ObjectState, load_state
 
 N, BATCH, EPOCHS = 20, 2, 2  # 10 steps per epoch
@@ -103,6 +109,7 @@ def test_a_checkpoint_every_t_seconds_on_rank_0s_clock(
             now[0] = float(t)
             value["v"] = t
             exit_point(step=True)
+            wait_for_checkpoint()  # written in the background
             newest = CheckpointDir(job_state).latest_good()
             saved.append(newest.name if newest else None)
     # due at 10 (10 s after 0); then the clock restarts at 12: due at 22, not 20
