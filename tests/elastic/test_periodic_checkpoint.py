@@ -3,7 +3,11 @@ after a crash: the job continues as if nothing happened (single process, in-proc
 
 from __future__ import annotations
 
+import copy
 import json
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ import stratagem as sg
 from stratagem import env
 from stratagem.checkpoint import CheckpointDir
 from stratagem.elastic import (
+    background_save,
     boundary,
     exit_point,
     job_context,
@@ -129,3 +134,91 @@ def test_bad_settings_name_the_variable(var: str, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(var, "-2")
     with pytest.raises(sg.StratagemError, match=var):
         env.checkpoint_steps() if var == env.CHECKPOINT_STEPS else env.checkpoint_seconds()
+
+
+def test_a_background_save_holds_its_steps_state_while_training_goes_on(
+        job_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save after step 3 is still being written at step 5 (a slow writer); restored, it
+    holds the parameters, optimizer state and loader position recorded at step 3."""
+    monkeypatch.setenv(env.CHECKPOINT_STEPS, "3")
+    written, release = threading.Event(), threading.Event()
+    writing: list[str] = []
+
+    def slow_writer(tmp: Path, rank: int) -> None:
+        writing.append(tmp.name)
+        written.set()
+        assert release.wait(60)
+
+    monkeypatch.setattr(background_save, "before_publish", slow_writer)
+    with job_context():
+        torch.manual_seed(0)
+        plain = nn.Linear(4, 1)
+        ad = sg.AutoDist(verbose=False)
+        model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.05))
+        loader = ad.data_loader(_data(), batch_size=BATCH, shuffle=True, seed=7)
+        for step, (_, x, y) in enumerate(loader, start=1):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if step == 3:  # the reference: what the checkpoint after this step must hold
+                at_save = copy.deepcopy((plain.state_dict(), opt.state_dict()))
+            if step == 5:
+                assert written.wait(60)
+                assert writing == ["ckpt-00000001.tmp"]  # the writer is still at it...
+                assert CheckpointDir(job_state).latest_good() is None  # ...not complete
+                release.set()
+                wait_for_checkpoint()
+                break
+        assert not torch.equal(plain.weight, at_save[0]["weight"])  # training went on
+    with job_context():
+        fresh = nn.Linear(4, 1)
+        ad = sg.AutoDist(verbose=False)
+        _, opt2 = ad.distribute(fresh, torch.optim.Adam(fresh.parameters(), lr=0.05))
+        loader = ad.data_loader(_data(), batch_size=BATCH, shuffle=True, seed=7)
+        assert loader.state_dict()["offset"] == 3 * BATCH
+        for name, value in at_save[0].items():
+            assert torch.equal(fresh.state_dict()[name], value), name
+        restored = opt2.state_dict()["state"]
+        for index, slots in at_save[1]["state"].items():
+            for slot, value in slots.items():
+                assert torch.equal(torch.as_tensor(restored[index][slot]),
+                                   torch.as_tensor(value)), (index, slot)
+
+
+KILLED_WRITER = """
+import os, signal, torch
+from stratagem.elastic import background_save, exit_point, job_context
+from stratagem.elastic.state import ObjectState, load_state
+
+def die_in_second_write(tmp, rank):  # files written, not yet committed
+    if tmp.name == "ckpt-00000002.tmp":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+background_save.before_publish = die_in_second_write
+with job_context():
+    w = torch.zeros(256, 256)
+    load_state(ObjectState("w", lambda: {"w": w}, lambda s: w.copy_(s["w"])))
+    for step in range(1, 10):
+        w += 1
+        exit_point(step=True)  # a save after steps 2 and 4 (STRATAGEM_CHECKPOINT_STEPS=2)
+"""
+
+
+def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(
+        job_state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.CHECKPOINT_STEPS, "2")
+    script = tmp_path / "job.py"
+    script.write_text(KILLED_WRITER)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert (job_state / "ckpt-00000002.tmp" / "w.pt").is_file()  # killed mid-save
+    with job_context():
+        w = torch.full((256, 256), -1.0)
+        assert load_state(ObjectState("w", lambda: {"w": w}, lambda s: w.copy_(s["w"])))
+        assert torch.equal(w, torch.full((256, 256), 2.0))  # the checkpoint after step 2
+        w += 1
+        exit_point(step=True)
+        exit_point(step=True)  # due: the next save replaces the leftover
+        wait_for_checkpoint()
+    assert sorted(p.name for p in job_state.iterdir()) == ["ckpt-00000001", "ckpt-00000002"]
