@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import _spawn
 import pytest
 import torch
 from torch import nn
@@ -27,6 +29,7 @@ from stratagem.elastic import (
     wait_for_checkpoint,
 )
 from stratagem.elastic.state import ObjectState, load_state
+from stratagem.errors import CheckpointError
 
 N, BATCH, EPOCHS = 20, 2, 2  # 10 steps per epoch
 
@@ -222,3 +225,50 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(
         exit_point(step=True)  # due: the next save replaces the leftover
         wait_for_checkpoint()
     assert sorted(p.name for p in job_state.iterdir()) == ["ckpt-00000001", "ckpt-00000002"]
+
+
+def _two_ranks(rank: int) -> dict:
+    """Two background saves of a shared and a per-rank state; rank 1 writes slowly in the
+    first and misses rank 0's (shortened) deadline in the second."""
+    release = threading.Event()
+
+    def slow_rank_1(tmp: Path, r: int) -> None:
+        if r == 1:
+            release.wait(1.0 if tmp.name == "ckpt-00000001.tmp" else 3.0)
+
+    background_save.before_publish = slow_rank_1
+    out: dict = {}
+    with job_context():
+        w = torch.zeros(64)
+        load_state(ObjectState("w", lambda: {"w": w}, lambda s: w.copy_(s["w"])))
+        mine = {"r": torch.tensor([rank])}
+        load_state(ObjectState("mine", lambda: dict(mine), mine.update, per_rank=True))
+        w += 1
+        exit_point(step=True)  # STRATAGEM_CHECKPOINT_STEPS=1: a background save
+        w += 1  # training goes on while it is written
+        wait_for_checkpoint()
+        os.environ[env.PG_TIMEOUT] = "2"  # rank 0 waits for rank 1's part at most 2 s
+        exit_point(step=True)
+        try:
+            wait_for_checkpoint()
+        except CheckpointError as exc:
+            out["error"] = exc.render()
+        release.set()
+        newest = CheckpointDir(os.environ[env.CHECKPOINT_DIR]).latest_good()
+        out["newest"] = newest.name if newest else None
+    return out
+
+
+def test_ranks_report_their_parts_to_rank_0_through_the_store(
+        job_state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.CHECKPOINT_STEPS, "1")
+    results = _spawn.run(_two_ranks, 2, tmp_path / "out", {}, _spawn.Setup(init_group=True))
+    assert "error" not in results[1]  # rank 1 did its part, late
+    assert "rank 1 did not finish writing its part within 2 s" in results[0]["error"]
+    assert results[0]["newest"] == "ckpt-00000001"  # the first save, both ranks' parts
+    first = job_state / "ckpt-00000001"
+    meta = json.loads((first / "meta.json").read_text())
+    assert sorted(meta["sha256"]) == ["mine-rank0.pt", "mine-rank1.pt", "w.pt"]
+    loaded = torch.load(first / "w.pt", weights_only=True)["w"]
+    assert torch.equal(loaded, torch.ones(64))  # the state at the save, not after
+    assert torch.load(first / "mine-rank1.pt", weights_only=True)["r"].item() == 1

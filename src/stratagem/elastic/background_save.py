@@ -15,11 +15,14 @@ At most one save is in flight: the next save of any kind (periodic, SIGTERM, exp
 choosing a restore point and dropping the job context first wait for it. A failed write is
 reported on stderr at once (rank 0 names a rank that never finished); the next save warns
 again and goes ahead, :func:`wait_for_checkpoint` raises it as a :class:`CheckpointError`.
-The writer thread is not a daemon, so a process that ends normally finishes the write.
+The writer thread is not a daemon and an atexit handler joins it, so a process that ends
+normally (also through ``stratagem.launch.worker``'s ``os._exit`` after atexit) finishes
+the write.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import hashlib
@@ -217,8 +220,20 @@ def start(series: ckpt.CheckpointDir, files: dict[str, Any],
     nonce = secrets.randbits(62)
     seq, nonce = ckpt.reduce_ints([series.next_number(), nonce], dist.ReduceOp.MAX)
     save = BackgroundSave(series, seq, nonce, files, {"seq": seq, **meta})
+    if not _at_exit:  # also when the process leaves through os._exit after atexit
+        atexit.register(_finish_at_exit)  # (stratagem.launch.worker does)
+        _at_exit.append(True)
     current_job().saving = save.start()
     return save.final
+
+
+_at_exit: list[bool] = []
+
+
+def _finish_at_exit() -> None:
+    save = current_job().saving
+    if save is not None:
+        save.join()
 
 
 def wait_for_checkpoint() -> None:
