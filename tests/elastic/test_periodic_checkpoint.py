@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import _spawn
 import pytest
@@ -44,15 +45,22 @@ def _data() -> TensorDataset:
                          torch.randn(N, 1, generator=g))
 
 
+def _job() -> tuple[sg.AutoDist, nn.Linear, nn.Module, torch.optim.Optimizer, Any]:
+    """The job's objects: Adam on a linear model, a shuffled loader (restored if there is
+    a checkpoint)."""
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 1)
+    ad = sg.AutoDist(verbose=False)
+    model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.05))
+    return ad, plain, model, opt, ad.data_loader(_data(), batch_size=BATCH, shuffle=True,
+                                                 seed=7)
+
+
 def _train(crash_at: int | None = None, seen: list[int] | None = None) -> nn.Module:
     """The job: Adam on a linear model, shuffled; raises Crash before step ``crash_at``'s
     optimizer step (like a SIGKILL: nothing saved after the previous checkpoint)."""
     with job_context():
-        torch.manual_seed(0)
-        plain = nn.Linear(4, 1)
-        ad = sg.AutoDist(verbose=False)
-        model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.05))
-        loader = ad.data_loader(_data(), batch_size=BATCH, shuffle=True, seed=7)
+        ad, plain, model, opt, loader = _job()
         steps = {"n": 0}
         load_state(ObjectState("steps", lambda: dict(steps), steps.update, format="json"))
         for _ in ad.remaining_epochs_until(EPOCHS):
@@ -154,11 +162,7 @@ def test_a_background_save_holds_its_steps_state_while_training_goes_on(
 
     monkeypatch.setattr(background_save, "before_publish", slow_writer)
     with job_context():
-        torch.manual_seed(0)
-        plain = nn.Linear(4, 1)
-        ad = sg.AutoDist(verbose=False)
-        model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.05))
-        loader = ad.data_loader(_data(), batch_size=BATCH, shuffle=True, seed=7)
+        _, plain, model, opt, loader = _job()
         for step, (_, x, y) in enumerate(loader, start=1):
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
@@ -174,10 +178,7 @@ def test_a_background_save_holds_its_steps_state_while_training_goes_on(
                 break
         assert not torch.equal(plain.weight, at_save[0]["weight"])  # training went on
     with job_context():
-        fresh = nn.Linear(4, 1)
-        ad = sg.AutoDist(verbose=False)
-        _, opt2 = ad.distribute(fresh, torch.optim.Adam(fresh.parameters(), lr=0.05))
-        loader = ad.data_loader(_data(), batch_size=BATCH, shuffle=True, seed=7)
+        _, fresh, _, opt2, loader = _job()
         assert loader.state_dict()["offset"] == 3 * BATCH
         for name, value in at_save[0].items():
             assert torch.equal(fresh.state_dict()[name], value), name
