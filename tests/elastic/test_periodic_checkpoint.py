@@ -229,13 +229,17 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(
 
 
 def _two_ranks(rank: int) -> dict:
-    """Two background saves of a shared and a per-rank state; rank 1 writes slowly in the
-    first and misses rank 0's (shortened) deadline in the second."""
+    """Background saves of a shared and a per-rank state; rank 1 writes slowly in the first,
+    misses rank 0's (shortened) deadline in the second and fails in the third."""
     release = threading.Event()
+    saves: list[str] = []
 
     def slow_rank_1(tmp: Path, r: int) -> None:
+        saves.append(tmp.name)
+        if r == 1 and len(saves) == 3:
+            raise OSError("disk full")
         if r == 1:
-            release.wait(1.0 if tmp.name == "ckpt-00000001.tmp" else 3.0)
+            release.wait(1.0 if len(saves) == 1 else 3.0)
 
     background_save.before_publish = slow_rank_1
     out: dict = {}
@@ -255,6 +259,11 @@ def _two_ranks(rank: int) -> dict:
         except CheckpointError as exc:
             out["error"] = exc.render()
         release.set()
+        exit_point(step=True)
+        try:
+            wait_for_checkpoint()
+        except CheckpointError as exc:
+            out["failed"] = exc.render()
         newest = CheckpointDir(os.environ[env.CHECKPOINT_DIR]).latest_good()
         out["newest"] = newest.name if newest else None
     return out
@@ -266,6 +275,8 @@ def test_ranks_report_their_parts_to_rank_0_through_the_store(
     results = _spawn.run(_two_ranks, 2, tmp_path / "out", {}, _spawn.Setup(init_group=True))
     assert "error" not in results[1]  # rank 1 did its part, late
     assert "rank 1 did not finish writing its part within 2 s" in results[0]["error"]
+    for failed in (results[0]["failed"], results[1]["failed"]):  # rank 0: from rank 1's report
+        assert "rank 1 could not write its part: OSError: disk full" in failed
     assert results[0]["newest"] == "ckpt-00000001"  # the first save, both ranks' parts
     first = job_state / "ckpt-00000001"
     meta = json.loads((first / "meta.json").read_text())

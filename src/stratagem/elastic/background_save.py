@@ -102,9 +102,6 @@ class BackgroundSave:
         self._thread.start()
         return self
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
     def join(self) -> None:
         """Block until the write is finished (its error, if any, was reported)."""
         self._thread.join()
@@ -120,9 +117,9 @@ class BackgroundSave:
         try:
             sums = self._write()
         except Exception as exc:  # noqa: BLE001 - reported, and raised by wait()
-            self._fail(f"rank {self.rank} could not write its part: "
-                       f"{type(exc).__name__}: {exc}"[:500])
-            self._publish({"error": self.error.problem if self.error else "failed"})
+            problem = f"rank {self.rank} could not write its part: {type(exc).__name__}: {exc}"
+            self._fail(problem[:500])
+            self._publish({"error": problem[:500]})  # rank 0 stops waiting and names it
             return
         if self.rank != 0:
             self._publish({"sha256": sums})
@@ -179,6 +176,8 @@ class BackgroundSave:
                 for r, key in keys.items():
                     if r not in results and self.store.check([key]):
                         results[r] = json.loads(self.store.get(key).decode())
+                if any("error" in v for v in results.values()):
+                    break  # that rank failed: no need to wait for the others
                 if len(results) < len(keys):
                     if time.monotonic() > deadline:
                         missing = ", ".join(str(r) for r in keys if r not in results)
@@ -194,18 +193,22 @@ class BackgroundSave:
                     self.store.delete_key(keys[r])
         sums: dict[str, str] = {}
         for r in sorted(results):
-            if "error" in results[r]:
-                raise CheckpointError(str(results[r]["error"]), where=str(self.final),
-                                      fix=f"see rank {r}'s log")
-            sums.update(results[r]["sha256"])
+            part = results[r].get("sha256") if isinstance(results[r], dict) else None
+            if not isinstance(part, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in part.items()):
+                error = results[r].get("error") if isinstance(results[r], dict) else None
+                raise CheckpointError(str(error or f"rank {r} reported no checksums")[:500],
+                                      where=str(self.final), fix=f"see rank {r}'s log")
+            sums.update(part)
         return sums
 
     def _fail(self, problem: str) -> None:
         self.error = CheckpointError(
             f"background checkpoint {self.final.name} failed: {problem}",
             where=str(self.final),
-            fix="the previous checkpoint stays the restore point; see the message above "
-                f"({env.CHECKPOINT_ASYNC}=0 writes periodic checkpoints synchronously)")
+            fix="nothing is lost but this checkpoint: the previous one stays the restore "
+                "point and the next save tries again; "
+                f"{env.CHECKPOINT_ASYNC}=0 writes periodic checkpoints synchronously")
         print(f"stratagem: warning: {self.error.render()}", file=sys.stderr, flush=True)
 
 
