@@ -48,7 +48,8 @@ from stratagem.errors import CheckpointError
 from stratagem.process_group import rank_world
 
 KEY = "stratagem/background-checkpoint"
-POLL_S = 0.02
+POLL_S = 0.01  # rank 0 polls (store.wait would hold the store client's lock meanwhile,
+# blocking this process's other store users, e.g. the peer watchdog's heartbeats)
 # tests: called by the writer with (tmp dir, rank) after its files are written, before it
 # publishes them (a slow or killed writer)
 before_publish: Callable[[Path, int], None] | None = None
