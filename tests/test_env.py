@@ -52,6 +52,17 @@ def test_checkpoint_dir_and_adaptdl_fallbacks(monkeypatch: pytest.MonkeyPatch,
     assert env.adaptdl_checkpoint_path() == str(tmp_path / "a")  # AdaptDL's first
 
 
+def test_periodic_checkpoints_are_asynchronous_unless_turned_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert env.checkpoint_async()
+    for value, expected in (("0", False), ("false", False), ("1", True), ("True", True)):
+        monkeypatch.setenv("STRATAGEM_CHECKPOINT_ASYNC", value)
+        assert env.checkpoint_async() is expected
+    monkeypatch.setenv("STRATAGEM_CHECKPOINT_ASYNC", "later")
+    with pytest.raises(StratagemError, match="STRATAGEM_CHECKPOINT_ASYNC='later'"):
+        env.checkpoint_async()
+
+
 def test_adaptdl_accessors_fall_back_to_torch_elastic(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

@@ -49,14 +49,20 @@ def _barrier() -> None:
 
 def _reduce_int(value: int, op: dist.ReduceOp.RedOpType) -> int:
     """``value`` reduced over all ranks (itself without a process group)."""
+    return reduce_ints([value], op)[0]
+
+
+def reduce_ints(values: list[int], op: dist.ReduceOp.RedOpType) -> list[int]:
+    """``values`` reduced elementwise over all ranks in one all-reduce (themselves without a
+    process group)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
+        return list(values)
     device = "cpu"
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+    t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=op)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 def _sha256(path: Path) -> str:
@@ -112,22 +118,33 @@ def write_collectively(final: Path, write: Callable[[Path], None], meta: dict[st
     write(tmp)
     _barrier()
     if rank == 0:
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.name != META}
-        _save_json({"format": 1, "world_size": world, "time": time.time(), **meta,
-                    "sha256": files}, tmp / META)
-        fsync_dir(tmp)
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            if not replace:
-                raise CheckpointError("checkpoint already exists", where=str(final),
-                                      fix="remove it or write to a new path")
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        fsync_dir(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        if final.exists() and not replace:
+            raise CheckpointError("checkpoint already exists", where=str(final),
+                                  fix="remove it or write to a new path")
+        commit(tmp, final, meta, world, _sums(tmp), old=final.with_name(final.name + ".old"))
     _barrier()
     return final
+
+
+def _sums(tmp: Path) -> dict[str, str]:
+    return {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.name != META}
+
+
+def commit(tmp: Path, final: Path, meta: dict[str, Any], world: int, sums: dict[str, str],
+           *, old: Path) -> None:
+    """Make the written directory ``tmp`` the checkpoint ``final``: record ``meta`` and the
+    files' SHA-256 ``sums`` in ``meta.json``, fsync, rename into place (an existing
+    ``final`` is moved to ``old`` first and deleted after). Until the rename, ``final`` is
+    untouched: a crash at any point leaves the previous state."""
+    _save_json({"format": 1, "world_size": world, "time": time.time(), **meta,
+                "sha256": sums}, tmp / META)
+    fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, *,
@@ -189,23 +206,14 @@ def write_alone(final: Path, write: Callable[[Path], None], meta: dict[str, Any]
     tmp.mkdir(parents=True)
     try:
         write(tmp)
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.name != META}
-        _save_json({"format": 1, "world_size": world, "time": time.time(), **meta,
-                    "sha256": files}, tmp / META)
-        fsync_dir(tmp)
-        old = final.with_name(f"{final.name}.old-{os.getpid()}")
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        tmp.rename(final)
-        fsync_dir(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        commit(tmp, final, meta, world, _sums(tmp),
+               old=final.with_name(f"{final.name}.old-{os.getpid()}"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _job_store() -> Any:
+def job_store() -> Any:
     """The default process group's store, or None (one process, or no group)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
@@ -222,7 +230,7 @@ def _write_once(final: Path, write: Callable[[], Any]) -> None:
     A lease in the job's store names the writer; a rank that finds no lease writes, so a
     rank saving alone never waits for anyone. Without a reachable store (a peer that hosted
     it has exited) this rank writes."""
-    store = _job_store()
+    store = job_store()
     if store is None:
         write()
         return
@@ -477,14 +485,30 @@ class CheckpointDir:
     def save(self, write: Callable[[Path], None], meta: dict[str, Any] | None = None) -> Path:
         """Collectively write the next checkpoint with ``write(tmp_dir)``; prune old ones."""
         rank, _ = _rank_world()
-        numbers = [n for n, p in self._numbered() if not p.name.endswith(".tmp")]
-        seq = _reduce_int(max(numbers, default=0) + 1, dist.ReduceOp.MAX)
-        final = self.root / f"{PREFIX}{seq:08d}"
+        seq = _reduce_int(self.next_number(), dist.ReduceOp.MAX)
+        final = self.path(seq)
         write_collectively(final, write, {"seq": seq, **(meta or {})})
         if rank == 0:
             self.prune()
         _barrier()
         return final
+
+    def next_number(self) -> int:
+        """This rank's guess at the next checkpoint's number (one past every entry but
+        leftovers of unfinished writes); the ranks agree on the largest guess."""
+        return max((n for n, p in self._numbered() if not p.name.endswith(".tmp")),
+                   default=0) + 1
+
+    def remove_unfinished(self) -> None:
+        """Delete the temporary directories of writes that never finished (call it only
+        while no rank is writing into this series)."""
+        for _, p in self._numbered():
+            if p.name.endswith(".tmp"):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def path(self, seq: int) -> Path:
+        """Checkpoint number ``seq``'s directory (its temporary one: ``+ ".tmp"``)."""
+        return self.root / f"{PREFIX}{seq:08d}"
 
     def prune(self) -> None:
         """Delete everything but the newest ``keep`` complete checkpoints (older ones,

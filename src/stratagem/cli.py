@@ -71,6 +71,10 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-seconds", type=float, metavar="T",
                    help="also save the job state at the first step after T seconds since "
                         "the last save (STRATAGEM_CHECKPOINT_SECONDS)")
+    p.add_argument("--checkpoint-sync", action="store_true",
+                   help="write periodic checkpoints synchronously, stalling training for the "
+                        "whole write (default: in the background after an in-memory "
+                        "snapshot; STRATAGEM_CHECKPOINT_ASYNC=0)")
     p.add_argument("--nnodes", metavar="MIN:MAX",
                    help="elastic node count (needs --resource-spec listing up to MAX nodes): "
                         "start on the reachable nodes if at least MIN are; when a node is "
@@ -104,6 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         tensorboard=args.tensorboard, max_restarts=args.max_restarts,
         restart_backoff=args.restart_backoff, checkpoint_dir=args.checkpoint_dir,
         checkpoint_steps=args.checkpoint_steps, checkpoint_seconds=args.checkpoint_seconds,
+        checkpoint_sync=args.checkpoint_sync,
         nnodes=args.nnodes, node_probe_seconds=args.node_probe_seconds))
 
 

@@ -31,6 +31,7 @@ VERBOSE = "STRATAGEM_VERBOSE"
 CHECKPOINT_DIR = "STRATAGEM_CHECKPOINT_DIR"
 CHECKPOINT_STEPS = "STRATAGEM_CHECKPOINT_STEPS"
 CHECKPOINT_SECONDS = "STRATAGEM_CHECKPOINT_SECONDS"
+CHECKPOINT_ASYNC = "STRATAGEM_CHECKPOINT_ASYNC"
 RESTART_COUNT = "STRATAGEM_RESTART_COUNT"
 PG_TIMEOUT = "STRATAGEM_PG_TIMEOUT_S"
 PEER_TIMEOUT = "STRATAGEM_PEER_TIMEOUT_S"
@@ -186,6 +187,18 @@ def checkpoint_seconds() -> float | None:
     job state at the first step boundary after this many seconds since the last save
     (rank 0's clock decides); None/0: no time-based saves."""
     return _positive_or_none(CHECKPOINT_SECONDS, float)
+
+
+def checkpoint_async() -> bool:
+    """``STRATAGEM_CHECKPOINT_ASYNC`` (``stratagem run --checkpoint-sync`` sets ``0``):
+    periodic checkpoints stall training only for an in-memory snapshot and are written in
+    the background (default ``1``); ``0``: written synchronously, like every other save."""
+    value = (_first(CHECKPOINT_ASYNC) or "1").lower()
+    if value not in ("0", "1", "true", "false"):
+        raise StratagemError(f"{CHECKPOINT_ASYNC}={value!r} is not 0 or 1",
+                             where=CHECKPOINT_ASYNC, fix=f"set {CHECKPOINT_ASYNC} to 1 "
+                                                         "(background writes) or 0")
+    return value in ("1", "true")
 
 
 def nodes() -> str | None:

@@ -3,9 +3,16 @@ after a crash: the job continues as if nothing happened (single process, in-proc
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
+from typing import Any
 
+import _spawn
 import pytest
 import torch
 from torch import nn
@@ -14,8 +21,16 @@ from torch.utils.data import TensorDataset
 import stratagem as sg
 from stratagem import env
 from stratagem.checkpoint import CheckpointDir
-from stratagem.elastic import boundary, exit_point, job_context, register_state
+from stratagem.elastic import (
+    background_save,
+    boundary,
+    exit_point,
+    job_context,
+    register_state,
+    wait_for_checkpoint,
+)
 from stratagem.elastic.state import ObjectState, load_state
+from stratagem.errors import CheckpointError
 
 N, BATCH, EPOCHS = 20, 2, 2  # 10 steps per epoch
 
@@ -30,15 +45,22 @@ def _data() -> TensorDataset:
                          torch.randn(N, 1, generator=g))
 
 
+def _job() -> tuple[sg.AutoDist, nn.Linear, nn.Module, torch.optim.Optimizer, Any]:
+    """The job's objects: Adam on a linear model, a shuffled loader (restored if there is
+    a checkpoint)."""
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 1)
+    ad = sg.AutoDist(verbose=False)
+    model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.05))
+    return ad, plain, model, opt, ad.data_loader(_data(), batch_size=BATCH, shuffle=True,
+                                                 seed=7)
+
+
 def _train(crash_at: int | None = None, seen: list[int] | None = None) -> nn.Module:
     """The job: Adam on a linear model, shuffled; raises Crash before step ``crash_at``'s
     optimizer step (like a SIGKILL: nothing saved after the previous checkpoint)."""
     with job_context():
-        torch.manual_seed(0)
-        plain = nn.Linear(4, 1)
-        ad = sg.AutoDist(verbose=False)
-        model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.05))
-        loader = ad.data_loader(_data(), batch_size=BATCH, shuffle=True, seed=7)
+        ad, plain, model, opt, loader = _job()
         steps = {"n": 0}
         load_state(ObjectState("steps", lambda: dict(steps), steps.update, format="json"))
         for _ in ad.remaining_epochs_until(EPOCHS):
@@ -103,6 +125,7 @@ def test_a_checkpoint_every_t_seconds_on_rank_0s_clock(
             now[0] = float(t)
             value["v"] = t
             exit_point(step=True)
+            wait_for_checkpoint()  # written in the background
             newest = CheckpointDir(job_state).latest_good()
             saved.append(newest.name if newest else None)
     # due at 10 (10 s after 0); then the clock restarts at 12: due at 22, not 20
@@ -122,3 +145,142 @@ def test_bad_settings_name_the_variable(var: str, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(var, "-2")
     with pytest.raises(sg.StratagemError, match=var):
         env.checkpoint_steps() if var == env.CHECKPOINT_STEPS else env.checkpoint_seconds()
+
+
+def test_a_background_save_holds_its_steps_state_while_training_goes_on(
+        job_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save after step 3 is still being written at step 5 (a slow writer); restored, it
+    holds the parameters, optimizer state and loader position recorded at step 3."""
+    monkeypatch.setenv(env.CHECKPOINT_STEPS, "3")
+    written, release = threading.Event(), threading.Event()
+    writing: list[str] = []
+
+    def slow_writer(tmp: Path, rank: int) -> None:
+        writing.append(tmp.name)
+        written.set()
+        assert release.wait(60)
+
+    monkeypatch.setattr(background_save, "before_publish", slow_writer)
+    with job_context():
+        _, plain, model, opt, loader = _job()
+        for step, (_, x, y) in enumerate(loader, start=1):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if step == 3:  # the reference: what the checkpoint after this step must hold
+                at_save = copy.deepcopy((plain.state_dict(), opt.state_dict()))
+            if step == 5:
+                assert written.wait(60)
+                assert writing == ["ckpt-00000001.tmp"]  # the writer is still at it...
+                assert CheckpointDir(job_state).latest_good() is None  # ...not complete
+                release.set()
+                wait_for_checkpoint()
+                break
+        assert not torch.equal(plain.weight, at_save[0]["weight"])  # training went on
+    with job_context():
+        _, fresh, _, opt2, loader = _job()
+        assert loader.state_dict()["offset"] == 3 * BATCH
+        for name, value in at_save[0].items():
+            assert torch.equal(fresh.state_dict()[name], value), name
+        restored = opt2.state_dict()["state"]
+        for index, slots in at_save[1]["state"].items():
+            for slot, value in slots.items():
+                assert torch.equal(torch.as_tensor(restored[index][slot]),
+                                   torch.as_tensor(value)), (index, slot)
+
+
+KILLED_WRITER = """
+import os, signal, torch
+from stratagem.elastic import background_save, exit_point, job_context
+from stratagem.elastic.state import ObjectState, load_state
+
+def die_in_second_write(tmp, rank):  # files written, not yet committed
+    if tmp.name == "ckpt-00000002.tmp":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+background_save.before_publish = die_in_second_write
+with job_context():
+    w = torch.zeros(256, 256)
+    load_state(ObjectState("w", lambda: {"w": w}, lambda s: w.copy_(s["w"])))
+    for step in range(1, 10):
+        w += 1
+        exit_point(step=True)  # a save after steps 2 and 4 (STRATAGEM_CHECKPOINT_STEPS=2)
+"""
+
+
+def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint(
+        job_state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.CHECKPOINT_STEPS, "2")
+    script = tmp_path / "job.py"
+    script.write_text(KILLED_WRITER)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert (job_state / "ckpt-00000002.tmp" / "w.pt").is_file()  # killed mid-save
+    with job_context():
+        w = torch.full((256, 256), -1.0)
+        assert load_state(ObjectState("w", lambda: {"w": w}, lambda s: w.copy_(s["w"])))
+        assert torch.equal(w, torch.full((256, 256), 2.0))  # the checkpoint after step 2
+        w += 1
+        exit_point(step=True)
+        exit_point(step=True)  # due: the next save replaces the leftover
+        wait_for_checkpoint()
+    assert sorted(p.name for p in job_state.iterdir()) == ["ckpt-00000001", "ckpt-00000002"]
+
+
+def _two_ranks(rank: int) -> dict:
+    """Background saves of a shared and a per-rank state; rank 1 writes slowly in the first,
+    misses rank 0's (shortened) deadline in the second and fails in the third."""
+    release = threading.Event()
+    saves: list[str] = []
+
+    def slow_rank_1(tmp: Path, r: int) -> None:
+        saves.append(tmp.name)
+        if r == 1 and len(saves) == 3:
+            raise OSError("disk full")
+        if r == 1:
+            release.wait(1.0 if len(saves) == 1 else 3.0)
+
+    background_save.before_publish = slow_rank_1
+    out: dict = {}
+    with job_context():
+        w = torch.zeros(64)
+        load_state(ObjectState("w", lambda: {"w": w}, lambda s: w.copy_(s["w"])))
+        mine = {"r": torch.tensor([rank])}
+        load_state(ObjectState("mine", lambda: dict(mine), mine.update, per_rank=True))
+        w += 1
+        exit_point(step=True)  # STRATAGEM_CHECKPOINT_STEPS=1: a background save
+        w += 1  # training goes on while it is written
+        wait_for_checkpoint()
+        os.environ[env.PG_TIMEOUT] = "2"  # rank 0 waits for rank 1's part at most 2 s
+        exit_point(step=True)
+        try:
+            wait_for_checkpoint()
+        except CheckpointError as exc:
+            out["error"] = exc.render()
+        release.set()
+        exit_point(step=True)
+        try:
+            wait_for_checkpoint()
+        except CheckpointError as exc:
+            out["failed"] = exc.render()
+        newest = CheckpointDir(os.environ[env.CHECKPOINT_DIR]).latest_good()
+        out["newest"] = newest.name if newest else None
+    return out
+
+
+def test_ranks_report_their_parts_to_rank_0_through_the_store(
+        job_state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.CHECKPOINT_STEPS, "1")
+    results = _spawn.run(_two_ranks, 2, tmp_path / "out", {}, _spawn.Setup(init_group=True))
+    assert "error" not in results[1]  # rank 1 did its part, late
+    assert "rank 1 did not finish writing its part within 2 s" in results[0]["error"]
+    for failed in (results[0]["failed"], results[1]["failed"]):  # rank 0: from rank 1's report
+        assert "rank 1 could not write its part: OSError: disk full" in failed
+    assert results[0]["newest"] == "ckpt-00000001"  # the first save, both ranks' parts
+    first = job_state / "ckpt-00000001"
+    meta = json.loads((first / "meta.json").read_text())
+    assert sorted(meta["sha256"]) == ["mine-rank0.pt", "mine-rank1.pt", "w.pt"]
+    loaded = torch.load(first / "w.pt", weights_only=True)["w"]
+    assert torch.equal(loaded, torch.ones(64))  # the state at the save, not after
+    assert torch.load(first / "mine-rank1.pt", weights_only=True)["r"].item() == 1

@@ -42,7 +42,10 @@ def test_job_survives_random_sigkills_and_ends_like_an_undisturbed_run(
     assert "(3 restarts)" in raw["output"]
     result = chaos.analyse(raw)
     assert all(k["resumed"] for k in result["per_kill"])
-    assert all(0 <= k["steps_lost"] <= 3 for k in result["per_kill"])  # one checkpoint period
+    # One checkpoint period, plus the steps a background write overlaps: a kill before its
+    # commit resumes from the previous checkpoint (at most one more period: the next save
+    # waits for the write).
+    assert all(0 <= k["steps_lost"] <= 2 * 3 for k in result["per_kill"])
     # No stall: each kill was reported long before a collective could time out.
     assert all(k["detected_s"] < PG_TIMEOUT_S / 10 for k in raw["kills"]), raw["kills"]
     assert result["replayed_steps_differ"] == 0

@@ -3,6 +3,7 @@ Python commands, no torch) and the launcher's restart options."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -125,6 +126,9 @@ def test_plan_gives_workers_the_checkpoint_settings_and_restart_count(tmp_path: 
     assert agent_env[env.CHECKPOINT_STEPS] == "5"
     assert agent_env[env.CHECKPOINT_SECONDS] == "30.0"
     assert agent_env[env.RESTART_COUNT] == "2"
+    assert env.CHECKPOINT_ASYNC not in agent_env  # background writes: the workers' default
+    sync_env = plan_job(dataclasses.replace(opts, checkpoint_sync=True)).agents[0].env
+    assert sync_env[env.CHECKPOINT_ASYNC] == "0"
 
 
 @pytest.mark.parametrize(("field", "value", "where"), [

@@ -75,6 +75,7 @@ from stratagem.elastic import (  # the job lifecycle, documented under sg.adapt 
     reset_states,
     restore_point,
     save_all_states,
+    wait_for_checkpoint,
 )
 
 __all__ = [
@@ -131,6 +132,7 @@ __all__ = [
     "reset_states",
     "restore_point",
     "save_all_states",
+    "wait_for_checkpoint",
     "scaled_lr",
     "scaled_step",
     "should_switch",

@@ -6,6 +6,7 @@ registered on the process's :class:`JobContext`. Modules:
 
 * ``context``: the :class:`JobContext` (one per process) and membership-change events;
 * ``state``: the registry of job states, saved and restored together (checkpoint-restart);
+* ``background_save``: periodic checkpoints written by a background thread;
 * ``signals``: SIGTERM noted, acted on at the next step boundary;
 * ``boundary``: the step boundary (``exit_point``, ``hold_exit``);
 * ``rescale``: in-process rescale (workers join and leave a running job);
@@ -16,6 +17,7 @@ registered on the process's :class:`JobContext`. Modules:
 See docs/how-to/elastic-training.md and docs/how-to/in-process-rescale.md.
 """
 
+from stratagem.elastic.background_save import wait_for_checkpoint
 from stratagem.elastic.boundary import exit_point, hold_exit
 from stratagem.elastic.context import (
     JobContext,
@@ -87,4 +89,5 @@ __all__ = [
     "track_loader",
     "track_model",
     "unique_name",
+    "wait_for_checkpoint",
 ]

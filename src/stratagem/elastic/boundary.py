@@ -7,7 +7,9 @@ configured, they agree whether any rank got SIGTERM and if so save every registe
 and exit with :data:`~stratagem.elastic.signals.EXIT_CODE`; and whether a periodic
 checkpoint is due (every ``STRATAGEM_CHECKPOINT_STEPS`` steps or
 ``STRATAGEM_CHECKPOINT_SECONDS`` seconds), which bounds what a SIGKILLed worker costs: the
-job restarts from that checkpoint (``stratagem run --max-restarts``).
+job restarts from that checkpoint (``stratagem run --max-restarts``). Periodic checkpoints
+are written in the background (:mod:`stratagem.elastic.background_save`) unless
+``STRATAGEM_CHECKPOINT_ASYNC=0``; the SIGTERM save is synchronous.
 """
 
 from __future__ import annotations
@@ -85,10 +87,10 @@ def exit_point(step: bool = False) -> None:
     ctx.steps_since_save += int(step)
     stop, due = any_rank_flags(ctx.exit_requested, checkpoint_due(ctx, clock()))
     if not stop:
-        if due:
-            save_all_states()  # restarts the counters
+        if due:  # restarts the counters
+            save_all_states(background=env.checkpoint_async())
         return
-    path = save_all_states()
+    path = save_all_states()  # synchronous (after the one in flight): complete before exit
     if rank_world()[0] == 0:
         print(f"stratagem: stop requested (SIGTERM): job state saved to {path}; exiting",
               file=sys.stderr, flush=True)

@@ -59,6 +59,7 @@ class JobContext:
         self.loader_iterations = 0  # data-loader iterations in progress (all loaders)
         self.steps_since_save = 0  # training steps since the last periodic/explicit save
         self.last_save: float | None = None  # rank 0: when the periodic clock (re)started
+        self.saving: Any = None  # background_save.BackgroundSave: a checkpoint being written
         self.signal_installed = False
         self.previous_signal_handler: Any = None
         self.group: Any = None  # stratagem.elastic.rescale.ElasticGroup, when in one
@@ -105,10 +106,13 @@ def current_job() -> JobContext:
 
 
 def drop_job() -> None:
-    """Drop this process's job context: the SIGTERM handler goes back to the previous one
-    and the next lifecycle call starts with a fresh context (no states, no requests)."""
+    """Drop this process's job context: a checkpoint being written in the background is
+    finished, the SIGTERM handler goes back to the previous one and the next lifecycle
+    call starts with a fresh context (no states, no requests)."""
     if _current:
         ctx = _current.pop()
+        if ctx.saving is not None:  # a checkpoint being written finishes (errors reported)
+            ctx.saving.join()
         if ctx.signal_installed:
             previous = ctx.previous_signal_handler
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

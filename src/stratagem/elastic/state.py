@@ -28,6 +28,7 @@ import torch
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.elastic import background_save
 from stratagem.elastic.context import NOT_CHOSEN, current_job, drop_job
 from stratagem.errors import CheckpointError
 from stratagem.process_group import rank_world
@@ -215,25 +216,48 @@ def _write_state(state: State, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _snapshot(state: State) -> Any:
+    """What ``state`` writes, copied now: bytes (JSON and custom-file states, serialized
+    here) or its state dict with every tensor copied to CPU memory."""
+    if state.format == "json" or _custom_file(state):
+        buf = io.BytesIO()
+        state.save(buf)
+        return buf.getvalue()
+    return background_save.cpu_copy(state.state_dict())
+
+
 def save_all_states(root: str | os.PathLike[str] | None = None, *,
-                    only: Collection[str] | None = None, sync: bool = True) -> Path | None:
+                    only: Collection[str] | None = None, sync: bool = True,
+                    background: bool = False) -> Path | None:
     """Collectively save every registered state as the next checkpoint; all ranks call it.
 
     Returns the checkpoint directory, or None (with a warning) when no checkpoint directory
     is configured. Rank 0 writes the shared states, every rank its ``per_rank`` ones.
     ``only``: save just these state names; every other state keeps what the latest
     checkpoint holds (AdaptDL's ``save_state``). ``sync=False`` skips the ``sync`` hooks.
+    ``background`` (full saves only): return once the states are copied to CPU memory and
+    write them on a background thread (:mod:`stratagem.elastic.background_save`); the
+    returned directory exists once ``background_save.wait_for_checkpoint()`` returns. Any save first
+    waits for the one in flight.
     """
     root_path = Path(root) if root is not None else checkpoint_root()
     if root_path is None:
         warnings.warn(f"no checkpoint saved: set {ENV_CHECKPOINT_DIR}", stacklevel=2)
         return None
+    background_save.finish_previous()  # at most one in flight, and in order
     rank, world = rank_world()
-    states = [s for s in current_job().states.values() if only is None or s.name in only]
+    ctx = current_job()
+    states = [s for s in ctx.states.values() if only is None or s.name in only]
     if sync:
         for state in states:
             state.sync()
     layout = {s.name: {"format": s.format, "per_rank": s.per_rank} for s in states}
+    meta = {"states": layout, "metadata": {}, "strategy_id": None}
+    if background and only is None and background_save.can_write_in_background():
+        files = {s.filename(rank): _snapshot(s) for s in states if s.per_rank or rank == 0}
+        path = background_save.start(ckpt.CheckpointDir(root_path, keep=KEEP), files, meta)
+        ctx.steps_since_save, ctx.last_save = 0, None
+        return path
     kept: list[Path] = []  # files of the states not saved now, from the latest checkpoint
     previous = ckpt.CheckpointDir(root_path).latest_good() if only is not None else None
     if previous is not None:
@@ -254,10 +278,8 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
             for path in kept:
                 shutil.copyfile(path, tmp / path.name)
 
-    path = ckpt.CheckpointDir(root_path, keep=KEEP).save(
-        write, {"states": layout, "metadata": {}, "strategy_id": None})
+    path = ckpt.CheckpointDir(root_path, keep=KEEP).save(write, meta)
     if only is None:  # a full save: the periodic-checkpoint counters start over
-        ctx = current_job()
         ctx.steps_since_save, ctx.last_save = 0, None  # the clock restarts at the next step
     return path
 
@@ -267,6 +289,7 @@ def restore_point() -> Path | None:
     (collective on first use)."""
     ctx = current_job()
     if ctx.restore_point is NOT_CHOSEN:
+        background_save.finish_previous()  # a checkpoint being written counts
         root = checkpoint_root()
         ctx.restore_point = ckpt.CheckpointDir(root).latest_good() if root else None
     return ctx.restore_point

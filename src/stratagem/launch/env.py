@@ -96,10 +96,12 @@ def observe_env(job_id: str, run_dir: str | None, log_dir: str | None,
 
 
 def checkpoint_env(checkpoint_dir: str | None, steps: int | None, seconds: float | None,
-                   restart: int) -> dict[str, str]:
-    """The workers' checkpoint settings (``--checkpoint-dir/-steps/-seconds``, absolute
-    path) and how many times the job was restarted before this attempt."""
+                   restart: int, *, sync: bool = False) -> dict[str, str]:
+    """The workers' checkpoint settings (``--checkpoint-dir/-steps/-seconds/-sync``,
+    absolute path) and how many times the job was restarted before this attempt."""
     out = {env.RESTART_COUNT: str(restart)}
+    if sync:
+        out[env.CHECKPOINT_ASYNC] = "0"
     if checkpoint_dir:
         out[env.CHECKPOINT_DIR] = str(Path(checkpoint_dir).resolve())
     if steps:

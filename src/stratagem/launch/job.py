@@ -37,6 +37,7 @@ class JobOptions:
     checkpoint_dir: str | None = None  # the workers' STRATAGEM_CHECKPOINT_DIR
     checkpoint_steps: int | None = None  # the workers' STRATAGEM_CHECKPOINT_STEPS
     checkpoint_seconds: float | None = None  # the workers' STRATAGEM_CHECKPOINT_SECONDS
+    checkpoint_sync: bool = False  # periodic saves synchronous (STRATAGEM_CHECKPOINT_ASYNC=0)
     nnodes: str | None = None  # "MIN:MAX" (or "N"): how many of the spec's nodes to run on
     node_probe_seconds: float = DEFAULT_NODE_PROBE_S  # below MAX: how often to look for nodes
 
