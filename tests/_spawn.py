@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,55 @@ def leave(hard: bool = True) -> None:
     os._exit(0)
 
 
+# The processes fork from one server process per test session that imported torch (and
+# torch._dynamo, which torch imports at the first optimizer a process builds) once: a
+# spawned process imported both again, seconds of CPU each. Each one takes on what a
+# spawned one inherits from the test at its start (_Inherit): environment, working
+# directory, stdout and stderr (so pytest shows its output under the test that ran it).
+START_METHOD = "forkserver"
+PRELOAD = ["torch", "torch._dynamo"]
+
+
+class _Inherit:
+    """Pickled for each process as it starts: the test's environment, working directory
+    and its fd 1 and 2 of the moment (passed along with the fork request)."""
+
+    def __init__(self) -> None:
+        self.environ, self.cwd = dict(os.environ), os.getcwd()
+        self.fds: tuple[Any, ...] = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        return _Inherit._rebuild, (self.environ, self.cwd,
+                                   (reduction.DupFd(1), reduction.DupFd(2)))
+
+    @staticmethod
+    def _rebuild(environ: dict[str, str], cwd: str, fds: tuple[Any, ...]) -> _Inherit:
+        inherit = _Inherit.__new__(_Inherit)
+        inherit.environ, inherit.cwd, inherit.fds = environ, cwd, fds
+        return inherit
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        for dup, fd in zip(self.fds, (1, 2), strict=True):
+            got = dup.detach()
+            os.dup2(got, fd)
+            os.close(got)
+
+
+def start_method() -> str:
+    """How the tests start processes (the forkserver preloads torch)."""
+    mp.get_context(START_METHOD).set_forkserver_preload(PRELOAD)
+    return START_METHOD
+
+
 def _entry(rank: int, world: int, port: int, fn: Callable, kwargs: dict, out: str,
-           setup: Setup) -> None:
+           setup: Setup, inherit: _Inherit | None = None) -> None:
+    if inherit is not None:
+        inherit.apply()
     for var in setup.unset:
         os.environ.pop(var, None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -98,8 +146,11 @@ def start(fn: Callable, world: int, out: Path, kwargs: dict[str, Any], setup: Se
     """Start the ``world`` processes; with ``join``, wait for them (an exit other than 0
     raises), else return their context."""
     out.mkdir(parents=True, exist_ok=True)
-    return mp.start_processes(_entry, args=(world, free_port(), fn, kwargs, str(out), setup),
-                              nprocs=world, start_method="spawn", join=join)
+    method = start_method()
+    inherit = _Inherit() if method == "forkserver" else None
+    return mp.start_processes(_entry, args=(world, free_port(), fn, kwargs, str(out), setup,
+                                            inherit),
+                              nprocs=world, start_method=method, join=join)
 
 
 def load(out: Path, world: int, missing_ok: bool = False) -> list[Any]:

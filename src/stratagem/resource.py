@@ -12,6 +12,7 @@ import difflib
 import ipaddress
 import os
 import re
+import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +35,17 @@ MAX_BANDWIDTH_GBPS = 1e6
 _HOST = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(\.(?!-)[A-Za-z0-9_-]{1,63})*\.?")
 _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+# Device files a GPU driver creates (NVIDIA, ROCm, WSL2): without any, torch.cuda sees none.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def may_have_gpus() -> bool:
+    """Whether this machine may have a GPU torch can use. False only when no GPU driver's
+    device file exists: then the answer is known without importing torch (seconds of
+    start-up for ``stratagem run`` on a CPU machine)."""
+    return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
 
 
 @dataclass(frozen=True)
@@ -112,13 +124,14 @@ class ResourceSpec:
     def local(cls, num_workers: int | None = None) -> ResourceSpec:
         """This machine alone: one worker per GPU, or ``num_workers`` CPU workers."""
         gpus: tuple[int, ...] = ()
-        try:
-            import torch
+        if "torch" in sys.modules or may_have_gpus():
+            try:
+                import torch
 
-            if torch.cuda.is_available():
-                gpus = tuple(range(torch.cuda.device_count()))
-        except ImportError:  # pragma: no cover - torch is a dependency
-            pass
+                if torch.cuda.is_available():
+                    gpus = tuple(range(torch.cuda.device_count()))
+            except ImportError:  # pragma: no cover - torch is a dependency
+                pass
         node = Node(address="127.0.0.1", gpus=gpus, cpus=tuple(range(os.cpu_count() or 1)),
                     chief=True, workers=len(gpus) or 1)
         spec = cls(nodes=(node,), source="<this machine>")

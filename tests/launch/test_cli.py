@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import runpy
 import shlex
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,6 +136,30 @@ def test_dry_run_passes_script_args_through(script: Script,
     assert argv[argv.index("--rdzv-backend") + 1] == "c10d"
     assert argv[argv.index("--rdzv-id") + 1] == "j1"
     assert argv[argv.index("--nnodes") + 1] == "1"
+
+
+PLAN_WITHOUT_TORCH = """
+import sys
+import stratagem.resource
+from stratagem import cli
+stratagem.resource.may_have_gpus = lambda: False  # as on a machine without a GPU driver
+code = cli.main(["run", "--dry-run", "--nproc", "2", *sys.argv[1:]])
+assert code == 0, code
+assert "torch" not in sys.modules, "the launcher imported torch"
+"""
+
+
+def test_the_launcher_plans_a_cpu_job_without_importing_torch(script: Script,
+                                                              tmp_path: Path) -> None:
+    """Importing torch costs the launcher seconds before any worker starts; it needs torch
+    only to count GPUs (and to check a --strategy), not on a machine without a GPU."""
+    path = script("train.py", "")
+    options = ("--max-restarts", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+               "--checkpoint-steps", "5")
+    proc = subprocess.run([sys.executable, "-c", PLAN_WITHOUT_TORCH, *options, str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "job " in proc.stderr and "2 workers on 1 node" in proc.stderr
 
 
 def test_a_reader_that_leaves_early_is_not_a_traceback() -> None:

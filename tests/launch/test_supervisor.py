@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +17,7 @@ from stratagem.launch.agent import (
     FAILURE_MARKER,
     TORCH_PCONTEXT_LOGGER,
     StoppedPids,
+    bound_failure_shutdown,
     read_key,
     untraced_failures,
 )
@@ -158,3 +160,31 @@ def test_workers_that_saved_on_our_stop_are_not_a_stop_request() -> None:
     assert not failure.stop_request
     agents[0].quiet = False  # a SIGTERM from elsewhere: the workers' own stop
     assert sup.describe_failure(agents[0]).stop_request
+
+
+def test_a_failed_workers_peers_are_stopped_within_the_agent_shutdown_timeout(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """torch elastic's own process context (real processes): when one worker fails, it
+    closes the others with close()'s 30 s default; the agent makes that its own shutdown
+    timeout, so a peer that ignores SIGTERM cannot hold the job for 30 s."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
+
+    waits: list[float] = []
+    real_close = SubprocessContext._close
+
+    def recording_close(self: Any, death_sig: signal.Signals, timeout: float = 30) -> None:
+        waits.append(timeout)
+        real_close(self, death_sig, timeout)
+
+    monkeypatch.setattr(SubprocessContext, "_close", recording_close)
+    monkeypatch.setattr(PContext, "close", PContext.close)  # undone after the test
+    bound_failure_shutdown(3)
+    pc = start_processes(name="t", entrypoint="/bin/sh",
+                         args={0: ("-c", "exit 1"), 1: ("-c", "sleep 30")},
+                         envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(str(tmp_path)))
+    result = pc.wait(60, period=0.05)
+    assert result is not None and result.is_failed() and 0 in result.failures
+    assert waits and waits[0] == 3, waits  # the failure's close, not torch's default 30
+    pc.close(timeout=7)
+    assert waits[-1] == 7  # a caller's own timeout is kept

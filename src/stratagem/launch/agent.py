@@ -210,6 +210,26 @@ def read_key(fd: int = 0) -> str:
     return key if key.isalnum() and len(key) <= KEY_MAX_BYTES else ""
 
 
+def bound_failure_shutdown(seconds: int) -> None:
+    """Make torch elastic stop the rest of a failed worker group within ``seconds``
+    (SIGTERM, then SIGKILL), as it does on a stop signal.
+
+    torch 2.13's process context, on seeing a worker fail, closes the others with
+    ``close()``'s 30 s default, not the agent's ``--shutdown-timeout``: a survivor that does
+    not end on SIGTERM (frozen, or blocked in a collective with the dead peer) held the job
+    for 30 s after every failure. Callers that pass a timeout keep it. Idempotent."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    original = PContext.close
+    original = getattr(original, "_stratagem_original", original)
+
+    def close(self: Any, death_sig: Any = None, timeout: float | None = None) -> None:
+        original(self, death_sig, seconds if timeout is None else timeout)
+
+    close._stratagem_original = original  # type: ignore[attr-defined]
+    PContext.close = close  # type: ignore[method-assign]
+
+
 def _run_torchrun(args: list[str], untraced: list[dict[str, Any]], summary: bool = True
                   ) -> int:
     """torch.distributed.run's main in this process; its exit status. Failed workers without
@@ -220,6 +240,8 @@ def _run_torchrun(args: list[str], untraced: list[dict[str, Any]], summary: bool
     from torch.distributed.run import main as torchrun_main
 
     stopped = StoppedPids().install()
+    bound_failure_shutdown(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                                              SHUTDOWN_TIMEOUT_S)))
     try:
         torchrun_main(args)
         return 0
@@ -282,5 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def exit_now(code: int) -> None:
+    """Flush and end the process without the interpreter's teardown: with torch loaded that
+    takes about a second, and :func:`main` has already stopped the workers, printed the
+    records and removed its directory (the launcher waits for this exit)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -16,7 +16,6 @@ from stratagem.launch.local import plan_local
 from stratagem.launch.multinode import plan_multinode
 from stratagem.launch.probe import NodePool
 from stratagem.resource import MAX_WORKERS_PER_NODE, ResourceSpec
-from stratagem.strategy.resolve import is_strategy_path, resolve_builder
 
 # A job id names temporary directories and goes on every node's command line.
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -33,6 +32,10 @@ def resolve_strategy(value: str | None) -> str | None:
     one fails once in the launcher, not in every worker."""
     if not value:
         return None
+    # Imported here: the strategy builders import torch, which the launcher needs only to
+    # check a --strategy (seconds of start-up on every plain `stratagem run` otherwise).
+    from stratagem.strategy.resolve import is_strategy_path, resolve_builder
+
     resolve_builder(value)
     return str(Path(value).resolve()) if is_strategy_path(value) else value
 
