@@ -10,11 +10,13 @@ two worker nodes within seconds. Needs root (tools/vcluster.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,23 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float) -> None:  # noq
         assert proc.poll() is None, "the job ended early"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _link_down_after_four_steps(proc: subprocess.Popen, logs: Path, link: str
+                                ) -> Iterator[None]:
+    """Take ``link`` down once rank 0 trained four steps; on the way out, bring it up and
+    kill the job if it still runs."""
+    try:
+        _wait_for(lambda: sum(r["attempt"] == 0 and r["rank"] == 0
+                              for r in _steps(logs)) >= 4, proc, 90)
+        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+        yield
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def _check_every_sample_once(steps: list[dict], logs: Path) -> None:
@@ -92,21 +111,13 @@ def test_lost_link_shrinks_the_job_and_its_return_grows_it(cluster: VirtualClust
     proc, job = _launch(cluster, tmp_path, "1:2", "--strategy", "PartitionedPS")
     logs = tmp_path / "logs"
     link = cluster.host_ifname(1)
-    try:
-        _wait_for(lambda: sum(r["attempt"] == 0 and r["rank"] == 0
-                              for r in _steps(logs)) >= 4, proc, 90)
-        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+    with _link_down_after_four_steps(proc, logs, link):
         down = time.time()
         _wait_for(lambda: sum(r["attempt"] == 1 and r["rank"] == 0
                               for r in _steps(logs)) >= 2, proc, 90)
         subprocess.run(["ip", "link", "set", link, "up"], check=True)
         up = time.time()
         out, _ = proc.communicate(timeout=120)
-    finally:
-        subprocess.run(["ip", "link", "set", link, "up"], check=False)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, out[-4000:]
     a1 = cluster.addresses[1]
     assert f"shrink 1: node {a1} lost" in out and "restarting on 1 of 2 nodes" in out, out
@@ -134,16 +145,8 @@ def test_lost_server_node_is_detected_in_seconds_and_the_workers_go_on(
                         server_last=True)
     logs = tmp_path / "logs"
     link = cluster3.host_ifname(2)
-    try:
-        _wait_for(lambda: sum(r["attempt"] == 0 and r["rank"] == 0
-                              for r in _steps(logs)) >= 4, proc, 90)
-        subprocess.run(["ip", "link", "set", link, "down"], check=True)
+    with _link_down_after_four_steps(proc, logs, link):
         out, _ = proc.communicate(timeout=150)
-    finally:
-        subprocess.run(["ip", "link", "set", link, "up"], check=False)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, out[-4000:]
     server = cluster3.addresses[2]
     assert "PS server    remote shell" in out, out  # the spec's last node served
