@@ -17,6 +17,7 @@ from stratagem.launch.agent import (
     FAILURE_MARKER,
     TORCH_PCONTEXT_LOGGER,
     StoppedPids,
+    _shutdown_timeout,
     bound_failure_shutdown,
     read_key,
     untraced_failures,
@@ -188,3 +189,15 @@ def test_a_failed_workers_peers_are_stopped_within_the_agent_shutdown_timeout(
     assert waits and waits[0] == 3, waits  # the failure's close, not torch's default 30
     pc.close(timeout=7)
     assert waits[-1] == 7  # a caller's own timeout is kept
+
+
+def test_shutdown_timeout_takes_a_users_whole_seconds_and_replaces_a_bad_value(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")
+    assert _shutdown_timeout() == 12
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "2.5")  # torch's int() would raise
+    assert _shutdown_timeout() == 3
+    assert os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "3"
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='2.5' is not a whole number" in capsys.readouterr().err
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    assert _shutdown_timeout() == 3

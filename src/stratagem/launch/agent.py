@@ -230,6 +230,20 @@ def bound_failure_shutdown(seconds: int) -> None:
     PContext.close = close  # type: ignore[method-assign]
 
 
+def _shutdown_timeout() -> int:
+    """torch elastic's SIGTERM-to-SIGKILL grace for this agent's workers: a user's
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` when it is a whole number of seconds, else ours (a
+    bad value is replaced, with a warning: torch would stop on it with a bare ValueError)."""
+    name = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+    value = os.environ.get(name, SHUTDOWN_TIMEOUT_S)
+    if value.strip().isdigit():
+        return int(value)
+    print(f"stratagem: warning: {name}={value!r} is not a whole number of seconds; using "
+          f"{SHUTDOWN_TIMEOUT_S}", file=sys.stderr, flush=True)
+    os.environ[name] = SHUTDOWN_TIMEOUT_S
+    return int(SHUTDOWN_TIMEOUT_S)
+
+
 def _run_torchrun(args: list[str], untraced: list[dict[str, Any]], summary: bool = True
                   ) -> int:
     """torch.distributed.run's main in this process; its exit status. Failed workers without
@@ -240,8 +254,7 @@ def _run_torchrun(args: list[str], untraced: list[dict[str, Any]], summary: bool
     from torch.distributed.run import main as torchrun_main
 
     stopped = StoppedPids().install()
-    bound_failure_shutdown(int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-                                              SHUTDOWN_TIMEOUT_S)))
+    bound_failure_shutdown(_shutdown_timeout())
     try:
         torchrun_main(args)
         return 0
