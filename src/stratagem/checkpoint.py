@@ -82,6 +82,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (the directory entry: :func:`fsync_dir`)."""
+    with path.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _save_file(obj: Any, path: Path) -> None:
     with path.open("wb") as f:
         torch.save(obj, f)

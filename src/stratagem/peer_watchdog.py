@@ -107,19 +107,10 @@ class PeerWatchdog:
         os._exit(EXIT_CODE)
 
 
-def start_for_default_group() -> PeerWatchdog | None:
-    """A watchdog for the default group when torch elastic launched this process with its
-    agent's store (at MASTER_ADDR:MASTER_PORT; it outlives the workers), the world has peers
-    and ``STRATAGEM_PEER_TIMEOUT_S`` is not 0; else None."""
-    if not dist.is_initialized():
-        return None
-    return start_for_world(dist.get_rank(), dist.get_world_size())
-
-
 def start_for_world(rank: int, world: int) -> PeerWatchdog | None:
-    """A watchdog for ``rank`` of the ``world`` processes torch elastic started (a job with
-    dedicated parameter servers has no default group spanning them all), under the same
-    conditions as :func:`start_for_default_group`."""
+    """A watchdog for ``rank`` of the ``world`` processes torch elastic started, when it
+    launched them with its agent's store (at MASTER_ADDR:MASTER_PORT; it outlives the
+    workers), the world has peers and ``STRATAGEM_PEER_TIMEOUT_S`` is not 0; else None."""
     seconds = env.peer_timeout()
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem import env
-from stratagem.peer_watchdog import PeerWatchdog, start_for_default_group, start_for_world
+from stratagem.peer_watchdog import PeerWatchdog, start_for_world
 
 _watchdogs: list[PeerWatchdog] = []  # the default group's, when it has one
 
@@ -48,21 +48,24 @@ def init_process_group(backend: str | None = None, *, store: Any = None,
         kwargs["rank"], kwargs["world_size"] = rank, world_size
     dist.init_process_group(**kwargs)
     if store is None and init_method is None and rank is None:  # env://: torch elastic's
-        watchdog = start_for_default_group()
-        if watchdog is not None:
-            _watchdogs.append(watchdog)
-    atexit.unregister(destroy_process_group)  # one hook per process, however many groups
-    atexit.register(destroy_process_group)
+        watch_world(dist.get_rank(), dist.get_world_size())
+    else:
+        _destroy_at_exit()
 
 
 def watch_world(rank: int, world: int) -> None:
-    """Peer heartbeats over every process torch elastic started (``rank`` of ``world``), for
-    a job whose default group does not span them all: workers and dedicated parameter
-    servers. Stopped, as done, by :func:`destroy_process_group` at exit."""
+    """Peer heartbeats over the ``world`` processes torch elastic started, this one being
+    ``rank``: the default group's, or, in a job with dedicated parameter servers (whose
+    default group holds the workers only), every worker and server. Stopped, as done, by
+    :func:`destroy_process_group` at exit."""
     watchdog = start_for_world(rank, world)
     if watchdog is not None:
         _watchdogs.append(watchdog)
-    atexit.unregister(destroy_process_group)
+    _destroy_at_exit()
+
+
+def _destroy_at_exit() -> None:
+    atexit.unregister(destroy_process_group)  # one hook per process, however many groups
     atexit.register(destroy_process_group)
 
 

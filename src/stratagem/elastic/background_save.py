@@ -28,7 +28,6 @@ import copy
 import hashlib
 import io
 import json
-import os
 import secrets
 import sys
 import threading
@@ -147,10 +146,7 @@ class BackgroundSave:
                 torch.save(value, buf)
                 data = buf.getvalue()
             sums[name] = hashlib.sha256(data).hexdigest()
-            with (self.tmp / name).open("wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            ckpt.write_durably(self.tmp / name, data)
         self.files = {}  # the snapshot is on disk: free its memory
         if before_publish is not None:
             before_publish(self.tmp, self.rank)

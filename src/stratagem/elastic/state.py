@@ -190,9 +190,7 @@ def _custom_file(state: State) -> bool:
 def export_state(state: State) -> dict[str, Any]:
     """``state`` as tensors, numbers and strings (sendable with ``wire.broadcast_state``)."""
     if _custom_file(state):
-        buf = io.BytesIO()
-        state.save(buf)
-        data = bytearray(buf.getvalue())
+        data = bytearray(_saved_bytes(state))
         return {"bytes": torch.frombuffer(data, dtype=torch.uint8) if data else
                 torch.zeros(0, dtype=torch.uint8)}
     return {"value": state.state_dict()}
@@ -207,22 +205,22 @@ def import_state(state: State, payload: dict[str, Any]) -> None:
 
 
 # -- save and restore -----------------------------------------------------------------------
-def _write_state(state: State, path: Path) -> None:
+def _saved_bytes(state: State) -> bytes:
+    """What ``state.save`` writes, in memory."""
     buf = io.BytesIO()
     state.save(buf)
-    with path.open("wb") as f:
-        f.write(buf.getvalue())
-        f.flush()
-        os.fsync(f.fileno())
+    return buf.getvalue()
+
+
+def _write_state(state: State, path: Path) -> None:
+    ckpt.write_durably(path, _saved_bytes(state))
 
 
 def _snapshot(state: State) -> Any:
     """What ``state`` writes, copied now: bytes (JSON and custom-file states, serialized
     here) or its state dict with every tensor copied to CPU memory."""
     if state.format == "json" or _custom_file(state):
-        buf = io.BytesIO()
-        state.save(buf)
-        return buf.getvalue()
+        return _saved_bytes(state)
     return background_save.cpu_copy(state.state_dict())
 
 
