@@ -4,6 +4,7 @@ what one process trains (2 gloo workers)."""
 from __future__ import annotations
 
 import json
+import statistics
 
 import _spawn
 import planner_workers as pw
@@ -17,12 +18,12 @@ from stratagem.planner.calibrate import estimate
 from stratagem.planner.search import all_reduce_only, search
 from stratagem.planner.trial import (
     ALL_REDUCE,
+    FACTOR_RANGE,
     SERVERS,
     Trial,
     family,
     fastest,
-    refined_s,
-    scales,
+    fit,
     shortlist,
 )
 from stratagem.resource import ResourceSpec
@@ -134,20 +135,42 @@ def test_trials_pick_the_fastest_and_keep_the_better_predicted_on_ties() -> None
     assert fastest([0.20, 0.10], [0.02, 0.02]) == 1
 
 
-def test_trials_rescale_predictions_per_family() -> None:
-    trials = [Trial("a", 0.10, 0.20, family=SERVERS), Trial("b", 0.20, 0.30, family=SERVERS),
-              Trial("c", 0.30, 0.36, family=SERVERS), Trial("d", 1.0, None, family=SERVERS),
-              Trial("e", 0.50, 0.55, family=ALL_REDUCE)]
-    factors = scales(trials)
-    assert factors == pytest.approx({SERVERS: 1.5, ALL_REDUCE: 1.1})  # medians of 2, 1.5, 1.2
-    assert scales(trials[:3]) == pytest.approx({SERVERS: 1.5})  # no all-reduce trial: none
-    assert scales([Trial("d", 1.0, None, family=SERVERS)]) == {}
+def _trial(name: str, cpu_s: float, wire_s: float, measured_s: float | None) -> Trial:
+    return Trial(name, cpu_s + wire_s, measured_s, cpu_s=cpu_s, wire_s=wire_s)
+
+
+def test_trials_fit_separate_factors_for_cpu_and_wire() -> None:
+    # Steps made by a known rule: CPU parts 1.8x as modelled, the wire 1.05x.
+    made = [(0.010, 0.080), (0.020, 0.004), (0.015, 0.020), (0.030, 0.001)]
+    trials = [_trial(str(i), c, w, 1.8 * c + 1.05 * w) for i, (c, w) in enumerate(made)]
+    r = fit([*trials, _trial("not run", 0.1, 0.1, None)])
+    assert r is not None and r.trials == 4
+    assert (r.cpu, r.wire) == pytest.approx((1.8, 1.05), rel=0.02)
+    # an untried, mostly-wire strategy is priced by the same rule; one common factor (the
+    # trials' median ratio, 1.52) would put it 35% too slow
+    truth = 1.8 * 0.01 + 1.05 * 0.09
+    assert r.seconds(0.01, 0.09) == pytest.approx(truth, rel=0.02)
+    common = statistics.median(t.measured_s / t.predicted_s for t in trials)
+    assert common * 0.1 > 1.3 * truth
+
+
+def test_trials_fit_falls_back_to_the_common_ratio() -> None:
+    assert fit([]) is None and fit([_trial("a", 0.1, 0.1, None)]) is None
+    one = fit([_trial("a", 0.10, 0.02, 0.18)])  # one trial: both parts x1.5
+    assert one is not None and (one.cpu, one.wire) == pytest.approx((1.5, 1.5), rel=0.02)
+    # no trial waits on the wire: its factor is not followed into the noise
+    flat = fit([_trial("a", 0.10, 0.0, 0.15), _trial("b", 0.20, 0.0, 0.31)])
+    assert flat is not None and flat.wire == pytest.approx(1.5, rel=0.05)
+    # a split not recorded (both 0): the whole prediction counts as CPU
+    legacy = fit([Trial("a", 0.2, 0.3)])
+    assert legacy is not None and legacy.cpu == pytest.approx(1.5, rel=0.02)
+    # bounds: a trial "twice as fast as measured parts say" is not believed
+    fast = fit([_trial("a", 0.10, 0.0, 0.02)])
+    assert fast is not None and fast.cpu == FACTOR_RANGE[0]
     profile = analyze(pw.make("dense"))
     ar = builder_from_name("AllReduce").build(profile, spec(2))
     ps = builder_from_name("PS").build(profile, spec(2))
     assert (family(ar), family(ps)) == (ALL_REDUCE, SERVERS)
-    assert refined_s(0.2, ps, factors) == pytest.approx(0.3)
-    assert refined_s(0.2, ar, {SERVERS: 1.5}) == pytest.approx(0.2)  # no factor: as modelled
 
 
 def test_shortlist_has_distinct_strategies_and_a_builtin() -> None:

@@ -23,17 +23,17 @@ from stratagem.planner.explain import explain_json, explain_text
 from stratagem.planner.links import LinkModel, ring_allreduce_time
 from stratagem.planner.probe import LinkProbe, probe_links, runtime_costs
 from stratagem.planner.search import Candidate, Choice, search
-from stratagem.planner.trial import Trial, refine, refined_s
+from stratagem.planner.trial import Refinement, Trial, fit, refine, refined_s
 from stratagem.resource import ResourceSpec
 from stratagem.strategy.builders.auto import Auto, set_planner
 from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import validate
 
 __all__ = ["Auto", "Calibration", "Candidate", "Choice", "LinkModel", "LinkProbe",
-           "StepCost", "Trial", "calibrate", "choose", "collective_ready", "estimate",
-           "explain_json", "explain_text", "measured_links", "plan_from_profile", "predict",
-           "predict_step_time", "probe_links", "refine", "ring_allreduce_time",
-           "runtime_costs"]
+           "Refinement", "StepCost", "Trial", "calibrate", "choose", "collective_ready",
+           "estimate", "explain_json", "explain_text", "fit", "measured_links",
+           "plan_from_profile", "predict", "predict_step_time", "probe_links", "refine",
+           "ring_allreduce_time", "runtime_costs"]
 
 
 def _calibration(model: nn.Module, profile: ModelProfile, batch_size: int | None,
@@ -97,16 +97,15 @@ set_planner(plan_from_profile)
 
 def predict_step_time(model: nn.Module, strategy: Strategy, spec: ResourceSpec,
                       batch_size: int, sample_input: Any = None, probe: bool = False,
-                      trial_scales: dict[str, float] | None = None) -> float:
+                      refinement: Refinement | None = None) -> float:
     """Predicted seconds of one training step of ``model`` under ``strategy`` on ``spec``
     with ``batch_size`` samples per worker; calibrates on ``sample_input`` when given
     (cached per model signature and input shapes), else estimates from the profile.
     ``probe``: with measured links (collective the first time per spec: every worker
-    calls it at once; cached). ``trial_scales``: refined by an Auto choice's trial steps
-    (``planner.trial.scales(choice.trials)``: measured / predicted per family)."""
+    calls it at once; cached). ``refinement``: refined by an Auto choice's trial steps
+    (``planner.fit(choice.trials)``: factors for the CPU and the wire parts)."""
     profile = analyze(model)
     cal, profile = _calibration(model, profile, batch_size, sample_input, None)
     strategy = validate(strategy, profile, spec)
     links = measured_links(spec)[0] if probe else None
-    total = predict(strategy, profile, spec, cal, links).total_s
-    return refined_s(total, strategy, trial_scales) if trial_scales else total
+    return refined_s(predict(strategy, profile, spec, cal, links), refinement)

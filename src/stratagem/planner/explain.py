@@ -11,7 +11,7 @@ from typing import Any
 
 from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import Candidate, Choice
-from stratagem.planner.trial import Trial, refined_s, scales
+from stratagem.planner.trial import Trial, fit, refined_s
 from stratagem.strategy.schema import AllReduceSynchronizer, PSSynchronizer, Strategy
 
 WIDTH = 80
@@ -85,7 +85,7 @@ def _trials(choice: Choice, alt: Candidate) -> tuple[Trial | None, Trial | None]
 
 def explain_json(choice: Choice) -> dict[str, Any]:
     best = choice.best
-    factors = scales(choice.trials)
+    refinement = fit(choice.trials)
     return {
         "chosen": best.name,
         "strategy": best.strategy.to_dict(),
@@ -96,14 +96,14 @@ def explain_json(choice: Choice) -> dict[str, Any]:
         "predicted": best.cost.to_dict(),
         "groups": groups(best.strategy, choice),
         "alternatives": [{"name": c.name, "predicted": c.cost.to_dict(),
-                          "refined_s": (refined_s(c.cost.total_s, c.strategy, factors)
-                                        if factors else None),
+                          "refined_s": (refined_s(c.cost, refinement)
+                                        if refinement is not None else None),
                           "why_lost": why_lost(c.cost, best.cost, *_trials(choice, c))}
                          for c in choice.candidates[1:]],
         "notes": list(choice.notes),
         "links_measured": choice.link_probe.to_dict() if choice.link_probe else None,
         "trials": [t.to_dict() for t in choice.trials],
-        "trial_scales": factors,
+        "refinement": refinement.to_dict() if refinement is not None else None,
     }
 
 
@@ -160,10 +160,11 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
             rows.append([t.name + (" *" if t.name == best.name else ""),
                          _ms(t.predicted_s), meas, err])
         lines += _table(rows, [24, 13, 12, 6], {1, 2, 3})
-        factors = scales(choice.trials)
-        if factors:
-            lines.append(_cut("the trials rescale the model's predictions: " + ", ".join(
-                f"{f} x{v:.2f}" for f, v in factors.items()), WIDTH))
+        refinement = fit(choice.trials)
+        if refinement is not None:
+            lines.append(_cut("the trials rescale the model: compute and overheads "
+                              f"x{refinement.cpu:.2f}, exposed communication "
+                              f"x{refinement.wire:.2f}", WIDTH))
     alts = choice.candidates[1:1 + alternatives]
     if alts:
         lines += ["", "best alternatives:"]

@@ -71,38 +71,112 @@ class Trial:
     spread_s: float = 0.0
     """Median absolute deviation of the timed steps (the trial's own noise)."""
     family: str = ""
-    """:func:`family` of the candidate's strategy (what its measurement rescales)."""
+    """:func:`family` of the candidate's strategy (all-reduce only or some servers)."""
+    cpu_s: float = 0.0
+    """The prediction's compute and overheads (:func:`split`)..."""
+    wire_s: float = 0.0
+    """...and its exposed communication; both 0: not known, all of it counts as CPU."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "predicted_s": self.predicted_s,
                 "measured_s": self.measured_s, "spread_s": self.spread_s, "note": self.note,
-                "family": self.family}
+                "family": self.family, "cpu_s": self.cpu_s, "wire_s": self.wire_s}
 
 
 ALL_REDUCE, SERVERS = "all-reduce", "parameter servers"
 
 
 def family(strategy: Strategy) -> str:
-    """Which part of the cost model a strategy's time rests on: all-reduce only, or some
-    parameter on servers (the model errs differently on the two: per-piece server work)."""
+    """All-reduce only, or some parameter on servers (for reports)."""
     return ALL_REDUCE if all_reduce_only(strategy) else SERVERS
 
 
-def scales(trials: tuple[Trial, ...] | list[Trial]) -> dict[str, float]:
-    """Low-shot refinement of the cost model: per :func:`family`, the median of measured /
-    predicted over the trials of that family that ran. A family no trial measured keeps
-    its predictions as modelled (the two err differently: borrowing the other's factor
-    made them worse on the benchmark)."""
-    ratios: dict[str, list[float]] = {}
+RIDGE = 0.01
+"""Pull of the two factors towards the trials' common ratio (in squared relative error): a
+factor the trials cannot tell apart -- e.g. the wire's, when no trial's step waits on the
+wire -- stays at the common ratio instead of following the noise."""
+FACTOR_RANGE = (0.5, 10.0)
+"""Bounds of each factor: the parts are measured (calibration, link probe), so a step twice
+as fast as they say is not believed; ten times slower is (a heavily shared machine)."""
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """Low-shot refinement of the cost model, fitted on the trial steps:
+    ``measured ~ cpu * (compute + overheads) + wire * exposed communication``.
+
+    The two parts err differently: CPU work slows down when cores are shared (four workers
+    on two cores, a busy host), wire time when the link is not the bottleneck the model
+    thinks it is. On DLRM at 2 nodes and 1 Gbit/s the trials measured parameter servers
+    (mostly CPU) at 1.8x the model and all-reduce (mostly wire) at 1.04x; one factor for
+    both would misprice one of them."""
+
+    cpu: float = 1.0
+    wire: float = 1.0
+    trials: int = 0
+
+    def seconds(self, cpu_s: float, wire_s: float) -> float:
+        """Refined seconds of a step predicted as ``cpu_s`` + ``wire_s``."""
+        return self.cpu * cpu_s + self.wire * wire_s
+
+    def of(self, cost: Any) -> float:
+        """Refined seconds of a :class:`~stratagem.planner.cost_model.StepCost`."""
+        return self.seconds(*split(cost))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu": self.cpu, "wire": self.wire, "trials": self.trials}
+
+
+def split(cost: Any) -> tuple[float, float]:
+    """(compute + overheads, exposed communication) of a predicted step."""
+    return cost.compute_s + cost.overhead_s, cost.exposed_comm_s
+
+
+def fit(trials: tuple[Trial, ...] | list[Trial]) -> Refinement | None:
+    """The :class:`Refinement` that best explains the trials that ran (least squares in
+    relative error, ridge towards their common ratio; each factor kept in
+    ``FACTOR_RANGE``); None when no trial ran. One trial, or trials with the same CPU/wire
+    mix, give the common ratio to both parts."""
+    rows = []
     for t in trials:
-        if t.measured_s and t.predicted_s > 0 and t.family:
-            ratios.setdefault(t.family, []).append(t.measured_s / t.predicted_s)
-    return {f: statistics.median(rs) for f, rs in ratios.items()}
+        if t.measured_s and t.predicted_s > 0:
+            c, w = (t.cpu_s, t.wire_s) if t.cpu_s + t.wire_s > 0 else (t.predicted_s, 0.0)
+            rows.append((c, w, t.measured_s))
+    if not rows:
+        return None
+    common = statistics.median(y / (c + w) for c, w, y in rows)
+    # minimise sum(((a c + b w - y) / y)^2) + RIDGE ((a - common)^2 + (b - common)^2)
+    saa = sab = sbb = ra = rb = 0.0
+    for c, w, y in rows:
+        c, w = c / y, w / y
+        saa += c * c
+        sab += c * w
+        sbb += w * w
+        ra += c
+        rb += w
+    saa += RIDGE
+    sbb += RIDGE
+    ra += RIDGE * common
+    rb += RIDGE * common
+    det = saa * sbb - sab * sab  # > 0: the ridge makes the system positive definite
+
+    def clip(v: float) -> float:
+        return min(FACTOR_RANGE[1], max(FACTOR_RANGE[0], v))
+
+    a = (ra * sbb - rb * sab) / det
+    b = (rb * saa - ra * sab) / det
+    if clip(a) != a:  # a bound holds one factor: the other is refitted given it
+        a = clip(a)
+        b = (rb - sab * a) / sbb
+    elif clip(b) != b:
+        b = clip(b)
+        a = (ra - sab * b) / saa
+    return Refinement(cpu=clip(a), wire=clip(b), trials=len(rows))
 
 
-def refined_s(predicted_s: float, strategy: Strategy, factors: dict[str, float]) -> float:
-    """``predicted_s`` of ``strategy`` rescaled by the trials' ``factors`` (:func:`scales`)."""
-    return predicted_s * factors.get(family(strategy), 1.0)
+def refined_s(cost: Any, refinement: Refinement | None) -> float:
+    """``cost``'s predicted seconds, refined by the trials where they ran."""
+    return refinement.of(cost) if refinement is not None else cost.total_s
 
 
 def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
@@ -170,12 +244,16 @@ class _Runner:
         self.steps = 0
 
     def step(self, sample_input: Any, loss_fn: Callable[[Any], torch.Tensor]) -> None:
-        """One training step; its time is the slowest rank's (the first is warm-up)."""
+        """One training step; its time is the slowest rank's (the first is warm-up). It
+        ends when the values the update sends back have arrived: the next forward waits
+        for them, and left running they would finish unseen in the barrier between steps
+        (trials of parameter servers measured up to 45% faster than training ran)."""
         dist.barrier()
         t = time.perf_counter()
         self.opt.zero_grad()
         loss_fn(call_model(self.dm, sample_input)).backward()
         self.opt.step()
+        self.dm.wait_for_values()
         elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if self.steps >= WARMUP:
@@ -260,7 +338,8 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
             picked.append((c, n))
             spent += cost
         plan = [{"name": c.name, "predicted_s": c.cost.total_s, "steps": n,
-                 "strategy": c.strategy.to_dict()} for c, n in picked]
+                 "split": split(c.cost), "strategy": c.strategy.to_dict()}
+                for c, n in picked]
     plan = _broadcast_json(plan)
     strategies = [validate(Strategy.from_dict(e["strategy"], source="rank 0's trial candidate"),
                            choice.profile, choice.spec) for e in plan]
@@ -279,7 +358,7 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
                                       entry["steps"]))
     trials = [Trial(e["name"], e["predicted_s"], m,
                     "" if m is not None else "not run: trial budget spent", spread,
-                    family(s))
+                    family(s), *e["split"])
               for e, (m, spread), s in zip(plan, measured, strategies, strict=True)]
     pick = torch.tensor([fastest([t.measured_s for t in trials],
                                  [t.spread_s for t in trials])], dtype=torch.int64)
