@@ -48,7 +48,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ps_vs_ddp import Phase, Variant, Worker, _commit, _first_line, _gather_json, step_order
+from ps_vs_ddp import (
+    STEP_PARTS,
+    Phase,
+    Variant,
+    Worker,
+    _commit,
+    _first_line,
+    _gather_json,
+    step_order,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -127,6 +136,38 @@ def predict_all(fn: Any, model: Any, strategies: dict[str, Any], spec: Any, batc
             preds[name] = None
             errors[name] = _first_line(exc)
     return preds, errors
+
+
+def predicted_parts(model: Any, strategies: dict[str, Any], spec: Any, sample: Any
+                    ) -> tuple[dict[str, dict[str, float]], dict[str, Any] | None]:
+    """The cost model's split of each strategy's predicted step (``StepCost.to_dict()``,
+    links probed) and the calibration it used, for reading the prediction errors. Every
+    rank calls it after ``predict_all`` (calibration and probe come from their caches)."""
+    try:
+        import stratagem.planner as planner
+        from stratagem.analysis.profile import analyze
+        from stratagem.strategy.validate import validate
+    except ImportError:
+        return {}, None
+    try:
+        cal = planner.calibrate(model, sample)
+        profile = analyze(model).with_access(cal.access)
+        links = planner.measured_links(spec)[0]
+    except Exception:  # noqa: BLE001 - diagnostics only
+        return {}, None
+    out: dict[str, dict[str, float]] = {}
+    for name, s in strategies.items():
+        try:
+            cost = planner.predict(validate(s, profile, spec), profile, spec, cal, links)
+        except Exception:  # noqa: BLE001 - diagnostics only
+            continue
+        d = cost.to_dict()
+        out[name] = {k: round(float(v), 5) for k, v in
+                     {**{k: d[k] for k in ("total_s", "compute_s", "exposed_comm_s",
+                                           "overhead_s")}, **d["parts"]}.items()}
+    c = cal.to_dict()
+    c.pop("access", None)
+    return out, c
 
 
 def strategy_key(strategy: Any) -> str:
@@ -254,13 +295,17 @@ class AutoWorker(Worker):
         probe = {"probe": True} if "probe" in inspect.signature(fn).parameters else {}
         preds, errors = predict_all(fn, model, strategies, self.ad.resource_spec,
                                     z.local_batch, sample, **probe)
-        return preds, errors, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.pred_parts, self.calibration = predicted_parts(model, strategies,
+                                                            self.ad.resource_spec, sample)
+        return preds, errors, seconds
 
     def run_case(self, z: Any) -> dict[str, Any]:
         import torch
 
         a = self.args
-        steps = a.lm_steps if z.name == "lstm_lm" else a.steps
+        steps = {"lstm_lm": a.lm_steps,
+                 "dlrm": a.steps if a.tiny else max(a.steps, a.dlrm_steps)}.get(z.name, a.steps)
         warmup = a.lm_warmup if z.name == "lstm_lm" else a.warmup
         load0 = os.getloadavg()[0]
         torch.manual_seed(a.seed)
@@ -273,11 +318,16 @@ class AutoWorker(Worker):
         sample = data.batches(0)[self.rank].inputs
         self.planner_info: dict[str, Any] = {}
         auto, plan_s, auto_error = self.auto_strategy(base, sample)
-        if auto is not None:
-            strategies["Auto"] = auto
         auto16, plan16_s, auto16_error = self.auto_strategy(base, sample, lossy=True)
-        if auto16 is not None:
-            strategies[AUTO_FP16] = auto16
+        keys = {strategy_key(s): n for n, s in strategies.items()}
+        for name, s in (("Auto", auto), (AUTO_FP16, auto16)):
+            if s is None:
+                continue
+            if strategy_key(s) in keys:  # a built-in's strategy: measured once, as theirs
+                same[name] = keys[strategy_key(s)]
+            else:
+                strategies[name] = s
+                keys[strategy_key(s)] = name
         preds, pred_errors, predict_s = self.predict(z, base_state, strategies, sample)
         del base
         self.log(f"{z.name}: building {', '.join(strategies)} + DDP"
@@ -308,6 +358,7 @@ class AutoWorker(Worker):
                 result["variants"][AUTO_FP16] = {"status": auto16_error}
             result["auto_fp16_build_s"] = round(plan16_s, 3) if plan16_s else None
             result["planner"] = self.planner_info
+            result["calibration"] = getattr(self, "calibration", None)
             result["host"] = {"loadavg_1m_start": round(load0, 2),
                               "loadavg_1m_end": round(os.getloadavg()[0], 2)}
         for v in variants:
@@ -330,8 +381,14 @@ class AutoWorker(Worker):
                 rec["median_step_s"] = round(statistics.median(job), 5)
                 rec["step_s"] = [round(t, 5) for t in job]
                 rec["tx_bytes_per_step_rank0"] = int(statistics.median(every[0][v.name][1]))
+                if v.parts:  # rank 0's own step split (ps_vs_ddp.STEP_PARTS), medians
+                    rec["parts_rank0_s"] = {k: round(statistics.median(x), 5) for k, x
+                                            in zip(STEP_PARTS, zip(*v.parts, strict=True),
+                                                   strict=True)}
             if v.name != "DDP":
                 rec["predicted_step_s"] = preds.get(v.name) if have_pred else None
+                if v.name in getattr(self, "pred_parts", {}):
+                    rec["predicted_parts_s"] = self.pred_parts[v.name]
                 if not have_pred:
                     rec["prediction"] = NOT_AVAILABLE
                 elif v.name in pred_errors:
@@ -385,42 +442,32 @@ def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-ALL_REDUCE_VARIANTS = {"AllReduce", "PartitionedAR", "RandomAxisPartitionAR", FP16}
-
-
-def _family(name: str, recorded: str | None = None) -> str | None:
-    """A variant's or trial's family (``planner.trial.family``): as recorded, else from the
-    built-in's name; None for a hybrid whose family was not recorded."""
-    from stratagem.planner.trial import ALL_REDUCE, SERVERS
-
-    if recorded:
-        return recorded
-    if name in ("hybrid", "Auto", AUTO_FP16, "DDP"):
-        return None
-    return ALL_REDUCE if name in ALL_REDUCE_VARIANTS else SERVERS
 
 
 def refined_errors(case: dict[str, Any]) -> list[float]:
-    """Prediction errors of the built-in variants after the low-shot refinement
-    (``planner.trial.scales`` of Auto's trial steps in this case), leave-one-out: a
-    variant's own trial, if it had one, is left out of the factors that rescale it."""
-    from stratagem.planner.trial import Trial, scales
+    """Prediction errors of the built-in variants (and HybridRef) after the low-shot
+    refinement (``planner.fit`` of Auto's trial steps in this case: a factor for the
+    predicted CPU part, one for the wire part), leave-one-out: a variant's own trial, if
+    it had one, is left out of the fit that rescales it."""
+    from stratagem.planner.trial import Trial, fit
 
     info = (case.get("planner") or {}).get("Auto") or {}
     trials = [Trial(t["name"], t["predicted_s"], t["measured_s"], t.get("note", ""),
-                    t.get("spread_s", 0.0), _family(t["name"], t.get("family")) or "")
+                    t.get("spread_s", 0.0), t.get("family", ""), t.get("cpu_s", 0.0),
+                    t.get("wire_s", 0.0))
               for t in info.get("trials", [])]
-    trials = [t for t in trials if t.family]
     if not trials:
         return []
     errs = []
     for name, v in case.get("variants", {}).items():
-        fam = _family(name)
         meas, pred = v.get("median_step_s"), v.get("predicted_step_s")
-        if fam is None or "same_as" in v or not meas or pred is None:
+        if name in ("Auto", AUTO_FP16, "DDP") or "same_as" in v or not meas or pred is None:
             continue
-        factors = scales([t for t in trials if t.name != name])
-        errs.append(abs(pred * factors.get(fam, 1.0) - meas) / meas)
+        parts = v.get("predicted_parts_s") or {}
+        cpu = parts.get("compute_s", pred) + parts.get("overhead_s", 0.0)
+        wire = parts.get("exposed_comm_s", 0.0)
+        r = fit([t for t in trials if t.name != name])
+        errs.append(abs((r.seconds(cpu, wire) if r else pred) - meas) / meas)
     return errs
 
 
@@ -578,7 +625,8 @@ def _worker_argv(args: argparse.Namespace, out: Path, link_gbps: float, link_tex
     argv = [str(Path(__file__).resolve()), "--worker", "--out", str(out),
             "--models", *args.models, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--lm-steps", str(args.lm_steps), "--lm-warmup", str(args.lm_warmup),
-            "--lstm-vocab", str(args.lstm_vocab), "--lr", str(args.lr),
+            "--dlrm-steps", str(args.dlrm_steps), "--lstm-vocab", str(args.lstm_vocab),
+            "--lr", str(args.lr),
             "--seed", str(args.seed), "--pg-timeout", str(args.pg_timeout),
             "--link-gbps", str(link_gbps), "--link-text", link_text, "--commit", commit,
             "--pinning", pinning]
@@ -695,6 +743,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10, help="measured steps per model")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--lm-steps", type=int, default=5, help="measured steps, LSTM LM")
+    p.add_argument("--dlrm-steps", type=int, default=30,
+                   help="measured steps, DLRM (at least --steps): its PS steps take "
+                        "20-80 ms and vary by +-10%% step to step, so 10 decide little")
     p.add_argument("--lm-warmup", type=int, default=1)
     p.add_argument("--lstm-vocab", type=int, default=200_000)
     p.add_argument("--lr", type=float, default=0.01)
