@@ -156,11 +156,13 @@ def test_trials_fit_separate_factors_for_cpu_and_wire() -> None:
 
 def test_trials_fit_falls_back_to_the_common_ratio() -> None:
     assert fit([]) is None and fit([_trial("a", 0.1, 0.1, None)]) is None
-    one = fit([_trial("a", 0.10, 0.02, 0.18)])  # one trial: both parts x1.5
-    assert one is not None and (one.cpu, one.wire) == pytest.approx((1.5, 1.5), rel=0.02)
-    # no trial waits on the wire: its factor is not followed into the noise
+    # no trial waits on the wire: its factor stays at 1 (the links are probed)
     flat = fit([_trial("a", 0.10, 0.0, 0.15), _trial("b", 0.20, 0.0, 0.31)])
-    assert flat is not None and flat.wire == pytest.approx(1.5, rel=0.05)
+    assert flat is not None and flat.cpu == pytest.approx(1.53, rel=0.03)
+    assert flat.wire == pytest.approx(1.0, rel=0.05)
+    # one trial: explained (mostly by the CPU factor, the wire's prior being 1)
+    one = fit([_trial("a", 0.10, 0.02, 0.18)])
+    assert one is not None and one.seconds(0.10, 0.02) == pytest.approx(0.18, rel=0.03)
     # a split not recorded (both 0): the whole prediction counts as CPU
     legacy = fit([Trial("a", 0.2, 0.3)])
     assert legacy is not None and legacy.cpu == pytest.approx(1.5, rel=0.02)

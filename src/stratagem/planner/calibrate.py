@@ -58,6 +58,16 @@ class Calibration:
     scan_bps: float = 4e9
     """Bytes/s of finding a dense gradient's non-zero rows (what the runtime does for a
     parameter sent as rows though declared dense)."""
+    update_bps: float = 0.0
+    """Parameter bytes/s of the SGD-sized update pass over dense gradients (0: not known;
+    ``optimizer_s`` then covers the whole model). A strategy's update and the densifying
+    of sparse gradients it all-reduces are priced per byte with it."""
+
+    def update_s(self, nbytes: float, total_bytes: float) -> float:
+        """Seconds of a dense update of ``nbytes`` parameter bytes."""
+        if self.update_bps > 0:
+            return nbytes / self.update_bps
+        return self.optimizer_s * min(1.0, nbytes / max(total_bytes, 1.0))
 
     @property
     def compute_s(self) -> float:
@@ -72,7 +82,7 @@ class Calibration:
                 "measured": self.measured, "seconds": self.seconds,
                 "copy_bps": self.copy_bps, "flops": self.flops,
                 "tensor_s": self.tensor_s, "group_s": self.group_s,
-                "scan_bps": self.scan_bps,
+                "scan_bps": self.scan_bps, "update_bps": self.update_bps,
                 "access": [a.to_dict() for a in self.access]}
 
 
@@ -260,13 +270,22 @@ def _half_pass(model: nn.Module, sample: Any, batch: int,
 
 
 @torch.no_grad()
-def _update_pass(params: dict[str, nn.Parameter]) -> float:
-    """Seconds of one pass over every dense gradient the size of an SGD update (adds 0)."""
+def _update_pass(params: dict[str, nn.Parameter]) -> tuple[float, int]:
+    """(seconds, parameter bytes) of one pass the size of an SGD update over every
+    parameter (each adds 0 times itself: the memory traffic of adding its gradient,
+    whether or not a gradient is there)."""
+    nbytes = 0
     t = time.perf_counter()
     for p in params.values():
-        if p.grad is not None and not p.grad.is_sparse:
-            p.add_(p.grad, alpha=0.0)
-    return time.perf_counter() - t
+        p.add_(p, alpha=0.0)
+        nbytes += p.numel() * p.element_size()
+    return time.perf_counter() - t, nbytes
+
+
+def _sparse_grad_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters whose gradients are sparse (embeddings with sparse=True)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse)
 
 
 def _median(values: list[float]) -> float:
@@ -310,7 +329,11 @@ def calibrate(model: nn.Module, sample_input: Any, *,
             h.remove()
         hooks = []
         touched_half = _half_pass(model, sample_input, batch, loss_fn, params, touched)
-        opt_s = _median([_update_pass(params) for _ in range(steps)])
+        passes = [_update_pass(params) for _ in range(steps)]
+        pass_s, update_bytes = _median([t for t, _ in passes]), passes[0][1]
+        update_bps = update_bytes / pass_s if update_bytes and pass_s > 0 else 0.0
+        dense_bytes = update_bytes - _sparse_grad_bytes(model)
+        opt_s = dense_bytes / update_bps if update_bps else 0.0
     finally:
         for h in hooks:
             h.remove()
@@ -342,7 +365,8 @@ def calibrate(model: nn.Module, sample_input: Any, *,
                       optimizer_s=opt_s, grad_ready_s=ready, layer_forward_s=layers,
                       access=tuple(access), copy_bps=copy_bps, flops=flops, measured=True,
                       seconds=time.perf_counter() - started, tensor_s=tensor_s,
-                      group_s=group_s, scan_bps=scan_rate())
+                      group_s=group_s, scan_bps=scan_rate(),
+                      update_bps=update_bps)
     if use_cache:
         _CACHE[key] = cal
     return cal
@@ -382,7 +406,7 @@ def estimate(profile: ModelProfile, batch_size: int) -> Calibration:
                        optimizer_s=profile.total_bytes / copy_bps, grad_ready_s=ready,
                        access=access, copy_bps=copy_bps, flops=flops, measured=False,
                        tensor_s=NOMINAL_TENSOR_S, group_s=NOMINAL_GROUP_S,
-                       scan_bps=NOMINAL_SCAN_BPS)
+                       scan_bps=NOMINAL_SCAN_BPS, update_bps=copy_bps)
 
 
 def profile_with_access(model: nn.Module, calibration: Calibration) -> ModelProfile:

@@ -221,10 +221,12 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         start = max(end, cal.backward_s)
         slots.append(Slot("sparse push", cal.backward_s, start, start + sparse_push_s))
     backward_tail = exposed(slots, cal.backward_s)
-    # The local update touches what this worker updates: all-reduced values and its shards.
-    total_bytes = max(profile.total_bytes, 1)
+    # The local update touches what this worker updates: all-reduced values and its shards;
+    # a sparse gradient all-reduced is first made dense (a pass over its bytes).
     local = ar_bytes + (max(owned_bytes) if owned_bytes else 0.0)
-    update_s = cal.optimizer_s * min(1.0, local / total_bytes)
+    densify = sum(info[m.param].bytes * m.numel / max(info[m.param].numel, 1)
+                  for g in plan.groups for m in g.members if info[m.param].sparse)
+    update_s = cal.update_s(local + densify, profile.total_bytes)
     compute = cal.forward_s + cal.backward_s + update_s
     exposed_comm = backward_tail + pull_s + refresh_s + fwd_pull_s
     # Compressor work runs inside the queued transfers (counted there; shown apart).
