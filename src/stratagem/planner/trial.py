@@ -97,7 +97,7 @@ factor towards the trials' common ratio (how much slower than calibrated the ste
 the wire factor towards 1 (the links are probed: as measured, unless trials say
 otherwise). A factor the trials cannot tell apart -- the wire's when no trial waits on
 the wire -- stays at its prior instead of following the noise. (With both pulled to the
-common ratio, the benchmark's leave-one-out worst error was 1.82 instead of 1.15: an
+common ratio, the benchmark's leave-one-out worst error was 1.87 instead of 1.15: an
 all-reduce whose own trial was left out took the parameter servers' CPU slowdown for
 its wire.)"""
 FACTOR_RANGE = (0.5, 10.0)
