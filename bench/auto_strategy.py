@@ -442,8 +442,6 @@ def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-
-
 def refined_errors(case: dict[str, Any]) -> list[float]:
     """Prediction errors of the built-in variants (and HybridRef) after the low-shot
     refinement (``planner.fit`` of Auto's trial steps in this case: a factor for the

@@ -154,7 +154,7 @@ def test_trials_fit_separate_factors_for_cpu_and_wire() -> None:
     assert common * 0.1 > 1.3 * truth
 
 
-def test_trials_fit_falls_back_to_the_common_ratio() -> None:
+def test_trials_fit_falls_back_to_its_priors() -> None:
     assert fit([]) is None and fit([_trial("a", 0.1, 0.1, None)]) is None
     # no trial waits on the wire: its factor stays at 1 (the links are probed)
     flat = fit([_trial("a", 0.10, 0.0, 0.15), _trial("b", 0.20, 0.0, 0.31)])

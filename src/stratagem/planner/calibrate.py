@@ -59,7 +59,7 @@ class Calibration:
     """Bytes/s of finding a dense gradient's non-zero rows (what the runtime does for a
     parameter sent as rows though declared dense)."""
     update_bps: float = 0.0
-    """Parameter bytes/s of the SGD-sized update pass over dense gradients (0: not known;
+    """Parameter bytes/s of an SGD-sized update pass over the parameters (0: not known;
     ``optimizer_s`` then covers the whole model). A strategy's update and the densifying
     of sparse gradients it all-reduces are priced per byte with it."""
 
@@ -282,12 +282,6 @@ def _update_pass(params: dict[str, nn.Parameter]) -> tuple[float, int]:
     return time.perf_counter() - t, nbytes
 
 
-def _sparse_grad_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters whose gradients are sparse (embeddings with sparse=True)."""
-    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
-               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse)
-
-
 def _median(values: list[float]) -> float:
     s = sorted(values)
     return s[len(s) // 2] if s else 0.0
@@ -332,8 +326,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
         passes = [_update_pass(params) for _ in range(steps)]
         pass_s, update_bytes = _median([t for t, _ in passes]), passes[0][1]
         update_bps = update_bytes / pass_s if update_bytes and pass_s > 0 else 0.0
-        dense_bytes = update_bytes - _sparse_grad_bytes(model)
-        opt_s = dense_bytes / update_bps if update_bps else 0.0
+        opt_s = analyze(model).dense_bytes / update_bps if update_bps else 0.0
     finally:
         for h in hooks:
             h.remove()

@@ -36,7 +36,7 @@ from stratagem.runtime.plan import compile_plan
 from stratagem.strategy.schema import AllReduceSynchronizer, NodeConfig, Strategy
 
 PROBE_BUDGET_S = 2.0
-"""The link probe's bound (all sizes and repeats together, at the nominal rate)."""
+"""The link probe's bound (all sizes and repeats together, at the rate measured so far)."""
 TINY_REPEATS = 20
 SIZES_MIB = (0.25, 1.0, 4.0, 16.0)
 """All-reduce sizes of the bandwidth probe. The largest is a gradient bucket's order (DDP's

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.planner.calibrate import call_model, default_loss
+from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import Candidate, Choice, all_reduce_only
 from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import server_devices, validate
@@ -124,15 +125,15 @@ class Refinement:
         """Refined seconds of a step predicted as ``cpu_s`` + ``wire_s``."""
         return self.cpu * cpu_s + self.wire * wire_s
 
-    def of(self, cost: Any) -> float:
-        """Refined seconds of a :class:`~stratagem.planner.cost_model.StepCost`."""
+    def of(self, cost: StepCost) -> float:
+        """Refined seconds of a predicted step."""
         return self.seconds(*split(cost))
 
     def to_dict(self) -> dict[str, Any]:
         return {"cpu": self.cpu, "wire": self.wire, "trials": self.trials}
 
 
-def split(cost: Any) -> tuple[float, float]:
+def split(cost: StepCost) -> tuple[float, float]:
     """(compute + overheads, exposed communication) of a predicted step."""
     return cost.compute_s + cost.overhead_s, cost.exposed_comm_s
 
@@ -178,7 +179,7 @@ def fit(trials: tuple[Trial, ...] | list[Trial]) -> Refinement | None:
     return Refinement(cpu=clip(a), wire=clip(b), trials=len(rows))
 
 
-def refined_s(cost: Any, refinement: Refinement | None) -> float:
+def refined_s(cost: StepCost, refinement: Refinement | None) -> float:
     """``cost``'s predicted seconds, refined by the trials where they ran."""
     return refinement.of(cost) if refinement is not None else cost.total_s
 
