@@ -37,10 +37,10 @@ __all__ = ["Auto", "Calibration", "Candidate", "Choice", "LinkModel", "LinkProbe
 
 
 def _calibration(model: nn.Module, profile: ModelProfile, batch_size: int | None,
-                 sample_input: Any, loss_fn: Callable[[Any], torch.Tensor] | None
-                 ) -> tuple[Calibration, ModelProfile]:
+                 sample_input: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                 together: bool = False) -> tuple[Calibration, ModelProfile]:
     if sample_input is not None:
-        cal = calibrate(model, sample_input, loss_fn=loss_fn)
+        cal = calibrate(model, sample_input, loss_fn=loss_fn, together=together)
         return cal, profile.with_access(cal.access)
     return estimate(profile, batch_size or Auto().batch_size), profile
 
@@ -62,14 +62,16 @@ def choose(model: nn.Module, spec: ResourceSpec, *, batch_size: int | None = Non
 
     Collective options (every worker of ``spec`` calls ``choose`` at once, a process
     group up): ``probe`` measures the links instead of trusting the spec's figures;
+    with either, every worker calibrates at the same time (compute as training runs it);
     ``trials`` times the best few candidates for a few real steps and keeps the fastest
     (:func:`~stratagem.planner.trial.refine`; needs ``sample_input``). Either way
     every worker returns the same choice only with ``trials``: without it, send rank 0's
     (AutoDist does)."""
     options = options or Auto()
     profile = analyze(model)
+    together = (probe or trials) and collective_ready(spec)
     cal, profile = _calibration(model, profile, batch_size or options.batch_size,
-                                sample_input, loss_fn)
+                                sample_input, loss_fn, together)
     links, link_probe = measured_links(spec) if probe else (None, None)
     choice = search(profile, spec, cal, options, links)
     if link_probe is not None:
@@ -105,7 +107,8 @@ def predict_step_time(model: nn.Module, strategy: Strategy, spec: ResourceSpec,
     calls it at once; cached). ``refinement``: refined by an Auto choice's trial steps
     (``planner.fit(choice.trials)``: factors for the CPU and the wire parts)."""
     profile = analyze(model)
-    cal, profile = _calibration(model, profile, batch_size, sample_input, None)
+    cal, profile = _calibration(model, profile, batch_size, sample_input, None,
+                                probe and collective_ready(spec))
     strategy = validate(strategy, profile, spec)
     links = measured_links(spec)[0] if probe else None
     return refined_s(predict(strategy, profile, spec, cal, links), refinement)

@@ -12,7 +12,8 @@ exactly what the runtime would execute:
 - **sparse PS pieces**: rows a worker touches (``AccessStats``) spread over the owners by
   their share of the rows; pulled in the forward (on-demand pieces) or refreshed after
   the update to every worker (``local_replication``: the union of the workers' rows);
-  pushed after backward; each message costs main-thread CPU;
+  pushed after backward; each message costs main-thread CPU, or, where the link probe
+  measured a chained all-to-all, each of the exchange's collectives costs that;
 - **overlap**: transfers queue on one link in launch order (``timeline.schedule``);
   whatever ends after backward is exposed communication.
 """
@@ -140,6 +141,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         ar_bytes += g.nbytes
 
     pull_s = refresh_s = fwd_pull_s = sparse_push_s = scan_s = 0.0
+    in_collectives = 0  # messages priced inside the measured all-to-alls, not one by one
     owned_bytes = [0.0] * (ps.size if ps else 0)
     if ps is not None:
         # Dense buckets: push as ready (launch order), pull values after the update.
@@ -204,7 +206,11 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         n_coll = (SPARSE_COLLECTIVES_PULL * calls + SPARSE_COLLECTIVES_PUSH
                   + (SPARSE_COLLECTIVES_REFRESH if replicated else 0)) if ps.sparse else 0
         messages += n_coll * peers
-        lat = links.latency_s * n_coll
+        if links.all_to_all_s > 0:  # measured: a chained all-to-all, its messages' CPU in it
+            lat = links.all_to_all_s * n_coll
+            in_collectives = n_coll * peers
+        else:
+            lat = links.latency_s * n_coll
         fwd_pull_s = links.transfer_time(fwd_flows) if fwd_flows else 0.0
         sparse_push_s = links.transfer_time(push_flows) if ps.sparse else 0.0
         refresh_s = links.transfer_time(ref_flows) if ref_flows else 0.0
@@ -234,7 +240,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     # (a dense PS bucket's machinery -- buffer, posting its sends -- is priced as a group's)
     groups = len(plan.groups) + (len(ps.buckets) if ps is not None else 0)
     runtime_s = tensors * cal.tensor_s + groups * cal.group_s + scan_s
-    overhead = messages * links.message_cpu_s + runtime_s
+    overhead = (messages - in_collectives) * links.message_cpu_s + runtime_s
     parts = {"forward": cal.forward_s, "backward": cal.backward_s, "update": update_s,
              "backward_tail": backward_tail, "ps_pull": pull_s, "sparse_pull": fwd_pull_s,
              "sparse_push": sparse_push_s, "refresh": refresh_s,

@@ -59,6 +59,9 @@ class LinkModel:
     message_cpu_s: float = MESSAGE_CPU_S
     incast_penalty: float = INCAST_PENALTY
     names: tuple[str, ...] = ()  # node addresses, for reports
+    all_to_all_s: float = 0.0
+    """Measured seconds of one small all-to-all in a chain (the sparse rows' exchange); 0:
+    not measured, priced as a ring step's latency plus a message per peer."""
 
     @classmethod
     def from_spec(cls, spec: ResourceSpec, efficiency: float = LINK_EFFICIENCY,
@@ -79,13 +82,15 @@ class LinkModel:
     def measured(self, probe: Any, spec: ResourceSpec) -> LinkModel:
         """This model with ``probe``'s (:class:`~stratagem.planner.probe.LinkProbe`)
         measured figures: the fixed cost of a collective as the ring's per-message latency,
-        the point-to-point message cost as the PS message cost, and the bus bandwidth as
+        the point-to-point message cost as the PS message cost, a chained all-to-all's as
+        the sparse exchange's per collective, and the bus bandwidth as
         every inter-node link's rate (one node: the intra-node rate) where it differs from
         the nominal one: lower by more than ``MEASURED_DIFFERS``, or higher by more than
         ``MEASURED_FASTER`` times."""
         n = max(probe.world, 2)
         out = replace(self, latency_s=probe.collective_s / (2 * (n - 1)),
-                      message_cpu_s=probe.message_s)
+                      message_cpu_s=probe.message_s,
+                      all_to_all_s=getattr(probe, "all_to_all_s", 0.0))
         if (probe.bus_bps < (1 - MEASURED_DIFFERS) * probe.nominal_bps
                 or probe.bus_bps > MEASURED_FASTER * probe.nominal_bps):
             if len(spec.nodes) > 1:

@@ -11,7 +11,9 @@ Two measurements, both seconds long at most:
 - :func:`probe_links` (every worker at once, a process group up): the link as the workers
   see it. A one-element all-reduce repeated gives the fixed cost of one collective; all-
   reduces of a few sizes give the effective bus bandwidth (the slope); a one-element
-  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message. Every
+  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message, and tiny
+  all-to-alls back to back the cost of one in a chain (the sparse rows' exchange is such a
+  chain: ids, rows, counts, each waiting for the last). Every
   number is averaged over the ranks with an all-reduce, so every rank plans with the same
   link model. Bounded: each size is tried only if it fits in ``PROBE_BUDGET_S`` at the
   rate measured so far (the spec's nominal rate at first).
@@ -43,6 +45,11 @@ SIZES_MIB = (0.25, 1.0, 4.0, 16.0)
 25 MB): with four workers on two cores at 10 Gbit/s, all-reduces of 4 MiB ran at 1.4 GB/s
 bus bandwidth and the 64 MB of DLRM's table at 0.4 GB/s."""
 TENSORS = 256  # small parameters the runtime-cost measurement runs over
+CHAIN = 8
+"""Tiny all-to-alls timed back to back (per repeat). Chained, not one after a barrier: with
+four workers on two cores one all-to-all after a barrier took 0.5 ms, four in a row 4.6 ms
+(each waits for every peer to be scheduled again), and the rows' exchange is such a chain."""
+CHAIN_REPEATS = 5
 
 _RUNTIME: dict[str, float] = {}
 _LINKS: dict[tuple, LinkProbe] = {}
@@ -60,10 +67,13 @@ class LinkProbe:
     message_s: float
     seconds: float
     nominal_bps: float
+    all_to_all_s: float = 0.0
+    """One tiny all-to-all in a chain of them (0: not measured)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "collective_s": self.collective_s,
                 "bus_bps": self.bus_bps, "message_s": self.message_s,
+                "all_to_all_s": self.all_to_all_s,
                 "seconds": self.seconds, "nominal_bps": self.nominal_bps}
 
 
@@ -168,6 +178,23 @@ def _ping_pong(repeats: int) -> float:
     return statistics.median(times) if rank == 0 else 0.0
 
 
+def _chained_all_to_all(chain: int, repeats: int) -> float:
+    """Seconds of one tiny all-to-all (an int64 per peer) among chained ones: the median
+    over ``repeats`` of ``chain`` back to back, divided by ``chain``."""
+    world = dist.get_world_size()
+    src = torch.zeros(world, dtype=torch.int64)
+    dst = torch.empty_like(src)
+    dist.all_to_all_single(dst, src)  # warm-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        s = time.perf_counter()
+        for _ in range(chain):
+            dist.all_to_all_single(dst, src)
+        times.append((time.perf_counter() - s) / chain)
+    return statistics.median(times)
+
+
 def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     """Measure the links among the job's workers (call on every worker at once); None
     when no process group spans exactly the spec's workers."""
@@ -215,12 +242,13 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
         slope = max((y - fixed) / x for x, y in zip(xs, ys, strict=True))
     bus = 1.0 / max(slope, 1e-12)
     message = _ping_pong(TINY_REPEATS)
-    figures = torch.tensor([fixed, bus, message * world], dtype=torch.float64)
+    chained = _chained_all_to_all(CHAIN, CHAIN_REPEATS)
+    figures = torch.tensor([fixed, bus, message * world, chained], dtype=torch.float64)
     dist.all_reduce(figures)
     figures /= world  # the ranks' mean (the message: rank 0's measure)
     probe = LinkProbe(world=world, collective_s=float(figures[0]), bus_bps=float(figures[1]),
                       message_s=float(figures[2]), seconds=time.perf_counter() - started,
-                      nominal_bps=nominal)
+                      nominal_bps=nominal, all_to_all_s=float(figures[3]))
     if use_cache:
         _LINKS[key] = probe
     return probe

@@ -18,6 +18,13 @@ maximum), and rank 0's pick is broadcast. Ties -- within ``TIE`` or within the t
 spread -- keep the earlier, i.e. better predicted, candidate. Bounded: a candidate whose
 predicted run would overrun ``BUDGET_S`` is not tried, nor is any step round started once
 that much time has passed (rank 0 decides both).
+
+Then a second look: the trials refine the cost model (:func:`fit`), and every untried
+candidate whose refined prediction comes within ``SECOND_LOOK`` of the winner's measured
+step is raced against the winner -- interleaved again, with more steps (``SECOND_STEPS``,
+``SECOND_MEASURE_S``), and decided on the standard error of the medians rather than one
+step's spread. The first shortlist follows the raw model, which errs most where steps are
+CPU-bound; a candidate it ranked low but the measured rates put level gets measured.
 """
 
 from __future__ import annotations
@@ -59,6 +66,18 @@ COPIES = 3
 TIE = 0.05
 """Measured steps this close (relative) count as equal: the better predicted one stays
 (the search's own tolerance; steps of a few ms vary by that much between repeats)."""
+SECOND_LOOK = 1.15
+"""An untried candidate whose refined prediction is within this factor of the winner's
+measured step is raced against it (DLRM at 4 nodes, 10 Gbit/s: PS, ranked fifth by the raw
+model and never tried, stepped 6-8% faster than the winner Parallax in two full runs)."""
+SECOND_MAX = 3
+"""Contenders raced at most (the closest by refined prediction)."""
+SECOND_STEPS = (5, 30)
+"""Timed steps per raced candidate, at least and at most..."""
+SECOND_MEASURE_S = 1.0
+"""...aiming at this many seconds of timed steps each, at the refined rate."""
+Z = 2.0
+"""Standard errors by which a raced candidate must beat the winner (about 95%)."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +203,11 @@ def refined_s(cost: StepCost, refinement: Refinement | None) -> float:
     return refinement.of(cost) if refinement is not None else cost.total_s
 
 
+def _key(strategy: Strategy) -> str:
+    """What makes two candidates the same strategy, whatever their names."""
+    return json.dumps([nc.to_dict() for nc in strategy.node_config], sort_keys=True)
+
+
 def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
     """The ``k`` best-predicted candidates with distinct strategies (the chosen one first),
     plus the best-predicted built-in builder and the best-predicted all-reduce-only
@@ -193,7 +217,7 @@ def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
     seen: set[str] = set()
     wants = [lambda c: c.name != "hybrid", lambda c: all_reduce_only(c.strategy)]
     for c in choice.candidates:
-        key = json.dumps([nc.to_dict() for nc in c.strategy.node_config], sort_keys=True)
+        key = _key(c.strategy)
         if key in seen:  # the same strategy under another name (AllReduce = Parallax ...)
             continue
         missing = [w for w in wants if not any(w(o) for o in out)]
@@ -218,6 +242,31 @@ def fastest(measured: list[float | None], spread: list[float] | None = None) -> 
         margin = spread[i] + (spread[best_i] if best_t < float("inf") else 0.0)
         if t < best_t * (1 - TIE) and t < best_t - margin:
             best_i, best_t = i, t
+    return best_i
+
+
+def median_se(spread: float, n: int) -> float:
+    """Standard error of the median of ``n`` steps whose median absolute deviation is
+    ``spread`` (steps spread normally: sigma = 1.4826 MAD, and the median's standard error
+    is 1.2533 sigma / sqrt(n))."""
+    return 1.4826 * 1.2533 * spread / math.sqrt(max(n, 1))
+
+
+def raced(measured: list[float | None], spread: list[float], counts: list[int]) -> int:
+    """Index of the race's winner: the first entry (the winner so far) stays unless
+    another is faster by more than ``TIE`` and by ``Z`` standard errors of the difference
+    of the two medians; of those that are, the fastest."""
+    base = measured[0]
+    if base is None:
+        return fastest(measured, spread)
+    best_i = 0
+    for i in range(1, len(measured)):
+        t = measured[i]
+        if t is None:
+            continue
+        se = math.hypot(median_se(spread[i], counts[i]), median_se(spread[0], counts[0]))
+        if t < base * (1 - TIE) and t < base - Z * se and t < (measured[best_i] or base):
+            best_i = i
     return best_i
 
 
@@ -279,18 +328,22 @@ class _Runner:
         return statistics.median(abs(t - m) for t in self.times) if m is not None else 0.0
 
 
+Timing = tuple[float | None, float, int]
+"""(median, median absolute deviation, count) of a candidate's timed steps."""
+
+
 def run_trial(model: nn.Module, strategy: Strategy, choice: Choice, sample_input: Any,
-              loss_fn: Callable[[Any], torch.Tensor], steps: int = STEPS
-              ) -> tuple[float | None, float]:
-    """(median, median absolute deviation) of ``steps`` training steps (after ``WARMUP``)
-    of a copy of ``model`` under ``strategy``, each the slowest rank's (collective)."""
+              loss_fn: Callable[[Any], torch.Tensor], steps: int = STEPS) -> Timing:
+    """(median, median absolute deviation, count) of ``steps`` training steps (after
+    ``WARMUP``) of a copy of ``model`` under ``strategy``, each the slowest rank's
+    (collective)."""
     r = _Runner(model, strategy, choice)
     try:
         for _ in range(WARMUP + steps):
             r.step(sample_input, loss_fn)
     finally:
         r.close()
-    return r.median(), r.spread()
+    return r.median(), r.spread(), len(r.times)
 
 
 def _over(started: float, budget_s: float) -> bool:
@@ -302,7 +355,7 @@ def _over(started: float, budget_s: float) -> bool:
 
 def _interleaved(model: nn.Module, strategies: list[Strategy], steps: list[int],
                  choice: Choice, sample_input: Any, loss_fn: Callable[[Any], torch.Tensor],
-                 started: float, budget_s: float) -> list[tuple[float | None, float]]:
+                 started: float, budget_s: float) -> list[Timing]:
     """Every candidate built at once and stepped in turn, the order rotating each round
     (load that comes and goes hits all alike, as in the benchmarks)."""
     runners: list[_Runner] = []
@@ -320,66 +373,146 @@ def _interleaved(model: nn.Module, strategies: list[Strategy], steps: list[int],
     finally:
         for r in runners:
             r.close()
-    return [(r.median(), r.spread()) for r in runners]
+    return [(r.median(), r.spread(), len(r.times)) for r in runners]
+
+
+def _interleave(plan: list[dict[str, Any]], model: nn.Module) -> bool:
+    """Whether ``plan``'s copies of ``model`` fit in memory at once (see ``COPIES``)."""
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return len(plan) * model_bytes * COPIES <= INTERLEAVE_BYTES
+
+
+def _measure(plan: list[dict[str, Any]], strategies: list[Strategy], model: nn.Module,
+             choice: Choice, sample_input: Any, loss_fn: Callable[[Any], torch.Tensor],
+             started: float, budget_s: float) -> list[Timing]:
+    """Timings of ``plan``'s candidates: interleaved when their copies fit, else in turn
+    (rank 0's clock decides whether to go on after the first)."""
+    if _interleave(plan, model):
+        return _interleaved(model, strategies, [e["steps"] for e in plan], choice,
+                            sample_input, loss_fn, started, budget_s)
+    out: list[Timing] = []
+    for i, (entry, s) in enumerate(zip(plan, strategies, strict=True)):
+        if i > 0 and _over(started, budget_s):
+            out.append((None, 0.0, 0))
+            continue
+        out.append(run_trial(model, s, choice, sample_input, loss_fn, entry["steps"]))
+    return out
+
+
+def _entry(c: Candidate, steps: int) -> dict[str, Any]:
+    return {"name": c.name, "predicted_s": c.cost.total_s, "steps": steps,
+            "split": split(c.cost), "strategy": c.strategy.to_dict()}
+
+
+def _first_plan(choice: Choice, k: int, steps: int, budget_s: float) -> list[dict[str, Any]]:
+    """Rank 0's shortlist with the steps each, within the budget (predicted)."""
+    picked: list[dict[str, Any]] = []
+    spent = 0.0
+    for c in shortlist(choice, k):
+        n = min(MAX_STEPS, max(steps, math.ceil(MEASURE_S / max(c.cost.total_s, 1e-6))))
+        cost = (WARMUP + n) * c.cost.total_s
+        if picked and spent + cost > budget_s:
+            continue
+        picked.append(_entry(c, n))
+        spent += cost
+    return picked
+
+
+def second_look(choice: Choice, trials: list[Trial], winner: dict[str, Any],
+                measured_s: float, left_s: float) -> list[dict[str, Any]]:
+    """Rank 0's race after the first trials: the winner's entry first, then the untried
+    candidates (distinct strategies) whose prediction refined by ``trials`` is within
+    ``SECOND_LOOK`` of the winner's measured step, closest first, at most ``SECOND_MAX``;
+    steps each for ``SECOND_MEASURE_S`` within ``SECOND_STEPS``, fewer contenders while the
+    race would overrun ``left_s`` at the refined rates. Empty: nothing to race."""
+    refinement = fit(trials)
+    if refinement is None or measured_s <= 0:
+        return []
+    names = {t.name for t in trials}
+    tried = {_key(c.strategy) for c in choice.candidates if c.name in names}
+    close: list[tuple[float, Candidate]] = []
+    for c in choice.candidates:
+        key = _key(c.strategy)
+        if key in tried:
+            continue
+        tried.add(key)
+        est = refinement.of(c.cost)
+        if est <= measured_s * SECOND_LOOK:
+            close.append((est, c))
+    close = sorted(close, key=lambda e: e[0])[:SECOND_MAX]
+    while close:
+        round_s = measured_s + sum(est for est, _ in close)
+        n = min(SECOND_STEPS[1], max(SECOND_STEPS[0], math.ceil(SECOND_MEASURE_S / measured_s)))
+        n = min(n, int(left_s / round_s) - WARMUP)
+        if n >= SECOND_STEPS[0]:
+            return [{**winner, "steps": n}, *(_entry(c, n) for _, c in close)]
+        close.pop()
+    return []
+
+
+def _pick(index: int) -> int:
+    """Rank 0's ``index`` on every rank (the ranks' numbers are equal; rank 0's word is
+    final)."""
+    pick = torch.tensor([index], dtype=torch.int64)
+    dist.broadcast(pick, 0)
+    return int(pick.item())
 
 
 def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
            loss_fn: Callable[[Any], torch.Tensor] | None = None, k: int = TOP_K,
            steps: int = STEPS, budget_s: float = BUDGET_S) -> Choice:
     """``choice`` with its best candidate replaced by the fastest in trial steps (every
-    worker calls this at once; all return the same choice). The trials go into
-    ``choice.trials`` for the explanation."""
+    worker calls this at once; all return the same choice). The trials, the second look's
+    too, go into ``choice.trials`` for the explanation."""
     loss_fn = loss_fn or default_loss
     started = time.perf_counter()
+    rank0 = dist.get_rank() == 0
     # Rank 0's shortlist (its predictions) on every rank.
-    plan = None
-    if dist.get_rank() == 0:
-        picked, spent = [], 0.0
-        for c in shortlist(choice, k):
-            n = min(MAX_STEPS, max(steps, math.ceil(MEASURE_S / max(c.cost.total_s, 1e-6))))
-            cost = (WARMUP + n) * c.cost.total_s
-            if picked and spent + cost > budget_s:
-                continue
-            picked.append((c, n))
-            spent += cost
-        plan = [{"name": c.name, "predicted_s": c.cost.total_s, "steps": n,
-                 "split": split(c.cost), "strategy": c.strategy.to_dict()}
-                for c, n in picked]
-    plan = _broadcast_json(plan)
-    strategies = [validate(Strategy.from_dict(e["strategy"], source="rank 0's trial candidate"),
-                           choice.profile, choice.spec) for e in plan]
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    measured: list[tuple[float | None, float]] = []
-    if len(plan) * model_bytes * COPIES <= INTERLEAVE_BYTES:
-        measured = _interleaved(model, strategies, [e["steps"] for e in plan], choice,
-                                sample_input, loss_fn, started, budget_s)
-    else:  # one copy at a time: large models
-        for i, (entry, s) in enumerate(zip(plan, strategies, strict=True)):
-            # the predictions may be short: rank 0's clock decides whether to go on
-            if i > 0 and _over(started, budget_s):
-                measured.append((None, 0.0))
-                continue
-            measured.append(run_trial(model, s, choice, sample_input, loss_fn,
-                                      entry["steps"]))
-    trials = [Trial(e["name"], e["predicted_s"], m,
-                    "" if m is not None else "not run: trial budget spent", spread,
-                    family(s), *e["split"])
-              for e, (m, spread), s in zip(plan, measured, strategies, strict=True)]
-    pick = torch.tensor([fastest([t.measured_s for t in trials],
-                                 [t.spread_s for t in trials])], dtype=torch.int64)
-    dist.broadcast(pick, 0)  # the ranks' numbers are equal; rank 0's word is final
-    best_i = int(pick.item())
-    name = plan[best_i]["name"]
+    plan = _broadcast_json(_first_plan(choice, k, steps, budget_s) if rank0 else None)
+
+    def strategies_of(entries: list[dict[str, Any]]) -> list[Strategy]:
+        return [validate(Strategy.from_dict(e["strategy"], source="rank 0's trial candidate"),
+                         choice.profile, choice.spec) for e in entries]
+
+    def trials_of(entries: list[dict[str, Any]], timings: list[Timing],
+                  strategies: list[Strategy], note: str = "") -> list[Trial]:
+        return [Trial(e["name"], e["predicted_s"], m,
+                      note if m is not None else "not run: trial budget spent", spread,
+                      family(s), *e["split"])
+                for e, (m, spread, _), s in zip(entries, timings, strategies, strict=True)]
+
+    strategies = strategies_of(plan)
+    timings = _measure(plan, strategies, model, choice, sample_input, loss_fn, started,
+                       budget_s)
+    trials = trials_of(plan, timings, strategies)
+    best_i = _pick(fastest([t.measured_s for t in trials], [t.spread_s for t in trials]))
+    entry, strategy = plan[best_i], strategies[best_i]
+    how = "interleaved" if _interleave(plan, model) else "in turn"
+    note = (f"trial steps: {len(trials)} candidates {how}, {WARMUP}+{steps}..{MAX_STEPS} "
+            f"steps each, {time.perf_counter() - started:.1f} s; kept {entry['name']}")
+    # The second look: what the trials' rates put level with the winner, raced against it.
+    race = None
+    if rank0 and trials[best_i].measured_s is not None:
+        race = second_look(choice, trials, entry, trials[best_i].measured_s,
+                           budget_s - (time.perf_counter() - started))
+    race = _broadcast_json(race)
+    if race:
+        raced_strategies = [strategy, *strategies_of(race[1:])]
+        timings2 = _measure(race, raced_strategies, model, choice, sample_input, loss_fn,
+                            started, budget_s)
+        trials += trials_of(race, timings2, raced_strategies, "second look")
+        won = _pick(raced([m for m, _, _ in timings2], [s for _, s, _ in timings2],
+                          [n for _, _, n in timings2]))
+        entry, strategy = race[won], raced_strategies[won]
+        note += (f"; second look: raced {len(race) - 1} more "
+                 f"({', '.join(e['name'] for e in race[1:])}), {race[0]['steps']} steps "
+                 f"each, kept {entry['name']}")
+    name = entry["name"]
     original = next((c for c in choice.candidates if c.name == name), None)
     cost = original.cost if original is not None else choice.best.cost
-    strategy = strategies[best_i]
     if name != "hybrid" and not strategy.builder.startswith("Auto"):
         strategy = replace(strategy, builder=f"Auto({name})")
     best = Candidate(name, strategy, cost)
     others = tuple(c for c in choice.candidates if c.name != name)
-    how = "interleaved" if len(plan) * model_bytes * COPIES <= INTERLEAVE_BYTES else "in turn"
-    note = (f"trial steps: {len(trials)} candidates {how}, {WARMUP}+{steps}..{MAX_STEPS} "
-            "steps each, "
-            f"{time.perf_counter() - started:.1f} s; kept {name}")
     return replace(choice, best=best, candidates=(best, *others), trials=tuple(trials),
                    notes=(*choice.notes, note))
