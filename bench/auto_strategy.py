@@ -346,6 +346,7 @@ class AutoWorker(Worker):
                 self.log(f"{z.name}: step {step + 1}/{warmup + steps} "
                          f"({time.perf_counter() - t0:.0f} s)")
         every = _gather_json({v.name: (v.times, v.tx) for v in variants}, self.world)
+        confirm = self.confirm(z, variants, every, same, steps, warmup, data, phase)
         for v in variants:
             close = getattr(v.model, "close", None)
             if v.error is None and callable(close):
@@ -358,6 +359,8 @@ class AutoWorker(Worker):
                 result["variants"][AUTO_FP16] = {"status": auto16_error}
             result["auto_fp16_build_s"] = round(plan16_s, 3) if plan16_s else None
             result["planner"] = self.planner_info
+            if confirm:
+                result["confirm"] = confirm
             result["calibration"] = getattr(self, "calibration", None)
             result["host"] = {"loadavg_1m_start": round(load0, 2),
                               "loadavg_1m_end": round(os.getloadavg()[0], 2)}
@@ -365,6 +368,53 @@ class AutoWorker(Worker):
             v.model = v.opt = None
         gc.collect()
         return result
+
+    def confirm(self, z: Any, variants: list[Variant], every: list[Any], same: dict[str, str],
+                steps: int, warmup: int, data: Any, phase: Phase) -> dict[str, Any]:
+        """Re-measure Auto (and Auto_fp16) against the best built-in it is judged by, when
+        slower in the main run: the pair alone, interleaved, as many steps again. The best
+        of eight built-ins measured once is the minimum of eight noisy medians -- biased low
+        when several lie within the noise (at 4 workers on 2 cores a median of 30 DLRM steps
+        moves by about 3%) -- so the pick is confirmed on fresh steps, as a selection is
+        tested on data it was not made on. Every rank computes the same pairs from the
+        gathered times. Empty: nothing to confirm."""
+        live = {v.name: v for v in variants if v.error is None and v.times}
+        medians = {n: statistics.median(max(ts) for ts in zip(
+            *[every[r][n][0] for r in range(self.world)], strict=True)) for n in live}
+        builtin = {n: t for n, t in medians.items() if n not in NOT_BUILTIN_VARIANTS}
+        lossless = {n: t for n, t in builtin.items() if n != FP16}
+        pairs = []
+        for auto, pool in (("Auto", lossless), (AUTO_FP16, builtin)):
+            if auto in same or auto not in medians or not pool:
+                continue  # a built-in's strategy (ratio 1 by construction), or not run
+            best = min(pool, key=lambda n: pool[n])
+            if medians[auto] > pool[best]:
+                pairs.append((auto, best))
+        if not pairs:
+            return {}
+        names = sorted({n for pair in pairs for n in pair})
+        self.log(f"{z.name}: confirming {pairs} on {steps} fresh steps")
+        start = {n: len(live[n].times) for n in names}
+        for i in range(steps):
+            step = warmup + steps + i
+            batches = data.batches(step)
+            for v in step_order([live[n] for n in names], self.args.seed, step):
+                if v.error is None:
+                    self.timed_step(v, step, batches[self.rank], phase)
+        fresh = _gather_json({n: live[n].times[start[n]:] for n in names}, self.world)
+        out: dict[str, Any] = {"steps": steps, "pairs": []}
+        for auto, best in pairs:
+            job = {n: [max(ts) for ts in zip(*[fresh[r][n] for r in range(self.world)],
+                                             strict=True)] for n in (auto, best)}
+            if not job[auto] or not job[best]:
+                continue
+            a, b = statistics.median(job[auto]), statistics.median(job[best])
+            out["pairs"].append({"auto": auto, "builtin": best,
+                                 "first_ratio": round(medians[auto] / medians[best], 4),
+                                 "median_s": {auto: round(a, 5), best: round(b, 5)},
+                                 "ratio": round(a / b, 4),
+                                 "step_s": {n: [round(t, 5) for t in job[n]] for n in job}})
+        return out
 
     def case_record(self, z: Any, variants: list[Variant], every: list[Any],
                     errors: dict[str, str], same: dict[str, str],
@@ -469,6 +519,15 @@ def refined_errors(case: dict[str, Any]) -> list[float]:
     return errs
 
 
+def confirmed_ratio(case: dict[str, Any], auto: str, key: str) -> float | None:
+    """``auto``'s ratio to the best built-in it is judged by: re-measured on fresh steps
+    where the case confirmed it (:meth:`AutoWorker.confirm`), else the main run's."""
+    for pair in (case.get("confirm") or {}).get("pairs", []):
+        if pair.get("auto") == auto and pair.get("ratio") is not None:
+            return pair["ratio"]
+    return case.get(key)
+
+
 def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 12's benchmark targets over the measured cases: value, goal and whether met
     (None: not measurable, e.g. no planner)."""
@@ -477,6 +536,11 @@ def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
 
     ratios = vals("auto_over_best_lossless")
     ratios16 = vals("auto_fp16_over_best_builtin")
+    confirmed = [confirmed_ratio(c, "Auto", "auto_over_best_lossless") for c in cases.values()]
+    confirmed = [r for r in confirmed if r is not None]
+    confirmed16 = [confirmed_ratio(c, AUTO_FP16, "auto_fp16_over_best_builtin")
+                   for c in cases.values()]
+    confirmed16 = [r for r in confirmed16 if r is not None]
     errs = [v["prediction_error"] for c in cases.values()
             for v in c.get("variants", {}).values()
             if v.get("prediction_error") is not None and "same_as" not in v]
@@ -497,6 +561,12 @@ def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
             max(ratios) <= 1.05 if ratios else None),
         rec("Auto_fp16 / best built-in (fp16 included), worst case", "<= 1.05",
             max(ratios16, default=None), max(ratios16) <= 1.05 if ratios16 else None),
+        rec("Auto / best lossless built-in, worst case, slower cases confirmed on fresh "
+            "steps", "<= 1.05", max(confirmed, default=None),
+            max(confirmed) <= 1.05 if confirmed else None),
+        rec("Auto_fp16 / best built-in, worst case, slower cases confirmed on fresh steps",
+            "<= 1.05", max(confirmed16, default=None),
+            max(confirmed16) <= 1.05 if confirmed16 else None),
         rec("cases with Auto / best lossless built-in < 0.95", ">= 3",
             sum(r < 0.95 for r in ratios) if ratios else None,
             sum(r < 0.95 for r in ratios) >= 3 if ratios else None),
@@ -547,6 +617,12 @@ def _r(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
+def _confirmed_cell(case: dict[str, Any], auto: str, key: str) -> str:
+    """The main run's ratio, and "-> the confirmed one" where the pair was re-measured."""
+    first, again = case.get(key), confirmed_ratio(case, auto, key)
+    return _r(first) if again == first else f"{_r(first)} → {_r(again)}"
+
+
 def summary_markdown(result: dict[str, Any]) -> str:
     """Markdown: median step (ms) per model and variant, one column per (nodes, link); then
     per model and case the ratios, prediction errors, Auto's build time and the load."""
@@ -577,7 +653,9 @@ def summary_markdown(result: dict[str, Any]) -> str:
                 else:
                     cells.append("n/a")
             lines.append(f"| {m} | {name} | " + " | ".join(cells) + " |")
-    lines += ["", "| model | case | best lossless built-in | Auto / it | best built-in |"
+    lines += ["", "(→: the pair re-measured alone on fresh steps, where Auto was slower; "
+              "see AutoWorker.confirm)",
+              "", "| model | case | best lossless built-in | Auto / it | best built-in |"
               " Auto_fp16 / it | Auto / DDP | HybridRef / best | DDP / best |"
               " pred. error median / max | refined | Auto build (s) | load 1 min |",
               "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -587,8 +665,10 @@ def summary_markdown(result: dict[str, Any]) -> str:
         refined = (f"{_r(statistics.median(ref))} / {_r(max(ref))}" if ref else "–")
         lines.append(
             f"| {c['model']} | {c['nodes']} nodes {c['link']} | "
-            f"{c.get('best_lossless_builtin') or '–'} | {_r(c.get('auto_over_best_lossless'))} | "
-            f"{c['best_builtin'] or '–'} | {_r(c.get('auto_fp16_over_best_builtin'))} | "
+            f"{c.get('best_lossless_builtin') or '–'} | "
+            f"{_confirmed_cell(c, 'Auto', 'auto_over_best_lossless')} | "
+            f"{c['best_builtin'] or '–'} | "
+            f"{_confirmed_cell(c, AUTO_FP16, 'auto_fp16_over_best_builtin')} | "
             f"{_r(c['auto_over_ddp'])} | "
             f"{_r(c['hybrid_ref_over_best_builtin'])} | {_r(c['ddp_over_best_builtin'])} | "
             f"{_r(c['prediction_error_median'])} / {_r(c['prediction_error_max'])} | "

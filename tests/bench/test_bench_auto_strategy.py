@@ -191,6 +191,19 @@ def test_targets_known_answer() -> None:
     assert got["prediction error, median"] == (0.15, True)
     assert got["prediction error, worst"] == (0.4, False)
     assert got["Auto build (calibration + planning) s, worst"] == (41.0, False)
+    # a slower case re-measured alone on fresh steps is judged by the confirmed ratio
+    cases["c"]["confirm"] = {"pairs": [{"auto": "Auto", "builtin": "PS", "ratio": 1.02}]}
+    got = {t["target"]: (t["value"], t["met"]) for t in auto_strategy.targets(cases)}
+    assert got["Auto / best lossless built-in, worst case"] == (1.1, False)
+    assert got["Auto / best lossless built-in, worst case, slower cases confirmed on "
+               "fresh steps"] == (1.02, True)
+    assert got["Auto_fp16 / best built-in, worst case, slower cases confirmed on fresh "
+               "steps"] == (pytest.approx(1.0), True)  # none confirmed: the main run's
+    assert "1.10 → 1.02" in auto_strategy.summary_markdown(
+        {"cases": {k: {**c, "link": "1gbit", "best_builtin": "PS", "auto_over_ddp": 1.0,
+                       "hybrid_ref_over_best_builtin": None, "ddp_over_best_builtin": None,
+                       "prediction_error_median": None, "prediction_error_max": None}
+                   for k, c in cases.items()}})
     none = {t["target"]: t["met"] for t in auto_strategy.targets(
         {"a": case("cnn", 2, None, None, [], None)})}
     assert set(none.values()) == {None}  # no planner: nothing claimed

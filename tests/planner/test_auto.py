@@ -24,6 +24,8 @@ from stratagem.planner.trial import (
     family,
     fastest,
     fit,
+    raced,
+    second_look,
     shortlist,
 )
 from stratagem.resource import ResourceSpec
@@ -98,6 +100,7 @@ def test_autodist_with_auto_agrees_across_ranks_and_explains(tmp_path) -> None: 
              for r in results]
     assert links[0] == links[1] and links[0]["world"] == 2
     assert links[0]["bus_bps"] > 0 and 0 < links[0]["collective_s"] < 1
+    assert 0 < links[0]["all_to_all_s"] < 1
     trials = [r["json"]["trials"] for r in results]
     assert trials[0] == trials[1] and len(trials[0]) >= 2
     assert all(t["measured_s"] > 0 for t in trials[0])
@@ -133,6 +136,52 @@ def test_trials_pick_the_fastest_and_keep_the_better_predicted_on_ties() -> None
     # faster by 10%, but the steps spread by 0.02 s each: within the noise
     assert fastest([0.20, 0.18], [0.02, 0.02]) == 0
     assert fastest([0.20, 0.10], [0.02, 0.02]) == 1
+
+
+def test_a_race_is_decided_on_the_standard_error_of_the_medians() -> None:
+    # 30 steps each, MAD 3 ms: the medians' difference has a standard error of ~1.4 ms
+    assert raced([0.0340, 0.0311], [0.003, 0.003], [30, 30]) == 1  # 3 ms: > 5%, > 2 se
+    assert raced([0.0340, 0.0311], [0.003, 0.003], [3, 3]) == 0  # 3 steps: se ~4 ms
+    assert raced([0.0340, 0.0330], [0.0, 0.0], [30, 30]) == 0  # within 5%: winner stays
+    # of those that beat the winner, the fastest; one that did not run is passed over
+    assert raced([0.10, 0.08, 0.07, None], [0.001] * 4, [30] * 4) == 2
+    assert raced([None, 0.2, 0.1], [0.0] * 3, [5] * 3) == 2  # no winner timing: fastest
+
+
+def test_second_look_races_what_the_refined_model_puts_level_with_the_winner() -> None:
+    """Known answer: the trials ran 2x the model's CPU part (wire 0), so an untried
+    candidate predicted at 0.0105 s refines to 0.021 s, within 1.15 of the winner's
+    measured 0.020 s; one at 0.013 s (0.026 s) is not; one with the winner's strategy under
+    another name (Parallax = AllReduce without embeddings) is not raced again."""
+    from dataclasses import replace
+
+    from stratagem.planner.cost_model import StepCost
+    from stratagem.planner.search import Candidate
+    from stratagem.planner.trial import SECOND_MAX, SECOND_STEPS
+
+    profile = analyze(pw.make("dense"))
+    base = search(profile, spec(2), estimate(profile, 8))
+
+    def cand(name: str, cpu: float) -> Candidate:
+        strategy = builder_from_name(name).build(profile, spec(2))
+        return Candidate(name, strategy, StepCost(cpu, 0.0, 0.0))
+
+    cands = (cand("AllReduce", 0.010), cand("PS", 0.020), cand("PartitionedPS", 0.0105),
+             cand("PSLoadBalancing", 0.013), cand("Parallax", 0.0101))
+    choice = replace(base, best=cands[0], candidates=cands)
+    trials = [_trial("AllReduce", 0.010, 0.0, 0.020), _trial("PS", 0.020, 0.0, 0.040)]
+    winner = {"name": "AllReduce", "predicted_s": 0.010, "steps": 10, "split": [0.010, 0.0],
+              "strategy": cands[0].strategy.to_dict()}
+    race = second_look(choice, trials, winner, 0.020, left_s=60.0)
+    assert [e["name"] for e in race] == ["AllReduce", "PartitionedPS"]
+    assert {e["steps"] for e in race} == {SECOND_STEPS[1]}  # 1 s at 20 ms: capped at 30
+    # too little time left for even the fewest steps: no race
+    assert second_look(choice, trials, winner, 0.020, left_s=0.1) == []
+    # many level candidates: the closest SECOND_MAX
+    many = (*cands, cand("UnevenPartitionedPS", 0.0102), cand("PartitionedAR", 0.0103),
+            cand("RandomAxisPartitionAR", 0.0104))
+    race = second_look(replace(choice, candidates=many), trials, winner, 0.020, 60.0)
+    assert len(race) == 1 + SECOND_MAX and race[1]["name"] == "UnevenPartitionedPS"
 
 
 def _trial(name: str, cpu_s: float, wire_s: float, measured_s: float | None) -> Trial:

@@ -129,6 +129,29 @@ def test_sparse_rows_cost_follows_touched_rows() -> None:
     assert cheaper.parts["sparse_pull"] == pytest.approx(cost.parts["sparse_pull"] / 10)
 
 
+def test_a_measured_chained_all_to_all_prices_each_collective_of_the_rows_exchange() -> None:
+    """Rows pulled on demand: 4 collectives in the forward, 2 pushing after backward; with
+    a measured all-to-all each costs that (its per-peer messages inside it), not a ring
+    step's latency plus a message per peer."""
+    s = spec(2)
+    w0, w1 = s.replicas
+    rows = NodeConfig("emb", partitioner=Partitioner((2, 1)), part_config=(
+        NodeConfig("emb/part_0", PSSynchronizer(reduction_destination=w0)),
+        NodeConfig("emb/part_1", PSSynchronizer(reduction_destination=w1))))
+    strat = Strategy(node_config=(rows, NodeConfig("fc", AllReduceSynchronizer()))
+                     ).with_replicas(s.replicas)
+    prof = _profile().with_access([AccessStats("emb", 1000, 100.0, overlap=1.0)])
+    per_message = links(s, latency_s=1e-4, message_cpu_s=5e-5)
+    chained = links(s, latency_s=1e-4, message_cpu_s=5e-5, all_to_all_s=2e-3)
+    a = predict(strat, prof, s, _cal(), per_message)
+    b = predict(strat, prof, s, _cal(), chained)
+    assert b.parts["sparse_pull"] - a.parts["sparse_pull"] == pytest.approx(4 * (2e-3 - 1e-4))
+    assert b.parts["sparse_push"] - a.parts["sparse_push"] == pytest.approx(2 * (2e-3 - 1e-4))
+    # the 6 collectives x 1 peer messages are no longer charged one by one
+    assert a.overhead_s - b.overhead_s == pytest.approx(6 * 5e-5)
+    assert a.parts["messages"] == b.parts["messages"]
+
+
 def test_fp16_halves_the_wire_bytes() -> None:
     s = spec(2)
     mk = lambda c: Strategy(node_config=(  # noqa: E731
@@ -153,11 +176,12 @@ def test_measured_links_replace_the_spec_only_where_they_differ() -> None:
 
     def probe(bus: float) -> LinkProbe:
         return LinkProbe(world=2, collective_s=4e-4, bus_bps=bus, message_s=3e-4,
-                         seconds=0.5, nominal_bps=nominal)
+                         seconds=0.5, nominal_bps=nominal, all_to_all_s=2e-3)
 
     slow = base.measured(probe(25e6), spec)
     assert slow.nic_bps == (25e6, 25e6)
     assert slow.latency_s == 2e-4 and slow.message_cpu_s == 3e-4  # t0 / (2(n-1)), m
+    assert slow.all_to_all_s == 2e-3
     # a ring all-reduce of 10 MB at 25 MB/s: 2(n-1)/n * S / bw + 2(n-1) alpha
     assert ring_allreduce_time(slow, ["10.0.0.1:CPU:0", "10.0.0.2:CPU:0"], 10e6) == \
         pytest.approx(10e6 / 25e6 + 2 * 2e-4)

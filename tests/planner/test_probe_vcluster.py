@@ -44,3 +44,4 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     assert probe["nominal_bps"] > 4 * SHAPED_BPS  # the spec's 1 Gbit/s
     assert res["nic_bps"] == [probe["bus_bps"]] * 2  # the model uses the measured rate
     assert 0 < probe["collective_s"] < 0.05 and 0 < probe["message_s"] < 0.05
+    assert 0 < probe["all_to_all_s"] < 0.05
