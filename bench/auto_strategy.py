@@ -13,6 +13,7 @@ interleaved step by step in a seeded random order:
   that name is registered, else recorded as "planner not available" (in the workers: it
   calibrates, measures the links and runs its trial steps);
 * ``Auto_fp16``: the same with ``Auto(compressors=("none", "fp16"))``, lossy allowed;
+* ``Auto_profile``: Auto without a sample batch (the profile and nominal rates alone);
 * ``HybridRef``: a hand-made reference (Parallax's placement with fp16 all-reduce) that
   shows what a per-parameter hybrid can gain; it is not a built-in and not Auto.
 
@@ -68,7 +69,12 @@ AUTO_FP16 = "Auto_fp16"
 """Auto allowed the lossy fp16 compressor (``Auto(compressors=("none", "fp16"))``): judged
 against every built-in, AllReduce_fp16 included; plain Auto (lossless) against the
 lossless built-ins only."""
-NOT_BUILTIN_VARIANTS = ("Auto", AUTO_FP16, "DDP", HYBRID)
+AUTO_PROFILE = "Auto_profile"
+"""Auto without a sample batch (``build_strategy(model)``, as ``distribute(model, opt)``
+plans when given no ``sample_input``): from the profile and nominal rates alone, nothing
+measured. Judged like Auto, against the lossless built-ins: the path a default builder
+would take for a script that passes no batch."""
+NOT_BUILTIN_VARIANTS = ("Auto", AUTO_FP16, AUTO_PROFILE, "DDP", HYBRID)
 NOT_AVAILABLE = "planner not available"
 # Builders that are neither baselines nor candidates here.
 NOT_BUILTIN = {"auto"}
@@ -223,7 +229,8 @@ class AutoWorker(Worker):
         """(Auto's strategy, seconds to build it, error) via the public AutoDist path, with
         one worker's batch as the sample input (so the planner calibrates on this machine,
         measures the links and runs its trial steps, as ``distribute(sample_input=...)``
-        does in a user's script). ``lossy``: Auto allowed fp16 (Auto_fp16)."""
+        does in a user's script). ``lossy``: Auto allowed fp16 (Auto_fp16). ``sample``
+        None: Auto_profile."""
         import stratagem as sg
 
         name = self.args.auto_builder
@@ -242,7 +249,8 @@ class AutoWorker(Worker):
             choice = getattr(ad, "choice", None)
             if choice is not None and self.rank == 0:  # what the planner measured
                 probe = getattr(choice, "link_probe", None)
-                self.planner_info[AUTO_FP16 if lossy else "Auto"] = {
+                label = AUTO_FP16 if lossy else "Auto" if sample is not None else AUTO_PROFILE
+                self.planner_info[label] = {
                     "chosen": choice.best.name,
                     "links_measured": probe.to_dict() if probe is not None else None,
                     "trials": [t.to_dict() for t in getattr(choice, "trials", ())]}
@@ -319,8 +327,9 @@ class AutoWorker(Worker):
         self.planner_info: dict[str, Any] = {}
         auto, plan_s, auto_error = self.auto_strategy(base, sample)
         auto16, plan16_s, auto16_error = self.auto_strategy(base, sample, lossy=True)
+        autop, planp_s, autop_error = self.auto_strategy(base, None)
         keys = {strategy_key(s): n for n, s in strategies.items()}
-        for name, s in (("Auto", auto), (AUTO_FP16, auto16)):
+        for name, s in (("Auto", auto), (AUTO_FP16, auto16), (AUTO_PROFILE, autop)):
             if s is None:
                 continue
             if strategy_key(s) in keys:  # a built-in's strategy: measured once, as theirs
@@ -357,6 +366,8 @@ class AutoWorker(Worker):
                                       auto_error, plan_s, predict_s, steps, warmup)
             if auto16_error and AUTO_FP16 not in result["variants"]:
                 result["variants"][AUTO_FP16] = {"status": auto16_error}
+            if autop_error and AUTO_PROFILE not in result["variants"]:
+                result["variants"][AUTO_PROFILE] = {"status": autop_error}
             result["auto_fp16_build_s"] = round(plan16_s, 3) if plan16_s else None
             result["planner"] = self.planner_info
             if confirm:
@@ -384,7 +395,7 @@ class AutoWorker(Worker):
         builtin = {n: t for n, t in medians.items() if n not in NOT_BUILTIN_VARIANTS}
         lossless = {n: t for n, t in builtin.items() if n != FP16}
         pairs = []
-        for auto, pool in (("Auto", lossless), (AUTO_FP16, builtin)):
+        for auto, pool in (("Auto", lossless), (AUTO_FP16, builtin), (AUTO_PROFILE, lossless)):
             if auto in same or auto not in medians or not pool:
                 continue  # a built-in's strategy (ratio 1 by construction), or not run
             best = min(pool, key=lambda n: pool[n])
@@ -473,6 +484,7 @@ def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     lossless = {n: t for n, t in builtin.items() if n != FP16}
     best_ll = min(lossless, key=lambda n: lossless[n]) if lossless else None
     auto, ddp, hyb, auto16 = med("Auto"), med("DDP"), med(HYBRID), med(AUTO_FP16)
+    autop = med(AUTO_PROFILE)
     errs = [r["prediction_error"] for r in recs.values()
             if r.get("prediction_error") is not None and "same_as" not in r]
     return {
@@ -484,6 +496,8 @@ def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
                                     if auto and best_ll else None),
         "auto_fp16_over_best_builtin": (round(auto16 / builtin[best], 4)
                                         if auto16 and best else None),
+        "auto_profile_over_best_lossless": (round(autop / lossless[best_ll], 4)
+                                            if autop and best_ll else None),
         "auto_over_ddp": round(auto / ddp, 4) if auto and ddp else None,
         "hybrid_ref_over_best_builtin": round(hyb / builtin[best], 4) if hyb and best else None,
         "ddp_over_best_builtin": round(ddp / builtin[best], 4) if ddp and best else None,
@@ -509,7 +523,8 @@ def refined_errors(case: dict[str, Any]) -> list[float]:
     errs = []
     for name, v in case.get("variants", {}).items():
         meas, pred = v.get("median_step_s"), v.get("predicted_step_s")
-        if name in ("Auto", AUTO_FP16, "DDP") or "same_as" in v or not meas or pred is None:
+        if name in ("Auto", AUTO_FP16, AUTO_PROFILE, "DDP") or "same_as" in v or not meas \
+                or pred is None:
             continue
         parts = v.get("predicted_parts_s") or {}
         cpu = parts.get("compute_s", pred) + parts.get("overhead_s", 0.0)
@@ -541,6 +556,9 @@ def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
     confirmed16 = [confirmed_ratio(c, AUTO_FP16, "auto_fp16_over_best_builtin")
                    for c in cases.values()]
     confirmed16 = [r for r in confirmed16 if r is not None]
+    profiled = [confirmed_ratio(c, AUTO_PROFILE, "auto_profile_over_best_lossless")
+                for c in cases.values()]
+    profiled = [r for r in profiled if r is not None]
     errs = [v["prediction_error"] for c in cases.values()
             for v in c.get("variants", {}).values()
             if v.get("prediction_error") is not None and "same_as" not in v]
@@ -567,6 +585,9 @@ def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
         rec("Auto_fp16 / best built-in, worst case, slower cases confirmed on fresh steps",
             "<= 1.05", max(confirmed16, default=None),
             max(confirmed16) <= 1.05 if confirmed16 else None),
+        rec("Auto_profile (no sample batch) / best lossless built-in, worst case, slower "
+            "cases confirmed (not an issue target: the default builder's path)", "<= 1.05",
+            max(profiled, default=None), max(profiled) <= 1.05 if profiled else None),
         rec("cases with Auto / best lossless built-in < 0.95", ">= 3",
             sum(r < 0.95 for r in ratios) if ratios else None,
             sum(r < 0.95 for r in ratios) >= 3 if ratios else None),
@@ -640,7 +661,7 @@ def summary_markdown(result: dict[str, Any]) -> str:
             for v in (by.get((m, n, link)) or {"variants": {}})["variants"]:
                 if v not in names:
                     names.append(v)
-        last = ("DDP", HYBRID, "Auto", AUTO_FP16)
+        last = ("DDP", HYBRID, "Auto", AUTO_FP16, AUTO_PROFILE)
         for name in [n for n in names if n not in last] + [n for n in last if n in names]:
             cells = []
             for n, link in cols:
@@ -656,9 +677,10 @@ def summary_markdown(result: dict[str, Any]) -> str:
     lines += ["", "(→: the pair re-measured alone on fresh steps, where Auto was slower; "
               "see AutoWorker.confirm)",
               "", "| model | case | best lossless built-in | Auto / it | best built-in |"
-              " Auto_fp16 / it | Auto / DDP | HybridRef / best | DDP / best |"
+              " Auto_fp16 / it | Auto_profile / lossless | Auto / DDP | HybridRef / best |"
+              " DDP / best |"
               " pred. error median / max | refined | Auto build (s) | load 1 min |",
-              "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for c in cases.values():
         h = c.get("host", {})
         ref = refined_errors(c)
@@ -669,6 +691,7 @@ def summary_markdown(result: dict[str, Any]) -> str:
             f"{_confirmed_cell(c, 'Auto', 'auto_over_best_lossless')} | "
             f"{c['best_builtin'] or '–'} | "
             f"{_confirmed_cell(c, AUTO_FP16, 'auto_fp16_over_best_builtin')} | "
+            f"{_confirmed_cell(c, AUTO_PROFILE, 'auto_profile_over_best_lossless')} | "
             f"{_r(c['auto_over_ddp'])} | "
             f"{_r(c['hybrid_ref_over_best_builtin'])} | {_r(c['ddp_over_best_builtin'])} | "
             f"{_r(c['prediction_error_median'])} / {_r(c['prediction_error_max'])} | "
