@@ -147,9 +147,11 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
     if choice.link_probe is not None:
         p = choice.link_probe
         lines += ["", _cut(f"links measured ({p.seconds:.2f} s): {p.bus_bps * 8 / 1e9:.2f} "
-                           f"Gbit/s (spec {p.nominal_bps * 8 / 1e9:.2f}); collective "
-                           f"{p.collective_s * 1e6:.0f} us, message {p.message_s * 1e6:.0f} us",
-                           WIDTH)]
+                           f"Gbit/s (spec {p.nominal_bps * 8 / 1e9:.2f})", WIDTH),
+                  _cut(f"  fixed costs: collective {p.collective_s * 1e6:.0f} us, message "
+                       f"{p.message_s * 1e6:.0f} us"
+                       + (f", chained all-to-all {p.all_to_all_s * 1e6:.0f} us"
+                          if p.all_to_all_s else ""), WIDTH)]
     if choice.trials:
         lines += ["", "trial steps (slowest rank, median):"]
         rows = [["candidate", "predicted ms", "measured ms", "error"]]
@@ -157,9 +159,13 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
             meas = "-" if t.measured_s is None else _ms(t.measured_s)
             err = ("-" if not t.measured_s else
                    f"{abs(t.predicted_s - t.measured_s) / t.measured_s:.2f}")
-            rows.append([t.name + (" *" if t.name == best.name else ""),
+            raced = t.note == "second look"
+            rows.append([("+ " if raced else "") + t.name + (" *" if t.name == best.name else ""),
                          _ms(t.predicted_s), meas, err])
         lines += _table(rows, [24, 13, 12, 6], {1, 2, 3})
+        if any(t.note == "second look" for t in choice.trials):
+            lines.append(_cut("+: the second look, raced against the first trials' winner "
+                              "(what their rates put level with it)", WIDTH))
         refinement = fit(choice.trials)
         if refinement is not None:
             lines.append(_cut("the trials rescale the model: compute and overheads "
