@@ -24,6 +24,7 @@ from stratagem.planner.trial import (
     family,
     fastest,
     fit,
+    prefer_named,
     raced,
     second_look,
     shortlist,
@@ -146,6 +147,17 @@ def test_a_race_is_decided_on_the_standard_error_of_the_medians() -> None:
     # of those that beat the winner, the fastest; one that did not run is passed over
     assert raced([0.10, 0.08, 0.07, None], [0.001] * 4, [30] * 4) == 2
     assert raced([None, 0.2, 0.1], [0.0] * 3, [5] * 3) == 2  # no winner timing: fastest
+
+
+def test_a_hybrid_must_beat_every_named_builder_by_more_than_the_tie() -> None:
+    names = ["hybrid", "Parallax", "PS", "AllReduce"]
+    # PS within 5% of the hybrid (and faster than Parallax): the named one is taken
+    assert prefer_named(0, names, [0.0100, 0.0104, 0.0102, 0.08]) == 2
+    # every named one more than 5% slower: the hybrid stays
+    assert prefer_named(0, names, [0.0100, 0.0106, 0.0110, 0.08]) == 0
+    # a named winner is never displaced, nor one without a timing
+    assert prefer_named(1, names, [0.0099, 0.0100, 0.0102, 0.08]) == 1
+    assert prefer_named(0, names, [None, 0.0100, 0.0102, 0.08]) == 0
 
 
 def test_second_look_races_what_the_refined_model_puts_level_with_the_winner() -> None:

@@ -38,6 +38,9 @@ MIB = 2 ** 20
 BYTE_CAPS = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, None)  # None: one group
 BUDGET_S = 8.0  # the search stops improving after this long (the bound is 10 s)
 TOLERANCE = 0.05  # predictions this close count as equal (see prefer_simple)
+HYBRID = "hybrid"
+"""The name of the candidate made of per-parameter choices here (every other candidate is
+a named builder's strategy)."""
 
 
 @dataclass(frozen=True)
@@ -293,7 +296,7 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
                 s, c = run(h)
                 if c is not None and c.total_s < best_c.total_s:
                     best_h, best_s, best_c = h, s, c
-    hybrid = Candidate("hybrid", best_s, best_c)
+    hybrid = Candidate(HYBRID, best_s, best_c)
     allowed_lossless = "none" in options.compressors
     pool = [c for c in found if allowed_lossless or "(" in c.name] + [hybrid]
     chosen = prefer_simple(pool, profile)

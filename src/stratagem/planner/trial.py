@@ -44,7 +44,7 @@ from torch import nn
 
 from stratagem.planner.calibrate import call_model, default_loss
 from stratagem.planner.cost_model import StepCost
-from stratagem.planner.search import Candidate, Choice, all_reduce_only
+from stratagem.planner.search import HYBRID, Candidate, Choice, all_reduce_only
 from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import server_devices, validate
 
@@ -215,7 +215,7 @@ def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
     per-piece work), and all-reduce is what a user would run without Auto."""
     out: list[Candidate] = []
     seen: set[str] = set()
-    wants = [lambda c: c.name != "hybrid", lambda c: all_reduce_only(c.strategy)]
+    wants = [lambda c: c.name != HYBRID, lambda c: all_reduce_only(c.strategy)]
     for c in choice.candidates:
         key = _key(c.strategy)
         if key in seen:  # the same strategy under another name (AllReduce = Parallax ...)
@@ -268,6 +268,22 @@ def raced(measured: list[float | None], spread: list[float], counts: list[int]) 
         if t < base * (1 - TIE) and t < base - Z * se and t < (measured[best_i] or base):
             best_i = i
     return best_i
+
+
+def prefer_named(best_i: int, names: list[str], measured: list[float | None]) -> int:
+    """``best_i``, unless it is a hybrid (per-parameter choices no builder makes) and a named
+    candidate (a built-in builder's strategy) measured within ``TIE`` of it: then the
+    fastest such one. A hybrid has to beat what a user could pick by name by more than the
+    trials' resolution: on DLRM at 2 nodes and 10 Gbit/s a hybrid of replicated rows tied
+    the parameter-server builders in its trials (8.8 ms each) and trained 12-28% slower
+    than PSLoadBalancing in three benchmark runs (new ids every step, which a trial's one
+    sample batch does not have)."""
+    t = measured[best_i]
+    if names[best_i] != HYBRID or t is None:
+        return best_i
+    level = [i for i, m in enumerate(measured)
+             if names[i] != HYBRID and m is not None and m <= t * (1 + TIE)]
+    return min(level, key=lambda i: measured[i] or 0.0) if level else best_i
 
 
 def _broadcast_json(obj: Any) -> Any:
@@ -485,7 +501,9 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
     timings = _measure(plan, strategies, model, choice, sample_input, loss_fn, started,
                        budget_s)
     trials = trials_of(plan, timings, strategies)
-    best_i = _pick(fastest([t.measured_s for t in trials], [t.spread_s for t in trials]))
+    measured = [t.measured_s for t in trials]
+    best_i = _pick(prefer_named(fastest(measured, [t.spread_s for t in trials]),
+                                [e["name"] for e in plan], measured))
     entry, strategy = plan[best_i], strategies[best_i]
     how = "interleaved" if _interleave(plan, model) else "in turn"
     note = (f"trial steps: {len(trials)} candidates {how}, {WARMUP}+{steps}..{MAX_STEPS} "
@@ -501,8 +519,10 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
         timings2 = _measure(race, raced_strategies, model, choice, sample_input, loss_fn,
                             started, budget_s)
         trials += trials_of(race, timings2, raced_strategies, "second look")
-        won = _pick(raced([m for m, _, _ in timings2], [s for _, s, _ in timings2],
-                          [n for _, _, n in timings2]))
+        medians = [m for m, _, _ in timings2]
+        won = _pick(prefer_named(raced(medians, [s for _, s, _ in timings2],
+                                       [n for _, _, n in timings2]),
+                                 [e["name"] for e in race], medians))
         entry, strategy = race[won], raced_strategies[won]
         note += (f"; second look: raced {len(race) - 1} more "
                  f"({', '.join(e['name'] for e in race[1:])}), {race[0]['steps']} steps "
@@ -510,7 +530,7 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
     name = entry["name"]
     original = next((c for c in choice.candidates if c.name == name), None)
     cost = original.cost if original is not None else choice.best.cost
-    if name != "hybrid" and not strategy.builder.startswith("Auto"):
+    if name != HYBRID and not strategy.builder.startswith("Auto"):
         strategy = replace(strategy, builder=f"Auto({name})")
     best = Candidate(name, strategy, cost)
     others = tuple(c for c in choice.candidates if c.name != name)
