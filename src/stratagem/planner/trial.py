@@ -15,9 +15,10 @@ round (as the benchmarks interleave variants: load that comes and goes hits all 
 large ones run one at a time. Every worker takes the same decision: the candidates are
 rank 0's (sent as JSON), a step's time is the slowest rank's (an all-reduce of the
 maximum), and rank 0's pick is broadcast. Ties -- within ``TIE`` or within the two trials'
-spread -- keep the earlier, i.e. better predicted, candidate. Bounded: a candidate whose
-predicted run would overrun ``BUDGET_S`` is not tried, nor is any step round started once
-that much time has passed (rank 0 decides both).
+spread -- keep the earlier, i.e. better predicted, candidate, except that a hybrid gives way
+to a named builder's strategy within ``TIE`` of it (:func:`prefer_named`). Bounded: a
+candidate whose predicted run would overrun ``BUDGET_S`` is not tried, nor is any step
+round started once that much time has passed (rank 0 decides both).
 
 Then a second look: the trials refine the cost model (:func:`fit`), and every untried
 candidate whose refined prediction comes within ``SECOND_LOOK`` of the winner's measured
