@@ -383,7 +383,8 @@ class AutoWorker(Worker):
     def confirm(self, z: Any, variants: list[Variant], every: list[Any], same: dict[str, str],
                 steps: int, warmup: int, data: Any, phase: Phase) -> dict[str, Any]:
         """Re-measure Auto (and Auto_fp16) against the best built-in it is judged by, when
-        slower in the main run: the pair alone, interleaved, as many steps again. The best
+        slower in the main run: the pair alone, interleaved, as many steps again (Auto as
+        the built-in whose strategy it chose, when it chose one's). The best
         of eight built-ins measured once is the minimum of eight noisy medians -- biased low
         when several lie within the noise (at 4 workers on 2 cores a median of 30 DLRM steps
         moves by about 3%) -- so the pick is confirmed on fresh steps, as a selection is
@@ -394,17 +395,19 @@ class AutoWorker(Worker):
             *[every[r][n][0] for r in range(self.world)], strict=True)) for n in live}
         builtin = {n: t for n, t in medians.items() if n not in NOT_BUILTIN_VARIANTS}
         lossless = {n: t for n, t in builtin.items() if n != FP16}
-        pairs = []
+        pairs = []  # (variant, the name it was measured as, the built-in it is judged by)
         for auto, pool in (("Auto", lossless), (AUTO_FP16, builtin), (AUTO_PROFILE, lossless)):
-            if auto in same or auto not in medians or not pool:
-                continue  # a built-in's strategy (ratio 1 by construction), or not run
+            measured = same.get(auto, auto)  # a built-in's strategy: measured as that one
+            if measured not in medians or not pool:
+                continue  # not run
             best = min(pool, key=lambda n: pool[n])
-            if medians[auto] > pool[best]:
-                pairs.append((auto, best))
+            if measured != best and medians[measured] > pool[best]:
+                pairs.append((auto, measured, best))
         if not pairs:
             return {}
-        names = sorted({n for pair in pairs for n in pair})
-        self.log(f"{z.name}: confirming {pairs} on {steps} fresh steps")
+        names = sorted({n for _, *pair in pairs for n in pair})
+        self.log(f"{z.name}: confirming {[(a, b) for _, a, b in pairs]} on {steps} fresh "
+                 "steps")
         start = {n: len(live[n].times) for n in names}
         for i in range(steps):
             step = warmup + steps + i
@@ -414,15 +417,15 @@ class AutoWorker(Worker):
                     self.timed_step(v, step, batches[self.rank], phase)
         fresh = _gather_json({n: live[n].times[start[n]:] for n in names}, self.world)
         out: dict[str, Any] = {"steps": steps, "pairs": []}
-        for auto, best in pairs:
+        for auto, measured, best in pairs:
             job = {n: [max(ts) for ts in zip(*[fresh[r][n] for r in range(self.world)],
-                                             strict=True)] for n in (auto, best)}
-            if not job[auto] or not job[best]:
+                                             strict=True)] for n in (measured, best)}
+            if not job[measured] or not job[best]:
                 continue
-            a, b = statistics.median(job[auto]), statistics.median(job[best])
-            out["pairs"].append({"auto": auto, "builtin": best,
-                                 "first_ratio": round(medians[auto] / medians[best], 4),
-                                 "median_s": {auto: round(a, 5), best: round(b, 5)},
+            a, b = statistics.median(job[measured]), statistics.median(job[best])
+            out["pairs"].append({"auto": auto, "measured_as": measured, "builtin": best,
+                                 "first_ratio": round(medians[measured] / medians[best], 4),
+                                 "median_s": {measured: round(a, 5), best: round(b, 5)},
                                  "ratio": round(a / b, 4),
                                  "step_s": {n: [round(t, 5) for t in job[n]] for n in job}})
         return out

@@ -11,7 +11,7 @@ from typing import Any
 
 from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import Candidate, Choice
-from stratagem.planner.trial import Trial, fit, refined_s
+from stratagem.planner.trial import RACED, Trial, fit, refined_s
 from stratagem.strategy.schema import AllReduceSynchronizer, PSSynchronizer, Strategy
 
 WIDTH = 80
@@ -159,11 +159,11 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
             meas = "-" if t.measured_s is None else _ms(t.measured_s)
             err = ("-" if not t.measured_s else
                    f"{abs(t.predicted_s - t.measured_s) / t.measured_s:.2f}")
-            raced = t.note == "second look"
+            raced = t.note == RACED
             rows.append([("+ " if raced else "") + t.name + (" *" if t.name == best.name else ""),
                          _ms(t.predicted_s), meas, err])
         lines += _table(rows, [24, 13, 12, 6], {1, 2, 3})
-        if any(t.note == "second look" for t in choice.trials):
+        if any(t.note == RACED for t in choice.trials):
             lines.append(_cut("+: the second look, raced against the first trials' winner "
                               "(what their rates put level with it)", WIDTH))
         refinement = fit(choice.trials)

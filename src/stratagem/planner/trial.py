@@ -79,6 +79,8 @@ SECOND_MEASURE_S = 1.0
 """...aiming at this many seconds of timed steps each, at the refined rate."""
 Z = 2.0
 """Standard errors by which a raced candidate must beat the winner (about 95%)."""
+RACED = "second look"
+"""The note of a trial run in the second look's race (the explanation marks them)."""
 
 
 @dataclass(frozen=True)
@@ -519,7 +521,7 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
         raced_strategies = [strategy, *strategies_of(race[1:])]
         timings2 = _measure(race, raced_strategies, model, choice, sample_input, loss_fn,
                             started, budget_s)
-        trials += trials_of(race, timings2, raced_strategies, "second look")
+        trials += trials_of(race, timings2, raced_strategies, RACED)
         medians = [m for m, _, _ in timings2]
         won = _pick(prefer_named(raced(medians, [s for _, s, _ in timings2],
                                        [n for _, _, n in timings2]),
