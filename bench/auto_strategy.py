@@ -176,6 +176,11 @@ def predicted_parts(model: Any, strategies: dict[str, Any], spec: Any, sample: A
     return out, c
 
 
+def job_steps(per_rank: list[list[float]]) -> list[float]:
+    """Each step's time for the job: the slowest rank's."""
+    return [max(ts) for ts in zip(*per_rank, strict=True)]
+
+
 def strategy_key(strategy: Any) -> str:
     """The strategy's content without its id and builder name (to spot duplicates)."""
     d = strategy.to_dict()
@@ -382,17 +387,17 @@ class AutoWorker(Worker):
 
     def confirm(self, z: Any, variants: list[Variant], every: list[Any], same: dict[str, str],
                 steps: int, warmup: int, data: Any, phase: Phase) -> dict[str, Any]:
-        """Re-measure Auto (and Auto_fp16) against the best built-in it is judged by, when
-        slower in the main run: the pair alone, interleaved, as many steps again (Auto as
-        the built-in whose strategy it chose, when it chose one's). The best
+        """Re-measure Auto (and Auto_fp16, Auto_profile) against the best built-in it is
+        judged by, when slower in the main run: the pair alone, interleaved, as many steps
+        again (Auto as the built-in whose strategy it chose, when it chose one's). The best
         of eight built-ins measured once is the minimum of eight noisy medians -- biased low
         when several lie within the noise (at 4 workers on 2 cores a median of 30 DLRM steps
         moves by about 3%) -- so the pick is confirmed on fresh steps, as a selection is
         tested on data it was not made on. Every rank computes the same pairs from the
         gathered times. Empty: nothing to confirm."""
         live = {v.name: v for v in variants if v.error is None and v.times}
-        medians = {n: statistics.median(max(ts) for ts in zip(
-            *[every[r][n][0] for r in range(self.world)], strict=True)) for n in live}
+        medians = {n: statistics.median(job_steps([every[r][n][0] for r in range(self.world)]))
+                   for n in live}
         builtin = {n: t for n, t in medians.items() if n not in NOT_BUILTIN_VARIANTS}
         lossless = {n: t for n, t in builtin.items() if n != FP16}
         pairs = []  # (variant, the name it was measured as, the built-in it is judged by)
@@ -418,8 +423,8 @@ class AutoWorker(Worker):
         fresh = _gather_json({n: live[n].times[start[n]:] for n in names}, self.world)
         out: dict[str, Any] = {"steps": steps, "pairs": []}
         for auto, measured, best in pairs:
-            job = {n: [max(ts) for ts in zip(*[fresh[r][n] for r in range(self.world)],
-                                             strict=True)] for n in (measured, best)}
+            job = {n: job_steps([fresh[r][n] for r in range(self.world)])
+                   for n in (measured, best)}
             if not job[measured] or not job[best]:
                 continue
             a, b = statistics.median(job[measured]), statistics.median(job[best])
@@ -440,8 +445,7 @@ class AutoWorker(Worker):
         for v in variants:
             rec: dict[str, Any] = {"status": "ok" if v.error is None else v.error}
             if v.times and v.error is None:
-                per_rank = [every[r][v.name][0] for r in range(self.world)]
-                job = [max(ts) for ts in zip(*per_rank, strict=True)]
+                job = job_steps([every[r][v.name][0] for r in range(self.world)])
                 rec["median_step_s"] = round(statistics.median(job), 5)
                 rec["step_s"] = [round(t, 5) for t in job]
                 rec["tx_bytes_per_step_rank0"] = int(statistics.median(every[0][v.name][1]))
@@ -554,14 +558,12 @@ def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
 
     ratios = vals("auto_over_best_lossless")
     ratios16 = vals("auto_fp16_over_best_builtin")
-    confirmed = [confirmed_ratio(c, "Auto", "auto_over_best_lossless") for c in cases.values()]
-    confirmed = [r for r in confirmed if r is not None]
-    confirmed16 = [confirmed_ratio(c, AUTO_FP16, "auto_fp16_over_best_builtin")
-                   for c in cases.values()]
-    confirmed16 = [r for r in confirmed16 if r is not None]
-    profiled = [confirmed_ratio(c, AUTO_PROFILE, "auto_profile_over_best_lossless")
-                for c in cases.values()]
-    profiled = [r for r in profiled if r is not None]
+    def confirmed_vals(auto: str, key: str) -> list[float]:
+        return [r for c in cases.values() if (r := confirmed_ratio(c, auto, key)) is not None]
+
+    confirmed = confirmed_vals("Auto", "auto_over_best_lossless")
+    confirmed16 = confirmed_vals(AUTO_FP16, "auto_fp16_over_best_builtin")
+    profiled = confirmed_vals(AUTO_PROFILE, "auto_profile_over_best_lossless")
     errs = [v["prediction_error"] for c in cases.values()
             for v in c.get("variants", {}).values()
             if v.get("prediction_error") is not None and "same_as" not in v]

@@ -90,7 +90,7 @@ class LinkModel:
         n = max(probe.world, 2)
         out = replace(self, latency_s=probe.collective_s / (2 * (n - 1)),
                       message_cpu_s=probe.message_s,
-                      all_to_all_s=getattr(probe, "all_to_all_s", 0.0))
+                      all_to_all_s=probe.all_to_all_s)
         if (probe.bus_bps < (1 - MEASURED_DIFFERS) * probe.nominal_bps
                 or probe.bus_bps > MEASURED_FASTER * probe.nominal_bps):
             if len(spec.nodes) > 1:

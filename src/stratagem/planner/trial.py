@@ -459,10 +459,11 @@ def second_look(choice: Choice, trials: list[Trial], winner: dict[str, Any],
         if est <= measured_s * SECOND_LOOK:
             close.append((est, c))
     close = sorted(close, key=lambda e: e[0])[:SECOND_MAX]
+    wanted = min(SECOND_STEPS[1],
+                 max(SECOND_STEPS[0], math.ceil(SECOND_MEASURE_S / measured_s)))
     while close:
         round_s = measured_s + sum(est for est, _ in close)
-        n = min(SECOND_STEPS[1], max(SECOND_STEPS[0], math.ceil(SECOND_MEASURE_S / measured_s)))
-        n = min(n, int(left_s / round_s) - WARMUP)
+        n = min(wanted, int(left_s / round_s) - WARMUP)
         if n >= SECOND_STEPS[0]:
             return [{**winner, "steps": n}, *(_entry(c, n) for _, c in close)]
         close.pop()
