@@ -46,6 +46,27 @@ def test_tied_matrix_touched_in_few_rows() -> None:
     assert row_sparse(stats)
 
 
+def test_embedding_calls_per_forward_are_counted() -> None:
+    """A parameter-server table pulls its rows once per embedding call: a table looked up
+    twice in a forward, and one shared by two embedding modules, are called twice."""
+
+    class TwoLookups(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.user = nn.Embedding(50, 4)
+            self.item = nn.Embedding(50, 4)
+            self.other = nn.Embedding(50, 4)
+            self.other.weight = self.item.weight  # tied: two modules, one table
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return (self.user(ids) + self.user(ids + 1) + self.item(ids)
+                    + self.other(ids)).sum(-1)
+
+    cal = calibrate(TwoLookups(), (torch.tensor([1, 2, 3]),), use_cache=False)
+    assert cal.access_of("user.weight").calls == 2
+    assert cal.access_of("item.weight").calls == 2
+
+
 def test_gradients_are_ready_in_backward_order_and_the_cache_is_reused() -> None:
     model = pw.make("dense")
     x = pw.batch("dense", 0)[0][0]

@@ -129,27 +129,63 @@ def test_sparse_rows_cost_follows_touched_rows() -> None:
     assert cheaper.parts["sparse_pull"] == pytest.approx(cost.parts["sparse_pull"] / 10)
 
 
-def test_a_measured_chained_all_to_all_prices_each_collective_of_the_rows_exchange() -> None:
-    """Rows pulled on demand: 4 collectives in the forward, 2 pushing after backward; with
-    a measured all-to-all each costs that (its per-peer messages inside it), not a ring
-    step's latency plus a message per peer."""
-    s = spec(2)
+def _two_owner_rows(s: ResourceSpec) -> Strategy:
     w0, w1 = s.replicas
     rows = NodeConfig("emb", partitioner=Partitioner((2, 1)), part_config=(
         NodeConfig("emb/part_0", PSSynchronizer(reduction_destination=w0)),
         NodeConfig("emb/part_1", PSSynchronizer(reduction_destination=w1))))
-    strat = Strategy(node_config=(rows, NodeConfig("fc", AllReduceSynchronizer()))
-                     ).with_replicas(s.replicas)
+    return Strategy(node_config=(rows, NodeConfig("fc", AllReduceSynchronizer()))
+                    ).with_replicas(s.replicas)
+
+
+def test_a_measured_chained_all_to_all_prices_each_collective_of_the_rows_exchange() -> None:
+    """Rows pulled on demand, one embedding call: 2 collectives in the forward, the
+    closing round's and 2 pushing after backward; with a measured all-to-all each costs
+    that (its per-peer messages inside it), not a ring step's latency plus a message per
+    peer."""
+    s = spec(2)
+    strat = _two_owner_rows(s)
     prof = _profile().with_access([AccessStats("emb", 1000, 100.0, overlap=1.0)])
     per_message = links(s, latency_s=1e-4, message_cpu_s=5e-5)
     chained = links(s, latency_s=1e-4, message_cpu_s=5e-5, all_to_all_s=2e-3)
     a = predict(strat, prof, s, _cal(), per_message)
     b = predict(strat, prof, s, _cal(), chained)
-    assert b.parts["sparse_pull"] - a.parts["sparse_pull"] == pytest.approx(4 * (2e-3 - 1e-4))
-    assert b.parts["sparse_push"] - a.parts["sparse_push"] == pytest.approx(2 * (2e-3 - 1e-4))
-    # the 6 collectives x 1 peer messages are no longer charged one by one
-    assert a.overhead_s - b.overhead_s == pytest.approx(6 * 5e-5)
+    assert b.parts["sparse_pull"] - a.parts["sparse_pull"] == pytest.approx(2 * (2e-3 - 1e-4))
+    assert b.parts["sparse_push"] - a.parts["sparse_push"] == pytest.approx(3 * (2e-3 - 1e-4))
+    # the 5 collectives x 1 peer messages are no longer charged one by one
+    assert a.overhead_s - b.overhead_s == pytest.approx(5 * 5e-5)
     assert a.parts["messages"] == b.parts["messages"]
+
+
+def test_every_embedding_call_is_a_pull_round() -> None:
+    """A table looked up three times per forward pulls three times: three rounds, each
+    the measured chained round's seconds when the probe measured one."""
+    s = spec(2)
+    strat = _two_owner_rows(s)
+    once = _profile().with_access([AccessStats("emb", 1000, 100.0)])
+    thrice = _profile().with_access([AccessStats("emb", 1000, 100.0, calls=3)])
+    chained = links(s, latency_s=1e-4, message_cpu_s=5e-5, all_to_all_s=2e-3)
+    a, b = (predict(strat, p, s, _cal(), chained) for p in (once, thrice))
+    assert b.parts["sparse_pull"] - a.parts["sparse_pull"] == pytest.approx(2 * 2 * 2e-3)
+    assert b.parts["messages"] - a.parts["messages"] == 2 * 2
+    rounds = links(s, latency_s=1e-4, message_cpu_s=5e-5, all_to_all_s=2e-3,
+                   pull_round_s=7e-3)
+    c, d = (predict(strat, p, s, _cal(), rounds) for p in (once, thrice))
+    assert c.parts["sparse_pull"] - a.parts["sparse_pull"] == pytest.approx(7e-3 - 4e-3)
+    assert d.parts["sparse_pull"] - c.parts["sparse_pull"] == pytest.approx(2 * 7e-3)
+    # the push after backward is the same whatever the forward's calls
+    assert d.parts["sparse_push"] == pytest.approx(c.parts["sparse_push"])
+    # a measured sparse step's rest prices the push (closing round, push, update)
+    pushed = links(s, latency_s=1e-4, message_cpu_s=5e-5, all_to_all_s=2e-3,
+                   pull_round_s=7e-3, sparse_push_s=9e-3)
+    e = predict(strat, once, s, _cal(), pushed)
+    assert e.parts["sparse_push"] - c.parts["sparse_push"] == pytest.approx(9e-3 - 3 * 2e-3)
+    # and per row: each worker asks for and pushes the 50 rows (of its 100) the other owns
+    per_row = links(s, latency_s=1e-4, message_cpu_s=5e-5, all_to_all_s=2e-3,
+                    pull_round_s=7e-3, sparse_push_s=9e-3, pull_row_s=1e-6, push_row_s=3e-6)
+    f = predict(strat, once, s, _cal(), per_row)
+    assert f.parts["sparse_pull"] - e.parts["sparse_pull"] == pytest.approx(50 * 1e-6)
+    assert f.parts["sparse_push"] - e.parts["sparse_push"] == pytest.approx(50 * 3e-6)
 
 
 def test_fp16_halves_the_wire_bytes() -> None:

@@ -45,3 +45,6 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     assert res["nic_bps"] == [probe["bus_bps"]] * 2  # the model uses the measured rate
     assert 0 < probe["collective_s"] < 0.05 and 0 < probe["message_s"] < 0.05
     assert 0 < probe["all_to_all_s"] < 0.05
+    # a pull round is two all-to-alls and the runtime's work around them
+    assert probe["all_to_all_s"] < probe["pull_round_s"] < 0.05
+    assert probe["all_to_all_s"] < probe["sparse_push_s"] < 0.05

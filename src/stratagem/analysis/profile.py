@@ -37,6 +37,9 @@ class AccessStats:
     rows_touched * k ** overlap`` (1: disjoint batches touch new rows, 0: the same rows);
     it also gives the rows that W workers touch together. ``hot_share``: the share of the
     batch's lookups that land on its most-read 1% of rows (skew; 0 when not measured).
+    ``calls``: embedding-module calls that look the parameter up in one forward (a table
+    looked up twice, or tied to two embedding modules: 2); a parameter-server table pulls
+    its rows once per call.
     """
 
     name: str
@@ -44,6 +47,7 @@ class AccessStats:
     rows_touched: float
     overlap: float = 1.0
     hot_share: float = 0.0
+    calls: int = 1
 
     @property
     def density(self) -> float:

@@ -337,7 +337,8 @@ def calibrate(model: nn.Module, sample_input: Any, *,
                 bw.append(b)
                 ready_all.append(ready)
                 layer_all.append(layer)
-        lookups = {n: torch.cat(v) for n, v in ids.items()}
+        lookups = {n: torch.cat(v) for n, v in ids.items()}  # the last pass's
+        calls = {n: len(v) for n, v in ids.items()}
         for h in hooks:
             h.remove()
         hooks = []
@@ -369,7 +370,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
             top = max(1, math.ceil(0.01 * int((counts > 0).sum())))
             hot = float(counts[:top].sum()) / float(counts.sum())
         access.append(AccessStats(name=n, rows=rows, rows_touched=float(full),
-                                  overlap=overlap, hot_share=hot))
+                                  overlap=overlap, hot_share=hot, calls=calls.get(n, 1)))
     copy_bps, flops = machine_rates()
     tensor_s, group_s = runtime_costs()
     ready = {n: _median([r[n] for r in ready_all if n in r]) for n in params

@@ -10,10 +10,13 @@ exactly what the runtime would execute:
 - **dense PS buckets**: pushed to their owner as they are ready (per-owner load, incast),
   the updated values pulled back after the update (exposed: the next forward waits);
 - **sparse PS pieces**: rows a worker touches (``AccessStats``) spread over the owners by
-  their share of the rows; pulled in the forward (on-demand pieces) or refreshed after
-  the update to every worker (``local_replication``: the union of the workers' rows);
-  pushed after backward; each message costs main-thread CPU, or, where the link probe
-  measured a chained all-to-all, each of the exchange's collectives costs that;
+  their share of the rows; pulled in the forward (on-demand pieces: a pull round per
+  embedding call, ``AccessStats.calls``) or refreshed after the update to every worker
+  (``local_replication``: the union of the workers' rows); pushed after backward; each
+  message costs main-thread CPU, or, where the link probe measured a chained all-to-all,
+  each of the exchange's collectives costs that, a pull round what the probe's chained
+  rounds cost, and the push what the rest of the probe's sparse step cost, both with
+  the probe's cost per row;
 - **overlap**: transfers queue on one link in launch order (``timeline.schedule``);
   whatever ends after backward is exposed communication.
 """
@@ -36,7 +39,7 @@ from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import server_devices
 
 ID_BYTES = 8  # a row index on the wire (int64)
-SPARSE_COLLECTIVES_PULL = 4  # per embedding call: ids + rows, and the closing round's two
+SPARSE_COLLECTIVES_PULL = 2  # per embedding call: ids, then rows (plus one closing round)
 SPARSE_COLLECTIVES_PUSH = 2  # headers/announced rows, then the extra rows
 SPARSE_COLLECTIVES_REFRESH = 2  # counts, then rows
 
@@ -106,6 +109,13 @@ def _touched(piece: PSPiece, info_rows: int, stats: AccessStats | None,
     return touched * piece.rows / max(info_rows, 1)
 
 
+def pull_calls(ps: Any, access: dict[str, AccessStats]) -> int:
+    """Pull rounds of one forward: a round per embedding call of every table pulled on
+    demand (``AccessStats.calls``; one call where not measured)."""
+    tables = {p.param for p in ps.sparse if not p.local_replication and not p.rows_from_grad}
+    return sum(access[t].calls if t in access else 1 for t in tables)
+
+
 def plan_for(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec) -> Plan:
     return compile_plan(strategy, profile, rank=0, world_size=spec.num_workers,
                         device=torch.device("cpu"), servers=server_devices(spec))
@@ -173,6 +183,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         push_flows: list[tuple[str, str, float]] = []
         ref_flows: list[tuple[str, str, float]] = []
         on_demand = replicated = False
+        asked = pushed = 0.0  # rows a worker asks for in the forward, pushes after backward
         for p in ps.sparse:
             pinfo = info[p.param]
             rows = pinfo.shape[0]
@@ -182,6 +193,10 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             stats = access.get(p.param)
             u = _touched(p, rows, stats, cal.batch_size)
             owner = owners_dev[p.owner]
+            remote = sum(w != owner for w in replicas) / W  # a worker's share of askers
+            pushed += u * remote
+            if not p.local_replication:
+                asked += u * remote
             for w in replicas:
                 if w == owner:
                     continue
@@ -202,22 +217,27 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
                 on_demand = True
             owned_bytes[p.owner] += u * row_bytes * W
         peers = ps.size - 1
-        calls = 1 if on_demand else 0
-        n_coll = (SPARSE_COLLECTIVES_PULL * calls + SPARSE_COLLECTIVES_PUSH
+        calls = pull_calls(ps, access) if on_demand else 0
+        closing = 1 if on_demand else 0
+        n_coll = (SPARSE_COLLECTIVES_PULL * calls + closing + SPARSE_COLLECTIVES_PUSH
                   + (SPARSE_COLLECTIVES_REFRESH if replicated else 0)) if ps.sparse else 0
         messages += n_coll * peers
         if links.all_to_all_s > 0:  # measured: a chained all-to-all, its messages' CPU in it
-            lat = links.all_to_all_s * n_coll
+            lat = links.all_to_all_s
             in_collectives = n_coll * peers
         else:
-            lat = links.latency_s * n_coll
+            lat = links.latency_s
+        # a pull round (an embedding call): measured in a chain, or its two all-to-alls;
+        # the push likewise (the probe's sparse step, or its collectives)
+        round_s = links.pull_round_s or SPARSE_COLLECTIVES_PULL * lat
         fwd_pull_s = links.transfer_time(fwd_flows) if fwd_flows else 0.0
         sparse_push_s = links.transfer_time(push_flows) if ps.sparse else 0.0
         refresh_s = links.transfer_time(ref_flows) if ref_flows else 0.0
         if ps.sparse:
-            fwd_pull_s += lat * SPARSE_COLLECTIVES_PULL * calls / max(n_coll, 1)
-            sparse_push_s += lat * SPARSE_COLLECTIVES_PUSH / max(n_coll, 1)
-            refresh_s += lat * (SPARSE_COLLECTIVES_REFRESH if replicated else 0) / max(n_coll, 1)
+            fwd_pull_s += round_s * calls + links.pull_row_s * asked
+            sparse_push_s += (links.sparse_push_s or lat * (SPARSE_COLLECTIVES_PUSH + closing)
+                              ) + links.push_row_s * pushed
+            refresh_s += lat * (SPARSE_COLLECTIVES_REFRESH if replicated else 0)
         all_flows += fwd_flows + push_flows + ref_flows
 
     events.sort(key=lambda e: e[0])  # the link takes them as they become ready

@@ -62,6 +62,18 @@ class LinkModel:
     all_to_all_s: float = 0.0
     """Measured seconds of one small all-to-all in a chain (the sparse rows' exchange); 0:
     not measured, priced as a ring step's latency plus a message per peer."""
+    pull_round_s: float = 0.0
+    """Measured seconds of one on-demand pull round of the sparse exchange in a chain (an
+    embedding call's: two all-to-alls and the work between them); 0: not measured, priced
+    as its two all-to-alls."""
+    sparse_push_s: float = 0.0
+    """Measured seconds of the rest of such a sparse step (closing round, push, the
+    owners' sparse update); 0: not measured, priced as its three all-to-alls."""
+    pull_row_s: float = 0.0
+    """Measured seconds per row a worker asks for in a pull round, beyond its wire time."""
+    push_row_s: float = 0.0
+    """Measured seconds per row a worker pushes (and its owner applies), beyond its wire
+    time."""
 
     @classmethod
     def from_spec(cls, spec: ResourceSpec, efficiency: float = LINK_EFFICIENCY,
@@ -83,14 +95,18 @@ class LinkModel:
         """This model with ``probe``'s (:class:`~stratagem.planner.probe.LinkProbe`)
         measured figures: the fixed cost of a collective as the ring's per-message latency,
         the point-to-point message cost as the PS message cost, a chained all-to-all's as
-        the sparse exchange's per collective, and the bus bandwidth as
+        the sparse exchange's per collective, a chained pull round's as an embedding
+        call's, the rest of that sparse step as a step's push (each with its cost per row),
+        and the bus bandwidth as
         every inter-node link's rate (one node: the intra-node rate) where it differs from
         the nominal one: lower by more than ``MEASURED_DIFFERS``, or higher by more than
         ``MEASURED_FASTER`` times."""
         n = max(probe.world, 2)
         out = replace(self, latency_s=probe.collective_s / (2 * (n - 1)),
                       message_cpu_s=probe.message_s,
-                      all_to_all_s=probe.all_to_all_s)
+                      all_to_all_s=probe.all_to_all_s, pull_round_s=probe.pull_round_s,
+                      sparse_push_s=probe.sparse_push_s, pull_row_s=probe.pull_row_s,
+                      push_row_s=probe.push_row_s)
         if (probe.bus_bps < (1 - MEASURED_DIFFERS) * probe.nominal_bps
                 or probe.bus_bps > MEASURED_FASTER * probe.nominal_bps):
             if len(spec.nodes) > 1:

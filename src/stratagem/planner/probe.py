@@ -50,6 +50,29 @@ CHAIN = 8
 four workers on two cores one all-to-all after a barrier took 0.5 ms, four in a row 4.6 ms
 (each waits for every peer to be scheduled again), and the rows' exchange is such a chain."""
 CHAIN_REPEATS = 5
+ROUND_ROWS = (32, 512)
+"""Rows one worker asks of each other worker in a timed pull round (16 floats each): a
+few (the fixed cost of a round and a push), then many (the cost per row)."""
+ROW_BYTES = 16 * 4 + 8  # a probe row and its id
+
+
+class _WorldGroup:
+    """The default process group as the runtime's sparse exchange uses a group."""
+
+    def __init__(self) -> None:
+        self.size = dist.get_world_size()
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor,
+                   out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> Any:
+        return dist.all_to_all_single(out, inp, out_splits or None, in_splits or None,
+                                      async_op=True)
+
+    def run(self, fn, what: str) -> None:  # noqa: ANN001 - as Group.run
+        fn().wait()
+
+    def wait(self, work: Any, what: str = "") -> None:
+        work.wait()
 
 _RUNTIME: dict[str, float] = {}
 _LINKS: dict[tuple, LinkProbe] = {}
@@ -69,11 +92,24 @@ class LinkProbe:
     nominal_bps: float
     all_to_all_s: float = 0.0
     """One tiny all-to-all in a chain of them (0: not measured)."""
+    pull_round_s: float = 0.0
+    """One on-demand pull round of the runtime's sparse exchange, in a chain of them
+    (small rows; 0: not measured)."""
+    sparse_push_s: float = 0.0
+    """The rest of that sparse step: its closing round, the gradient rows pushed to their
+    owners, the owners' sparse update (0: not measured)."""
+    pull_row_s: float = 0.0
+    """A pull round's seconds per row a worker asks for (the serving side's included; the
+    rows' wire time not)."""
+    push_row_s: float = 0.0
+    """The push and update's seconds per row a worker pushes (its wire time not)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "collective_s": self.collective_s,
                 "bus_bps": self.bus_bps, "message_s": self.message_s,
-                "all_to_all_s": self.all_to_all_s,
+                "all_to_all_s": self.all_to_all_s, "pull_round_s": self.pull_round_s,
+                "sparse_push_s": self.sparse_push_s, "pull_row_s": self.pull_row_s,
+                "push_row_s": self.push_row_s,
                 "seconds": self.seconds, "nominal_bps": self.nominal_bps}
 
 
@@ -195,6 +231,98 @@ def _chained_all_to_all(chain: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+@dataclass(frozen=True)
+class SparseSteps:
+    """The runtime's sparse exchange as measured: a pull round's fixed seconds and its
+    seconds per row asked, the rest of the step's (push, update) fixed and per row."""
+
+    round_s: float
+    round_row_s: float
+    push_s: float
+    push_row_s: float
+
+
+def _sparse_step(chain: int, repeats: int, rows: int) -> tuple[float, float, int]:
+    """(seconds of one on-demand pull round among ``chain`` chained ones, seconds of the
+    rest of the step, rows this worker pushed) of the runtime's own
+    :class:`~stratagem.runtime.ps.sparse.SparseExchange` over the default group, every
+    worker owning a piece of one table and asking ``rows`` rows of every other per round.
+
+    A round is what an embedding call of a parameter-server table costs in the forward:
+    ids made unique and split by owner, counts and rows exchanged, the peers' ids served,
+    the rows written. Two tiny all-to-alls chained cost less: each all-to-all of a round
+    waits for every peer to finish its own work before it. The rest of the step: the
+    closing round, the gradient rows stashed and pushed to their owners, the owner's
+    sparse gradient built and applied."""
+    from stratagem.runtime.ps.plan import PSPiece
+    from stratagem.runtime.ps.sparse import SparseExchange
+    from stratagem.runtime.stats import CommStats
+
+    world, rank, dim = dist.get_world_size(), dist.get_rank(), 16
+    per = 4 * chain * rows  # few repeats among a forward's lookups
+    weight = nn.Parameter(torch.zeros(world * per, dim))
+    pieces = [PSPiece(id=i, param="w", index=0, shape=(per, dim), dtype="float32",
+                      owner=i, destination=f"w{i}", axis=0, start=i * per, length=per,
+                      part=i, sparse=True) for i in range(world)]
+    shard = torch.zeros(per, dim)
+    sx = SparseExchange(pieces, _WorldGroup(), rank, world,  # type: ignore[arg-type]
+                        {"w": weight}, {rank: shard}, CommStats())
+    gen = torch.Generator().manual_seed(rank)
+    lookups = [torch.cat([torch.randint(p.row_start, p.row_start + p.rows, (rows,),
+                                        generator=gen) for p in pieces])
+               for _ in range(chain)]
+    touched = torch.unique(torch.cat(lookups))
+    grad = torch.zeros(len(touched), dim)
+    mine = pieces[rank]
+    pushed = int(((touched < mine.row_start) | (touched >= mine.row_start + per)).sum())
+
+    def forward() -> None:
+        sx.begin_pulls()
+        for ids in lookups:
+            uniq = torch.unique(ids)
+            sx.pull_round({i: sx.not_yet_asked(
+                i, uniq[(uniq >= p.row_start) & (uniq < p.row_start + p.rows)])
+                for i, p in enumerate(pieces)})
+
+    def rest() -> None:
+        while not sx.pull_round(None):  # the closing round
+            pass
+        sx.stash_grad(pieces, touched, grad)
+        sx.push()
+        if sx.attach_grads():  # the update: plain SGD, the least an optimizer does
+            shard.add_(shard.grad, alpha=-0.0)
+        sx.clear()
+
+    forward()  # warm-up (and each round's agreed capacity)
+    rest()
+    rounds, rests = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        s = time.perf_counter()
+        forward()
+        t = time.perf_counter()
+        rest()
+        rounds.append((t - s) / chain)
+        rests.append(time.perf_counter() - t)
+    return statistics.median(rounds), statistics.median(rests), pushed
+
+
+def _sparse_steps(chain: int, repeats: int, bus_bps: float) -> SparseSteps:
+    """:func:`_sparse_step` with few rows and with many: the fixed costs and the slopes
+    per row, less the slopes' wire time at ``bus_bps`` (the cost model prices the bytes
+    on the links apart)."""
+    world = dist.get_world_size()
+    few, many = ROUND_ROWS
+    r0, p0, n0 = _sparse_step(chain, repeats, few)
+    r1, p1, n1 = _sparse_step(chain, repeats, many)
+    wire = ROW_BYTES / bus_bps
+    round_row = max(0.0, (r1 - r0) / ((world - 1) * (many - few)) - wire)
+    push_row = max(0.0, (p1 - p0) / max(n1 - n0, 1) - wire)
+    return SparseSteps(round_s=max(0.0, r0 - round_row * (world - 1) * few),
+                       round_row_s=round_row,
+                       push_s=max(0.0, p0 - push_row * n0), push_row_s=push_row)
+
+
 def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     """Measure the links among the job's workers (call on every worker at once); None
     when no process group spans exactly the spec's workers."""
@@ -243,12 +371,16 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     bus = 1.0 / max(slope, 1e-12)
     message = _ping_pong(TINY_REPEATS)
     chained = _chained_all_to_all(CHAIN, CHAIN_REPEATS)
-    figures = torch.tensor([fixed, bus, message * world, chained], dtype=torch.float64)
+    sp = _sparse_steps(CHAIN, CHAIN_REPEATS, bus)
+    figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
+                            sp.round_row_s, sp.push_s, sp.push_row_s], dtype=torch.float64)
     dist.all_reduce(figures)
     figures /= world  # the ranks' mean (the message: rank 0's measure)
     probe = LinkProbe(world=world, collective_s=float(figures[0]), bus_bps=float(figures[1]),
                       message_s=float(figures[2]), seconds=time.perf_counter() - started,
-                      nominal_bps=nominal, all_to_all_s=float(figures[3]))
+                      nominal_bps=nominal, all_to_all_s=float(figures[3]),
+                      pull_round_s=float(figures[4]), pull_row_s=float(figures[5]),
+                      sparse_push_s=float(figures[6]), push_row_s=float(figures[7]))
     if use_cache:
         _LINKS[key] = probe
     return probe
