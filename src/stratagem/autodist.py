@@ -36,7 +36,14 @@ from stratagem.resource import ResourceSpec
 from stratagem.runtime import DistributedModel, compile_plan
 from stratagem.runtime.ps import Cluster, join_cluster, run_server
 from stratagem.runtime.ps.optim import sparse_class
-from stratagem.strategy import Auto, Strategy, StrategyBuilder, resolve_builder, validate
+from stratagem.strategy import (
+    AllReduce,
+    Auto,
+    Strategy,
+    StrategyBuilder,
+    resolve_builder,
+    validate,
+)
 from stratagem.strategy.validate import server_devices
 
 ENV_SPEC = env.RESOURCE_SPEC
@@ -125,6 +132,8 @@ class AutoDist:
         self.profile: ModelProfile | None = None
         self.model: DistributedModel | None = None
         self.choice: Choice | None = None  # the planner's choice, when the builder is Auto
+        self._plan_pending = False  # Auto plans on the first training batch (see distribute)
+        self._saved_strategy: str | None = None  # the restored checkpoint's strategy id
         self.optimizer: torch.optim.Optimizer | None = None
         self.adaptive: AdaptiveTrainer | None = None  # the adaptive loop, once distributed
         # Fully built: follow in-process rescales (the lifecycle calls back, see below).
@@ -146,6 +155,7 @@ class AutoDist:
         self.rank_devices = list(spec.replicas)
         self.strategy, self.profile, self.model = None, None, None
         self.choice, self.optimizer, self.adaptive = None, None, None
+        self._plan_pending, self._saved_strategy = False, None
 
     def _load_spec(self, path: Any, spec: ResourceSpec | None) -> ResourceSpec:
         if spec is None:
@@ -300,6 +310,10 @@ class AutoDist:
         options = self._builder
         if options.rows and not _rows_allowed(model, optimizer):
             options = replace(options, rows=False)
+        if options.servers and self.elastic_group is not None:
+            self.log("Auto: all-reduce strategies only (an in-process elastic job rescales "
+                     "those)")
+            options = replace(options, servers=False)
         if self.cluster is not None and sample_input is not None:
             self.log("Auto: dedicated parameter servers plan from the profile (no "
                      "calibration), so that every process chooses alike")
@@ -332,10 +346,14 @@ class AutoDist:
         """What Auto chose and why: groups, predicted step split into compute, exposed
         communication and overheads, bytes per link, the alternatives it rejected."""
         if self.choice is None:
-            raise StratagemError("explain() needs a strategy chosen by Auto",
-                                 where="AutoDist.explain",
-                                 fix='use strategy_builder="Auto" and call distribute() '
-                                     "(or build_strategy()) first")
+            raise StratagemError(
+                "explain() needs a strategy chosen by Auto" + (
+                    ", and Auto plans on the first training batch" if self._plan_pending
+                    else ""),
+                where="AutoDist.explain",
+                fix="call it after the first training step" if self._plan_pending else
+                    'use strategy_builder="Auto" and call distribute() (or '
+                    "build_strategy()) first")
         return explain_text(self.choice)
 
     def distribute(self, model: nn.Module, optimizer: Any = None, *,
@@ -349,25 +367,42 @@ class AutoDist:
         ``torch.amp.GradScaler`` for mixed precision (``DistributedModel.attach_scaler``).
         ``adaptive`` tunes the adaptive loop (:class:`stratagem.adapt.TrainerConfig`:
         decision interval, smoothing, preconditioner refresh). ``sample_input``: one
-        worker's batch for the Auto builder to calibrate on (see :meth:`build_strategy`)."""
+        worker's batch for the Auto builder to calibrate on (see :meth:`build_strategy`).
+
+        Auto without ``sample_input`` in a job of several workers plans on the first
+        training batch instead: the model all-reduces until then, and at the start of the
+        first forward in training mode every worker calibrates on its batch, the links are
+        probed, the best candidates are timed, and the model switches to the chosen
+        strategy (values unchanged)."""
         if not isinstance(model, nn.Module):
             raise StratagemError(f"expected a torch.nn.Module, got {type(model).__name__}",
                                  where="AutoDist.distribute", fix="pass the model object")
         model.to(self.device)
         self._check_optimizer(model, optimizer)
-        self.strategy = self.build_strategy(model, sample_input, optimizer)
+        self._plan_pending = self._plans_on_first_batch(sample_input)
+        if self._plan_pending:
+            self.profile = analyze(model)
+            self.strategy = validate(AllReduce().build(self.profile, self.resource_spec),
+                                     self.profile, self.resource_spec)
+        else:
+            self.strategy = self.build_strategy(model, sample_input, optimizer)
         if _PLAN_ONLY:
             raise PlanOnly(self)
         self.log(self.profile.summary() if self.profile else "")
-        self.log(self.strategy.summary())
-        if self.choice is not None:  # Auto: the prediction behind the choice
-            self.log("\n".join(explain_text(self.choice).splitlines()[:3]))
+        if self._plan_pending:
+            self.log("Auto: plans on the first training batch (calibration, link probe, "
+                     "trial steps); all-reduce until then")
+        else:
+            self._announce()
         plan = compile_plan(self.strategy, self.profile, rank=self.rank,
                             world_size=self.world_size, device=self.device,
                             servers=self._servers_for(self.strategy))
         if self.role == "server":
             self._serve(model, optimizer, plan)  # exits the process
         self.model = DistributedModel(model, plan, optimizer=optimizer, cluster=self.cluster)
+        if self._plan_pending:
+            self.model.on_first_training_forward(
+                lambda args, kwargs: self._plan_on_batch(args, kwargs, optimizer))
         if scaler is not None:
             self.model.attach_scaler(scaler)
         self.optimizer = optimizer
@@ -386,6 +421,38 @@ class AutoDist:
                 num_nodes=sum(1 for n in self.resource_spec.nodes if n.workers > 0) or 1,
                 config=adaptive or TrainerConfig(), recorder=self._recorder())
         return self.model, optimizer
+
+    def _plans_on_first_batch(self, sample_input: Any) -> bool:
+        """Auto with nothing to calibrate on yet, in a job of several workers that plan
+        together (no dedicated servers: those plan from the profile)."""
+        return (isinstance(self._builder, Auto) and sample_input is None
+                and self.world_size > 1 and self.cluster is None and not _PLAN_ONLY)
+
+    def _announce(self) -> None:
+        """Print the strategy (and, from Auto, the prediction behind it)."""
+        self.log(self.strategy.summary() if self.strategy else "")
+        if self.choice is not None:
+            self.log("\n".join(explain_text(self.choice).splitlines()[:3]))
+
+    def _plan_on_batch(self, args: tuple, kwargs: dict, optimizer: Any) -> None:
+        """The first training forward's inputs as Auto's sample batch: plan on them, then
+        switch the model to the chosen strategy (every worker at once: all reach it)."""
+        sample = kwargs if kwargs and not args else args if not kwargs else None
+        if sample is None:
+            self.log("Auto: the first batch mixes positional and keyword inputs; planning "
+                     "from the model's profile (pass sample_input= to distribute())")
+
+        def make_plan() -> Any:
+            self.strategy = self.build_strategy(self.model.module, sample, optimizer)
+            return compile_plan(self.strategy, self.profile, rank=self.rank,
+                                world_size=self.world_size, device=self.device,
+                                servers=self._servers_for(self.strategy))
+
+        self.model.replan(make_plan, optimizer=optimizer, cluster=self.cluster)
+        self._plan_pending = False
+        self._announce()
+        if self._saved_strategy is not None:
+            self._compare_strategy({"id": self._saved_strategy})
 
     def _servers_for(self, strategy: Strategy) -> list[str]:
         """The job's dedicated servers (error if the strategy needs ones not started)."""
@@ -458,6 +525,9 @@ class AutoDist:
         """Restore hook of the checkpointed strategy: the model state does not depend on it,
         so a different plan is allowed, but said (Auto may choose anew after a restart)."""
         saved_id = saved.get("id") if isinstance(saved, dict) else None
+        if self._plan_pending:  # compared once Auto has planned
+            self._saved_strategy = saved_id
+            return
         if self.strategy is not None and saved_id not in (None, self.strategy.id):
             self.log(f"the checkpoint was trained with strategy {saved_id}, this run uses "
                      f"{self.strategy.id}; to keep the old one, pass --strategy "

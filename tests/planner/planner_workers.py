@@ -183,6 +183,49 @@ def autodist_case(rank: int, world: int, name: str) -> dict[str, Any]:
             "json": explain_json(ad.choice), "rigged": rigged_choice(ad.resource_spec)}
 
 
+def first_batch_case(rank: int, world: int, name: str, slow: bool) -> dict[str, Any]:
+    """Auto without a sample batch: all-reduce until the first training forward, which
+    plans on its batch (an evaluation forward before it does not); then STEPS steps.
+    ``slow``: two nodes on 1 Mbit/s links, priced from the spec (no probe, no trials):
+    bytes decide, so the plan sends rows to parameter servers."""
+    import stratagem as sg
+    from stratagem.errors import StratagemError
+    from stratagem.resource import ResourceSpec
+
+    if slow:
+        import os
+
+        spec = ResourceSpec.from_dict({"nodes": [
+            dict(n, network_bandwidth=0.001) for n in two_nodes().to_dict()["nodes"]]})
+        os.environ["STRATAGEM_NODE_ADDRESS"] = spec.nodes[rank].address
+        os.environ["LOCAL_RANK"] = "0"  # one worker per node of the spec
+        ad = sg.AutoDist(resource_spec=spec, verbose=False,
+                         strategy_builder=sg.strategy.Auto(probe=False, trials=0))
+    else:
+        ad = sg.AutoDist(strategy_builder="Auto", verbose=False)
+    model = make(name, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    dm, opt = ad.distribute(model, opt)
+    before = ad.strategy.builder
+    try:
+        ad.explain()
+        early = "explained"
+    except StratagemError as exc:
+        early = exc.fix
+    inputs, target = batch(name, 0)
+    with torch.no_grad():
+        dm.eval()
+        dm(*slice_inputs(name, inputs, target, slice(0, 2))[0])
+        dm.train()
+    planned_early = ad.choice is not None
+    state = train_steps(dm, opt, name, rank, world)
+    return {"state": state, "before": before, "early": early, "planned_early": planned_early,
+            "strategy": ad.strategy.to_json(), "explain": ad.explain(),
+            "ps": dm._ps is not None, "trials": len(ad.choice.trials),
+            "rows": sorted(nc.var_name for nc in ad.strategy.node_config for leaf in nc.leaves()
+                           if getattr(leaf.synchronizer, "row_sparse", False))}
+
+
 def rigged_choice(spec: Any) -> dict[str, Any]:
     """A cost model rigged to rank a slow strategy first: AllReduce of a 25 MB dense-
     declared embedding of which a batch reads 128 rows (the rows go as rows in every

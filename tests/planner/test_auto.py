@@ -89,6 +89,31 @@ def test_sampled_output_layer_goes_as_rows_when_bytes_matter() -> None:
     assert choice.profile.access_of("out.weight").rows_touched < pw.VOCAB
 
 
+@pytest.mark.parametrize("name,slow", [("sampled", True), ("dense", False)])
+def test_auto_without_a_sample_plans_on_the_first_training_batch(tmp_path, name: str,  # noqa: ANN001
+                                                                 slow: bool) -> None:
+    """The model all-reduces until its first training batch, then switches to Auto's
+    choice on it -- to parameter servers for the sampled softmax on slow links -- and
+    trains to single-process SGD's parameters."""
+    results = _spawn.run(pw.first_batch_case, 2, tmp_path, {"name": name, "slow": slow},
+                         _spawn.Setup(args=(2,), local_rank=True, init_group=True))
+    for r in results:
+        assert r["before"] == "AllReduce"  # until the first training batch
+        assert "after the first training step" in r["early"]
+        assert not r["planned_early"]  # an evaluation forward does not plan
+        assert r["strategy"] == results[0]["strategy"]
+        assert "predicted step" in r["explain"]
+        assert r["ps"] == slow
+        assert r["trials"] == (0 if slow else r["trials"]) and (slow or r["trials"] >= 2)
+    assert json.loads(results[0]["strategy"])["builder"].startswith("Auto")
+    if slow:  # the rows touched measured on the first batch: the sampled output layer
+        assert "out.weight" in results[0]["rows"], results[0]["rows"]
+    want = pw.reference(name)
+    for r in results:
+        for k, v in want.items():
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-6, atol=1e-9, msg=k)
+
+
 def test_autodist_with_auto_agrees_across_ranks_and_explains(tmp_path) -> None:  # noqa: ANN001
     results = _spawn.run(pw.autodist_case, 2, tmp_path, {"name": "sampled"},
                          _spawn.Setup(args=(2,), local_rank=True, init_group=True))

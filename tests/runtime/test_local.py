@@ -7,7 +7,12 @@ import torch
 from rt_common import batch, loss_fn, make_model, make_optimizer, reference
 
 from stratagem.analysis import analyze
-from stratagem.errors import DistributedError, StrategyError, UnsupportedModelError
+from stratagem.errors import (
+    DistributedError,
+    StratagemError,
+    StrategyError,
+    UnsupportedModelError,
+)
 from stratagem.resource import ResourceSpec
 from stratagem.runtime import DistributedModel, compile_plan
 from stratagem.strategy import AllReduce, PartitionedAR
@@ -76,3 +81,53 @@ def test_plan_for_another_model_is_refused() -> None:
 def test_multi_rank_plan_needs_a_process_group() -> None:
     with pytest.raises(DistributedError, match="not initialized"):
         wrap(make_model("mlp", 0), world=2)
+
+
+def test_replan_on_the_first_training_forward_keeps_training_like_plain_torch() -> None:
+    """The hook runs once, at the first training forward (not an eval forward); a plan
+    that fails to build leaves the old one working; a plan for another world is refused;
+    the new plan trains like plain torch, with no_sync and grad_weight carried over."""
+    model = make_model("mlp", 0)
+    dm = wrap(model, builder=AllReduce())
+    profile = analyze(model)
+    calls: list[tuple] = []
+
+    def bad() -> None:
+        raise RuntimeError("planning failed")
+
+    def first(args: tuple, kwargs: dict) -> None:
+        calls.append(args)
+        with pytest.raises(RuntimeError, match="planning failed"):
+            dm.replan(bad)
+        other = compile_plan(AllReduce().build(profile, ResourceSpec.local(2)), profile,
+                             rank=1, world_size=2, device=torch.device("cpu"))
+        with pytest.raises(StratagemError, match="rank 1 of 2"):
+            dm.replan(lambda: other)
+        dm.replan(lambda: compile_plan(
+            PartitionedAR(chunk_size=3).build(profile, ResourceSpec.local(1)), profile,
+            rank=0, world_size=1, device=torch.device("cpu")))
+
+    dm.on_first_training_forward(first)
+    opt = make_optimizer("sgd", dm.parameters())
+    x, _ = batch("mlp", 0)
+    with torch.no_grad():
+        dm.eval()
+        dm(x)
+        dm.train()
+    assert calls == []  # an evaluation forward is not the first training batch
+    dm.grad_weight = 0.5
+    for step in range(6):
+        x, y = batch("mlp", step)
+        opt.zero_grad()
+        out = dm(x)
+        if step == 0:
+            assert dm.grad_weight == 0.5  # carried over to the new plan's reducer
+            dm.grad_weight = 1.0
+        loss_fn("mlp", out, y).backward()
+        opt.step()
+    assert len(calls) == 1 and len(calls[0]) == 1
+    assert dm.plan.groups and any(m.part is not None for g in dm.plan.groups
+                                  for m in g.members)
+    want = reference("mlp", "sgd", steps=6)
+    for k, v in dm.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=0)

@@ -85,8 +85,8 @@ def pullable(info: ParamInfo) -> bool:
 
 def row_candidates(profile: ModelProfile, cal: Calibration, options: Auto) -> list[str]:
     """Parameters that may travel as rows: declared sparse, or (``detect_sparse``)
-    measured row-sparse; largest first."""
-    if not options.rows:
+    measured row-sparse; largest first (none when rows or servers are off)."""
+    if not options.rows or not options.servers:
         return []
     access = {a.name: a for a in (profile.access or cal.access)}
     out = [p for p in profile.params if p.shape and p.shape[0] >= 2 and (
@@ -237,6 +237,9 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
             continue
         if not options.rows and sends_rows(strategy, profile):
             notes.append(f"{name}: skipped (it sends rows; rows are off)")
+            continue
+        if not options.servers and not all_reduce_only(strategy):
+            notes.append(f"{name}: skipped (it uses parameter servers; servers are off)")
             continue
         cost = price(strategy)
         if cost is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +63,7 @@ class DistributedModel(nn.Module):
         self._install_synchronizers(params, process_group, broadcast=self._ps is None)
         self._process_group = process_group
         self._scaler_link: Any = None
+        self._first_training_forward: Callable[[tuple, dict], None] | None = None
         # The initial broadcast is not training traffic.
         self.comm_stats.reset()
 
@@ -108,12 +109,76 @@ class DistributedModel(nn.Module):
         old.remove_hooks()
         self.plan = plan
         self._install_synchronizers(params, process_group, broadcast=broadcast)
+        self._carry_over(old, settings=False)
+
+    def replan(self, make_plan: Callable[[], Plan], *,
+               optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+               cluster: Any = None) -> None:
+        """Switch to the plan ``make_plan()`` returns, for the same rank and world (Auto
+        planning on the first batch). The current synchronizers are removed first, so that
+        ``make_plan`` may run the plain module (calibration, trial steps); values are not
+        broadcast again (every rank holds rank 0's already). Between steps only; the
+        optimizer, gradient observers, ``no_sync`` and ``grad_weight`` carry over. If
+        ``make_plan`` raises, the current plan is put back. All-reduce models only: with
+        parameter-server synchronizers raises StratagemError."""
+        if self._ps is not None:
+            raise StratagemError("replan needs a model without parameter-server "
+                                 "synchronizers", where="DistributedModel.replan",
+                                 fix="save a checkpoint and restart with the new strategy")
+        old = self._reducer
+        old.remove_hooks()
+        try:
+            plan = make_plan()
+            if (plan.rank, plan.world_size) != (self.plan.rank, self.plan.world_size):
+                raise StratagemError(
+                    f"the new plan is for rank {plan.rank} of {plan.world_size}, this model "
+                    f"is rank {self.plan.rank} of {self.plan.world_size}",
+                    where="DistributedModel.replan",
+                    fix="compile the plan for this rank and world size (regroup() changes "
+                        "the world)")
+            params = check_params(plan, self.module)
+        except BaseException:
+            self._install_synchronizers(check_params(self.plan, self.module),
+                                        self._process_group, broadcast=False)
+            self._carry_over(old)
+            raise
+        self.plan = plan
+        if plan.ps is not None and (plan.world_size > 1 or plan.ps.servers):
+            from stratagem.runtime.ps import make_engine
+
+            self._ps = make_engine(plan, self.module, optimizer, cluster,
+                                   self._process_group, self.comm_stats)
+        self._install_synchronizers(params, self._process_group, broadcast=False)
+        self._carry_over(old)
+        if self._scaler_link is not None:  # its hooks follow the new synchronizers
+            self.attach_scaler(self._scaler_link.scaler)
+        self.comm_stats.reset()
+
+    def _carry_over(self, old: AllReduceReducer | LocalReducer, settings: bool = True) -> None:
+        """What the user set on the replaced reducer: gradient observers, and with
+        ``settings`` no_sync and grad_weight (a new world resets them)."""
         observers = getattr(old, "observers", None)
         if observers is not None and hasattr(self._reducer, "observers"):
             self._reducer.observers = observers  # (their handles keep working)
+        if not settings:
+            return
+        self._reducer.require_sync = old.require_sync
+        self._reducer.grad_weight = old.grad_weight
+        if self._ps is not None:
+            self._ps.require_sync = old.require_sync
+            self._ps.grad_weight = old.grad_weight
+
+    def on_first_training_forward(self, fn: Callable[[tuple, dict], None] | None) -> None:
+        """Call ``fn(args, kwargs)`` once, at the start of the next forward in training
+        mode with gradients enabled (before any synchronizer runs): Auto plans on it."""
+        self._first_training_forward = fn
 
     # -- training ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self._first_training_forward
+        if fn is not None and self.module.training and torch.is_grad_enabled():
+            self._first_training_forward = None
+            fn(args, kwargs)
         self._reducer.prepare_for_forward()
         if self._scaler_link is not None:
             self._scaler_link.before_forward()

@@ -40,7 +40,9 @@ class Auto:
     sample batch is given to calibrate with. Inside a job with a sample batch (AutoDist
     plans in every worker): ``probe`` measures the links instead of trusting the spec's
     figures, and ``trials`` candidates (the best predicted, plus the best built-in) are
-    timed for a few real steps and the fastest kept; 0 turns trials off.
+    timed for a few real steps and the fastest kept; 0 turns trials off. ``servers``:
+    parameter servers may be used; False keeps to all-reduce strategies (what an
+    in-process elastic job can rescale; AutoDist sets it there).
     """
 
     compressors: tuple[str, ...] = ("none",)
@@ -49,6 +51,7 @@ class Auto:
     batch_size: int = 32
     probe: bool = True
     trials: int = 3
+    servers: bool = True
 
     def __post_init__(self) -> None:
         if not self.compressors:
