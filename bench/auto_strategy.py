@@ -13,7 +13,9 @@ interleaved step by step in a seeded random order:
   that name is registered, else recorded as "planner not available" (in the workers: it
   calibrates, measures the links and runs its trial steps);
 * ``Auto_fp16``: the same with ``Auto(compressors=("none", "fp16"))``, lossy allowed;
-* ``Auto_profile``: Auto without a sample batch (the profile and nominal rates alone);
+* ``Auto_profile``: Auto without a sample batch (the profile and nominal rates alone: what
+  ``stratagem plan`` and ``build_strategy(model)`` choose offline; ``distribute`` without a
+  sample plans on the first training batch, which is the ``Auto`` variant here);
 * ``HybridRef``: a hand-made reference (Parallax's placement with fp16 all-reduce) that
   shows what a per-parameter hybrid can gain; it is not a built-in and not Auto.
 
@@ -70,10 +72,10 @@ AUTO_FP16 = "Auto_fp16"
 against every built-in, AllReduce_fp16 included; plain Auto (lossless) against the
 lossless built-ins only."""
 AUTO_PROFILE = "Auto_profile"
-"""Auto without a sample batch (``build_strategy(model)``, as ``distribute(model, opt)``
-plans when given no ``sample_input``): from the profile and nominal rates alone, nothing
-measured. Judged like Auto, against the lossless built-ins: the path a default builder
-would take for a script that passes no batch."""
+"""Auto without a sample batch (``build_strategy(model)``, ``stratagem plan``): from the
+profile and nominal rates alone, nothing measured. Judged like Auto, against the lossless
+built-ins. Not the default path: ``distribute(model, opt)`` without ``sample_input`` plans
+on the first training batch (calibration, probe and trials on it: the ``Auto`` variant)."""
 NOT_BUILTIN_VARIANTS = ("Auto", AUTO_FP16, AUTO_PROFILE, "DDP", HYBRID)
 NOT_AVAILABLE = "planner not available"
 # Builders that are neither baselines nor candidates here.
@@ -590,8 +592,8 @@ def targets(cases: dict[str, Any]) -> list[dict[str, Any]]:
         rec("Auto_fp16 / best built-in, worst case, slower cases confirmed on fresh steps",
             "<= 1.05", max(confirmed16, default=None),
             max(confirmed16) <= 1.05 if confirmed16 else None),
-        rec("Auto_profile (no sample batch) / best lossless built-in, worst case, slower "
-            "cases confirmed (not an issue target: the default builder's path)", "<= 1.05",
+        rec("Auto_profile (offline plan, no sample batch) / best lossless built-in, worst "
+            "case, slower cases confirmed (not an issue target)", "<= 1.05",
             max(profiled, default=None), max(profiled) <= 1.05 if profiled else None),
         rec("cases with Auto / best lossless built-in < 0.95", ">= 3",
             sum(r < 0.95 for r in ratios) if ratios else None,

@@ -267,19 +267,55 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
     if best_h is None:
         raise StratagemError("no strategy could be priced", where="planner.search",
                              fix="check the model profile and resource spec")
-    # 2. Parameters as rows, one at a time (largest first), kept when cheaper.
-    for name in row_candidates(profile, cal, options):
-        for replicate in ((False, True) if pullable(profile.get(name)) else (True,)):
+    # 2. Parameters as rows, one at a time (largest first), kept when cheaper. Then from
+    # all of them as rows at once: the sparse exchange's fixed costs (the push, the
+    # refresh, each pull round) are paid once per step, so where no one parameter pays
+    # for them alone, all together may (wide & deep: nine tables, 4 workers); each is
+    # then put back to all-reduce, or switched between pulled and replicated, while that
+    # is cheaper.
+    names = row_candidates(profile, cal, options)
+    dense_h = best_h
+
+    def improve(h: Hybrid, s: Strategy, c: StepCost, moves: list[Hybrid]
+                ) -> tuple[Hybrid, Strategy, StepCost]:
+        for m in moves:
             if time.perf_counter() - started > BUDGET_S:
                 break
-            h = best_h.copy()
-            h.rows.add(name)
-            if replicate:
-                h.replicate.add(name)
-            else:
-                h.replicate.discard(name)
+            ms, mc = run(m)
+            if mc is not None and mc.total_s < c.total_s:
+                h, s, c = m, ms, mc
+        return h, s, c
+
+    def as_rows(h: Hybrid, name: str, replicate: bool) -> Hybrid:
+        h = h.copy()
+        h.rows.add(name)
+        if replicate:
+            h.replicate.add(name)
+        else:
+            h.replicate.discard(name)
+        return h
+
+    def modes(name: str) -> tuple[bool, ...]:
+        return (False, True) if pullable(profile.get(name)) else (True,)
+
+    for name in names:
+        best_h, best_s, best_c = improve(best_h, best_s, best_c,
+                                         [as_rows(best_h, name, r) for r in modes(name)])
+    if len(names) > 1:
+        for replicate in (True, False):
+            h = dense_h.copy()
+            for name in names:
+                h = as_rows(h, name, replicate or not pullable(profile.get(name)))
             s, c = run(h)
-            if c is not None and c.total_s < best_c.total_s:
+            if c is None:
+                continue
+            for name in names:
+                back = h.copy()
+                back.rows.discard(name)
+                back.replicate.discard(name)
+                h, s, c = improve(h, s, c, [back, *(as_rows(h, name, r) for r in modes(name)
+                                                   if r != (name in h.replicate))])
+            if c.total_s < best_c.total_s:
                 best_h, best_s, best_c = h, s, c
     # 3. Once rows are settled, the cap again (the dense remainder changed).
     for cap in BYTE_CAPS:
