@@ -154,6 +154,12 @@ def sparse_case(rank: int, world: int) -> dict:
     return train(rank, world, "sparse", "plain_sgd", BUILDERS["PartitionedAR"](), steps=8)
 
 
+def sparse_columns_case(rank: int, world: int) -> dict:
+    """The sparse embedding split along its columns (axis 1, 5 parts; seed 0)."""
+    return train(rank, world, "sparse", "plain_sgd",
+                 RandomAxisPartitionAR(chunk_size=3, seed=0), steps=8)
+
+
 def wrong_rank_case(rank: int, world: int) -> str:
     model = make_model("mlp", 0)
     profile = analyze(model)
@@ -285,6 +291,7 @@ def world2(rank: int, world: int, ckpt_dir: str) -> dict:
     for name, fn in [("grad_weight", grad_weight_case), ("no_sync", no_sync_case),
                      ("batchnorm", batchnorm_case), ("stats", stats_case),
                      ("unused", unused_case), ("sparse", sparse_case),
+                     ("sparse_columns", sparse_columns_case),
                      ("wrong_rank", wrong_rank_case), ("compressors", compressors),
                      ("powersgd_roundtrip", powersgd_roundtrip)]:
         out[name] = guarded(lambda fn=fn: fn(rank, world))

@@ -105,8 +105,11 @@ def test_unused_parameter_gets_zero_gradient(world2: list[dict]) -> None:
     assert_state_close(per_rank[0], ref("gated", "plain_sgd", steps=6))
 
 
-def test_sparse_embedding_densified(world2: list[dict]) -> None:
-    per_rank = [check(r["sparse"]) for r in world2]
+@pytest.mark.parametrize("case", ["sparse", "sparse_columns"])
+def test_sparse_embedding_densified(world2: list[dict], case: str) -> None:
+    """A sparse embedding's gradient all-reduced dense, split in parts by rows
+    (PartitionedAR) or by columns: each part takes its rows of the sparse gradient."""
+    per_rank = [check(r[case]) for r in world2]
     assert_replicas_equal(per_rank)
     assert_state_close(per_rank[0], ref("sparse", "plain_sgd", steps=8))
 

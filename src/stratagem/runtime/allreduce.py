@@ -82,6 +82,9 @@ class _MemberRT:
             if self.plan.whole:
                 view.zero_().add_(grad, alpha=factor)
                 grad = None
+            elif grad.sparse_dim() == 1:
+                self._capture_rows(grad, factor)
+                grad = None
             else:
                 grad = grad.to_dense()
         if grad is not None:
@@ -90,6 +93,23 @@ class _MemberRT:
             torch.mul(grad, factor, out=view)
         if self.as_grad:
             self.param.grad = view
+
+    def _capture_rows(self, grad: torch.Tensor, factor: float) -> None:
+        """This part of a row-sparse gradient (an embedding's), summed into zeros: only
+        its rows, not the whole table made dense for every part (on DLRM's 64 MB table
+        that doubled PartitionedAR's step). The coalesced gradient is kept as the
+        parameter's for the other parts (``write_back`` replaces it)."""
+        if not grad.is_coalesced():
+            grad = grad.coalesce()
+            self.param.grad = grad
+        rows, vals = grad.indices()[0], grad.values()
+        start, length = self.plan.start, self.plan.length
+        if self.plan.axis == 0:
+            keep = (rows >= start) & (rows < start + length)
+            rows, vals = rows[keep] - start, vals[keep]
+        else:  # a slice of every row: values are (rows, *shape[1:])
+            vals = vals.narrow(self.plan.axis, start, length)
+        self.view.zero_().index_add_(0, rows, vals.to(self.view.dtype), alpha=factor)
 
     def write_back(self) -> None:
         """Copy the averaged slice into ``param.grad`` (unless it already is the buffer)."""
