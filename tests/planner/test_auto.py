@@ -370,3 +370,19 @@ def test_rows_that_pay_only_together_are_found() -> None:
     for replicate in (set(), {one}):
         assert cost(Hybrid(rows={one}, cap=None, replicate=replicate)) > \
             cost(Hybrid(rows=set(), cap=None))
+
+
+def test_a_group_without_gloo_is_not_probed_or_trialled(monkeypatch) -> None:  # noqa: ANN001
+    """Probes, trials and calibration together exchange CPU tensors: over a default group
+    of NCCL alone Auto must not start them (it plans from calibration alone)."""
+    import torch.distributed as dist
+
+    from stratagem.planner import collective_ready, measured_links
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert not collective_ready(spec(2))
+    assert measured_links(spec(2))[1] is None  # no probe started
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert collective_ready(spec(2))

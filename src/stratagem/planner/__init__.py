@@ -47,9 +47,10 @@ def _calibration(model: nn.Module, profile: ModelProfile, batch_size: int | None
 
 def measured_links(spec: ResourceSpec) -> tuple[LinkModel, LinkProbe | None]:
     """The spec's link model with the probed figures (:func:`probe_links`: collective,
-    every worker at once) where a process group spans the spec's workers."""
+    every worker at once) where a process group spans the spec's workers
+    (:func:`collective_ready`)."""
     links = LinkModel.from_spec(spec)
-    probe = probe_links(spec)
+    probe = probe_links(spec) if collective_ready(spec) else None
     return (links.measured(probe, spec) if probe is not None else links), probe
 
 
@@ -82,9 +83,12 @@ def choose(model: nn.Module, spec: ResourceSpec, *, batch_size: int | None = Non
 
 
 def collective_ready(spec: ResourceSpec) -> bool:
-    """Whether a process group spans exactly the spec's workers (probes and trials)."""
+    """Whether a process group spans exactly the spec's workers and carries CPU tensors
+    (probes, trials and calibration together exchange CPU tensors, and trials run CPU
+    plans: a group of NCCL alone cannot, so there Auto plans from calibration alone)."""
     return (dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() == spec.num_workers > 1)
+            and dist.get_world_size() == spec.num_workers > 1
+            and "gloo" in str(dist.get_backend()))
 
 
 def plan_from_profile(options: Auto, profile: ModelProfile, spec: ResourceSpec) -> Strategy:
