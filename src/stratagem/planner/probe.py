@@ -13,7 +13,10 @@ Two measurements, both seconds long at most:
   reduces of a few sizes give the effective bus bandwidth (the slope); a one-element
   ping-pong between ranks 0 and 1 gives the cost of one point-to-point message, and tiny
   all-to-alls back to back the cost of one in a chain (the sparse rows' exchange is such a
-  chain: ids, rows, counts, each waiting for the last). Every
+  chain: ids, rows, counts, each waiting for the last); the runtime's own sparse exchange
+  (:func:`_sparse_steps`), with few rows and with many, gives a pull round's cost (an
+  embedding call of a parameter-server table) and the rest of a sparse step's (push and
+  owner update), each fixed and per row. Every
   number is averaged over the ranks with an all-reduce, so every rank plans with the same
   link model. Bounded: each size is tried only if it fits in ``PROBE_BUDGET_S`` at the
   rate measured so far (the spec's nominal rate at first).
