@@ -437,7 +437,7 @@ class AutoDist:
     def _plan_on_batch(self, args: tuple, kwargs: dict, optimizer: Any) -> None:
         """The first training forward's inputs as Auto's sample batch: plan on them, then
         switch the model to the chosen strategy (every worker at once: all reach it)."""
-        sample = kwargs if kwargs and not args else args if not kwargs else None
+        sample = None if args and kwargs else kwargs or args
         if sample is None:
             self.log("Auto: the first batch mixes positional and keyword inputs; planning "
                      "from the model's profile (pass sample_input= to distribute())")

@@ -325,16 +325,14 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
         if c is not None and c.total_s < best_c.total_s:
             best_h, best_s, best_c = h, s, c
     # 4. A compressor per group, when lossy ones are allowed.
-    if lossy:
-        for g in range(group_count(best_s)):
-            for comp in lossy:
-                if time.perf_counter() - started > BUDGET_S:
-                    break
-                h = best_h.copy()
-                h.compressors[g] = comp
-                s, c = run(h)
-                if c is not None and c.total_s < best_c.total_s:
-                    best_h, best_s, best_c = h, s, c
+    def compressed(h: Hybrid, g: int, comp: str) -> Hybrid:
+        h = h.copy()
+        h.compressors[g] = comp
+        return h
+
+    for g in range(group_count(best_s) if lossy else 0):
+        best_h, best_s, best_c = improve(best_h, best_s, best_c,
+                                         [compressed(best_h, g, comp) for comp in lossy])
     hybrid = Candidate(HYBRID, best_s, best_c)
     allowed_lossless = "none" in options.compressors
     pool = [c for c in found if allowed_lossless or "(" in c.name] + [hybrid]
