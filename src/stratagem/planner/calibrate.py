@@ -214,10 +214,27 @@ def _lookups(model: nn.Module, names: dict[int, str]) -> tuple[list[Any], dict[s
     return handles, ids
 
 
+def clock(model: nn.Module) -> Callable[[], float]:
+    """``time.perf_counter`` for a CPU model; for one with CUDA parameters, the same after
+    ``torch.cuda.synchronize()`` (kernels run asynchronously: without it a pass would be
+    timed as the seconds its kernels took to launch)."""
+    devices = {p.device for p in model.parameters() if p.is_cuda}
+    if not devices:
+        return time.perf_counter
+
+    def synchronized() -> float:
+        for d in devices:
+            torch.cuda.synchronize(d)
+        return time.perf_counter()
+
+    return synchronized
+
+
 def _one_pass(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor],
               params: dict[str, nn.Parameter], timed: bool
               ) -> tuple[float, float, dict[str, float], dict[str, float], dict[str, int]]:
     """(forward s, backward s, grad ready s by name, leaf forward s, touched rows)."""
+    now = clock(model)
     for p in params.values():
         p.grad = None
     layer: dict[str, float] = {}
@@ -229,27 +246,27 @@ def _one_pass(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tens
                 continue
 
             def pre(m: nn.Module, _a: tuple) -> None:
-                starts[id(m)] = time.perf_counter()
+                starts[id(m)] = now()
 
             def post(m: nn.Module, _a: tuple, _o: Any, mname: str = mname) -> None:
-                layer[mname] = layer.get(mname, 0.0) + time.perf_counter() - starts[id(m)]
+                layer[mname] = layer.get(mname, 0.0) + now() - starts[id(m)]
 
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
     ready: dict[str, float] = {}
     t_back = [0.0]
     for name, p in params.items():
         def hook(_p: torch.Tensor, name: str = name) -> None:
-            ready[name] = time.perf_counter() - t_back[0]
+            ready[name] = now() - t_back[0]
 
         handles.append(p.register_post_accumulate_grad_hook(hook))
     try:
-        t0 = time.perf_counter()
+        t0 = now()
         out = call_model(model, sample)
         loss = loss_fn(out)
-        t1 = time.perf_counter()
+        t1 = now()
         t_back[0] = t1
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = now()
     finally:
         for h in handles:
             h.remove()
@@ -271,16 +288,17 @@ def _half_pass(model: nn.Module, sample: Any, batch: int,
 
 
 @torch.no_grad()
-def _update_pass(params: dict[str, nn.Parameter]) -> tuple[float, int]:
+def _update_pass(params: dict[str, nn.Parameter], now: Callable[[], float] = time.perf_counter
+                 ) -> tuple[float, int]:
     """(seconds, parameter bytes) of one pass the size of an SGD update over every
     parameter (each adds 0 times itself: the memory traffic of adding its gradient,
     whether or not a gradient is there)."""
     nbytes = 0
-    t = time.perf_counter()
+    t = now()
     for p in params.values():
         p.add_(p, alpha=0.0)
         nbytes += p.numel() * p.element_size()
-    return time.perf_counter() - t, nbytes
+    return now() - t, nbytes
 
 
 def _median(values: list[float]) -> float:
@@ -346,7 +364,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
         passes = []
         for _ in range(steps):
             sync()
-            passes.append(_update_pass(params))
+            passes.append(_update_pass(params, clock(model)))
         pass_s, update_bytes = _median([t for t, _ in passes]), passes[0][1]
         update_bps = update_bytes / pass_s if update_bytes and pass_s > 0 else 0.0
         opt_s = analyze(model).dense_bytes / update_bps if update_bps else 0.0
