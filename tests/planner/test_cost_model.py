@@ -199,7 +199,37 @@ def test_fp16_halves_the_wire_bytes() -> None:
     assert half.parts["compressor_work"] > 0
 
 
+def test_a_measured_half_precision_rate_prices_the_compressed_ring() -> None:
+    from dataclasses import replace
+
+    from stratagem.planner.cost_model import group_cost, plan_for
+
+    s = spec(2)
+    mk = lambda c: Strategy(node_config=(  # noqa: E731
+        NodeConfig("emb", AllReduceSynchronizer(compressor=c)),
+        NodeConfig("fc", AllReduceSynchronizer(compressor=c)))).with_replicas(s.replicas)
+    plain = links(s)
+    cpu_bound = replace(plain, half_rates=(("fp16", 0.5), ("bf16", 1.0)))
+    assert cpu_bound.half_rate("fp16") == 0.5 and plain.half_rate("fp16") == 1.0
+
+    def wire(compressor: str, lm: LinkModel) -> tuple[float, float]:
+        groups = plan_for(mk(compressor), _profile(), s).groups
+        costs = [group_cost(g, lm, list(s.replicas), _cal()) for g in groups]
+        return sum(c[0] for c in costs), sum(f[2] for c in costs for f in c[2])
+
+    full, full_bytes = wire("none", plain)
+    half, half_bytes = wire("fp16", plain)
+    assert half_bytes == pytest.approx(full_bytes / 2)
+    # half the bytes at half fp32's rate: fp32's wire time again; bf16 at fp32's rate
+    slow, slow_bytes = wire("fp16", cpu_bound)
+    assert slow_bytes == half_bytes and slow == pytest.approx(full)
+    assert wire("bf16", cpu_bound)[0] == pytest.approx(half)
+    assert half < 0.6 * full  # the latency terms stay
+
+
 def test_measured_links_replace_the_spec_only_where_they_differ() -> None:
+    from dataclasses import replace
+
     from stratagem.planner.links import LinkModel
     from stratagem.planner.probe import LinkProbe
     from stratagem.resource import ResourceSpec
@@ -218,6 +248,9 @@ def test_measured_links_replace_the_spec_only_where_they_differ() -> None:
     assert slow.nic_bps == (25e6, 25e6)
     assert slow.latency_s == 2e-4 and slow.message_cpu_s == 3e-4  # t0 / (2(n-1)), m
     assert slow.all_to_all_s == 2e-3
+    assert slow.half_rates == ()  # not measured: fp32's rate
+    both = base.measured(replace(probe(25e6), fp16_rate=0.4, bf16_rate=0.9), spec)
+    assert both.half_rate("fp16") == 0.4 and both.half_rate("bf16") == 0.9
     # a ring all-reduce of 10 MB at 25 MB/s: 2(n-1)/n * S / bw + 2(n-1) alpha
     assert ring_allreduce_time(slow, ["10.0.0.1:CPU:0", "10.0.0.2:CPU:0"], 10e6) == \
         pytest.approx(10e6 / 25e6 + 2 * 2e-4)

@@ -38,7 +38,7 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     assert proc.returncode == 0, err[-4000:]
     res = json.loads(out.read_text())
     probe = res["probe"]
-    assert probe["world"] == 2 and probe["seconds"] <= 3.0
+    assert probe["world"] == 2 and probe["seconds"] <= 3.5
     # shaped at 200 Mbit/s (gloo reaches ~95% of a shaped link, bench/link_rate.py)
     assert 0.75 * SHAPED_BPS < probe["bus_bps"] < 1.05 * SHAPED_BPS, probe
     assert probe["nominal_bps"] > 4 * SHAPED_BPS  # the spec's 1 Gbit/s
@@ -48,3 +48,5 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     # a pull round is two all-to-alls and the runtime's work around them
     assert probe["all_to_all_s"] < probe["pull_round_s"] < 0.05
     assert probe["all_to_all_s"] < probe["sparse_push_s"] < 0.05
+    # the link, not the CPU, bounds this ring: half-precision bytes move at its rate too
+    assert 0.6 < probe["fp16_rate"] < 1.4 and 0.6 < probe["bf16_rate"] < 1.4, probe

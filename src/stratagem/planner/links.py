@@ -74,6 +74,14 @@ class LinkModel:
     push_row_s: float = 0.0
     """Measured seconds per row a worker pushes (and its owner applies), beyond its wire
     time."""
+    half_rates: tuple[tuple[str, float], ...] = ()
+    """Measured (compressor, bytes/s of its all-reduce over fp32's): gloo sums fp16 in
+    software, slower per byte than fp32 where the CPU, not the wire, bounds the ring.
+    A compressor not listed moves its bytes at fp32's rate."""
+
+    def half_rate(self, compressor: str) -> float:
+        """Bytes/s of ``compressor``'s all-reduce over fp32's (1.0: not measured)."""
+        return dict(self.half_rates).get(compressor, 1.0)
 
     @classmethod
     def from_spec(cls, spec: ResourceSpec, efficiency: float = LINK_EFFICIENCY,
@@ -97,7 +105,7 @@ class LinkModel:
         the point-to-point message cost as the PS message cost, a chained all-to-all's as
         the sparse exchange's per collective, a chained pull round's as an embedding
         call's, the rest of that sparse step as a step's push (each with its cost per row),
-        and the bus bandwidth as
+        half-precision all-reduces' rates over fp32's, and the bus bandwidth as
         every inter-node link's rate (one node: the intra-node rate) where it differs from
         the nominal one: lower by more than ``MEASURED_DIFFERS``, or higher by more than
         ``MEASURED_FASTER`` times."""
@@ -106,7 +114,9 @@ class LinkModel:
                       message_cpu_s=probe.message_s,
                       all_to_all_s=probe.all_to_all_s, pull_round_s=probe.pull_round_s,
                       sparse_push_s=probe.sparse_push_s, pull_row_s=probe.pull_row_s,
-                      push_row_s=probe.push_row_s)
+                      push_row_s=probe.push_row_s,
+                      half_rates=tuple((c, r) for c, r in (("fp16", probe.fp16_rate),
+                                                           ("bf16", probe.bf16_rate)) if r > 0))
         if (probe.bus_bps < (1 - MEASURED_DIFFERS) * probe.nominal_bps
                 or probe.bus_bps > MEASURED_FASTER * probe.nominal_bps):
             if len(spec.nodes) > 1:

@@ -16,7 +16,10 @@ Two measurements, both seconds long at most:
   chain: ids, rows, counts, each waiting for the last); the runtime's own sparse exchange
   (:func:`_sparse_steps`), with few rows and with many, gives a pull round's cost (an
   embedding call of a parameter-server table) and the rest of a sparse step's (push and
-  owner update), each fixed and per row. Every
+  owner update), each fixed and per row; one size all-reduced again as fp16 and as bf16
+  gives how much faster or slower half-precision bytes move (gloo sums fp16 elementwise
+  in software: on loopback an fp16 all-reduce of half the bytes took 1.2x an fp32 one's
+  time, a bf16 one 0.6x, so on a CPU-bound link fp16 compression saves nothing). Every
   number is averaged over the ranks with an all-reduce, so every rank plans with the same
   link model. Bounded: each size is tried only if it fits in ``PROBE_BUDGET_S`` at the
   rate measured so far (the spec's nominal rate at first).
@@ -57,6 +60,12 @@ ROUND_ROWS = (32, 512)
 """Rows one worker asks of each other worker in a timed pull round (16 floats each): a
 few (the fixed cost of a round and a push), then many (the cost per row)."""
 ROW_BYTES = 16 * 4 + 8  # a probe row and its id
+HALF_MIB = 4.0
+"""The size (MiB) all-reduced again in fp16 and bf16, the same bytes in each dtype (less
+where it would not fit in the budget below at the measured rate; the ratio moves with the
+size: on loopback fp16's was 0.3-0.5 at 1 MiB, 0.6 at 4 MiB, 0.9 at 16 MiB)..."""
+HALF_BUDGET_S = 0.5
+"""...within what is left of ``PROBE_BUDGET_S``, or at least this long."""
 
 
 class _WorldGroup:
@@ -106,13 +115,19 @@ class LinkProbe:
     rows' wire time not)."""
     push_row_s: float = 0.0
     """The push and update's seconds per row a worker pushes (its wire time not)."""
+    fp16_rate: float = 0.0
+    """Bytes/s of an fp16 all-reduce over those of an fp32 one of the same bytes (0: not
+    measured)."""
+    bf16_rate: float = 0.0
+    """The same for bf16."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "collective_s": self.collective_s,
                 "bus_bps": self.bus_bps, "message_s": self.message_s,
                 "all_to_all_s": self.all_to_all_s, "pull_round_s": self.pull_round_s,
                 "sparse_push_s": self.sparse_push_s, "pull_row_s": self.pull_row_s,
-                "push_row_s": self.push_row_s,
+                "push_row_s": self.push_row_s, "fp16_rate": self.fp16_rate,
+                "bf16_rate": self.bf16_rate,
                 "seconds": self.seconds, "nominal_bps": self.nominal_bps}
 
 
@@ -198,6 +213,28 @@ def _timed_allreduce(t: torch.Tensor, repeats: int) -> list[float]:
         dist.all_reduce(t)
         out.append(time.perf_counter() - s)
     return out
+
+
+def _half_rates(fixed: float, budget_s: float, ring_bps: float) -> tuple[float, float]:
+    """(fp16, bf16) all-reduce bytes/s over fp32's, ``HALF_MIB`` each or what 12
+    all-reduces at ``ring_bps`` (bytes/s of the buffer) fit in ``budget_s``; (0, 0) when
+    they would not fit after all (every rank takes the same decision)."""
+    size = torch.tensor([max(2 ** 16, min(int(HALF_MIB * 2 ** 20), int(ring_bps * budget_s / 12)))])
+    dist.all_reduce(size, op=dist.ReduceOp.MIN)  # each rank measured its own rate
+    nbytes = int(size.item()) // 4 * 4
+    tensors = {dt: torch.zeros(nbytes // torch.empty((), dtype=dt).element_size(), dtype=dt)
+               for dt in (torch.float32, torch.float16, torch.bfloat16)}
+    t = time.perf_counter()
+    for x in tensors.values():  # warm-up; its time tells whether the repeats fit
+        dist.all_reduce(x)
+    go = torch.tensor([int(3 * (time.perf_counter() - t) <= budget_s)])
+    dist.all_reduce(go, op=dist.ReduceOp.MIN)
+    if not go.item():
+        return 0.0, 0.0
+    took = {dt: max(statistics.median(_timed_allreduce(x, 3)) - fixed, 1e-9)
+            for dt, x in tensors.items()}
+    return (took[torch.float32] / took[torch.float16],
+            took[torch.float32] / took[torch.bfloat16])
 
 
 def _ping_pong(repeats: int) -> float:
@@ -372,18 +409,23 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     if slope <= 0:  # one size, or noise: the largest transfer's own rate
         slope = max((y - fixed) / x for x, y in zip(xs, ys, strict=True))
     bus = 1.0 / max(slope, 1e-12)
+    fp16_rate, bf16_rate = _half_rates(
+        fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
+        bus / ring)
     message = _ping_pong(TINY_REPEATS)
     chained = _chained_all_to_all(CHAIN, CHAIN_REPEATS)
     sp = _sparse_steps(CHAIN, CHAIN_REPEATS, bus)
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
-                            sp.round_row_s, sp.push_s, sp.push_row_s], dtype=torch.float64)
+                            sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate],
+                           dtype=torch.float64)
     dist.all_reduce(figures)
     figures /= world  # the ranks' mean (the message: rank 0's measure)
     probe = LinkProbe(world=world, collective_s=float(figures[0]), bus_bps=float(figures[1]),
                       message_s=float(figures[2]), seconds=time.perf_counter() - started,
                       nominal_bps=nominal, all_to_all_s=float(figures[3]),
                       pull_round_s=float(figures[4]), pull_row_s=float(figures[5]),
-                      sparse_push_s=float(figures[6]), push_row_s=float(figures[7]))
+                      sparse_push_s=float(figures[6]), push_row_s=float(figures[7]),
+                      fp16_rate=float(figures[8]), bf16_rate=float(figures[9]))
     if use_cache:
         _LINKS[key] = probe
     return probe
