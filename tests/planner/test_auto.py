@@ -96,7 +96,9 @@ def test_auto_without_a_sample_plans_on_the_first_training_batch(tmp_path, name:
                                                                  slow: bool) -> None:
     """The model all-reduces until its first training batch, then switches to Auto's
     choice on it -- to parameter servers for the sampled softmax on slow links -- and
-    trains to single-process SGD's parameters."""
+    trains to single-process SGD's parameters. (The dense model's steps take about a
+    millisecond: there a parameter server's may measure faster than a ring's, and then
+    the trials rightly keep it.)"""
     results = _spawn.run(pw.first_batch_case, 2, tmp_path, {"name": name, "slow": slow},
                          _spawn.Setup(args=(2,), local_rank=True, init_group=True))
     for r in results:
@@ -105,7 +107,11 @@ def test_auto_without_a_sample_plans_on_the_first_training_batch(tmp_path, name:
         assert not r["planned_early"]  # an evaluation forward does not plan
         assert r["strategy"] == results[0]["strategy"]
         assert "predicted step" in r["explain"]
-        assert r["ps"] == slow
+        if slow or not r["ps"]:
+            assert r["ps"] == slow, r["explain"]
+        else:  # servers for a dense model only where its trial steps ran faster
+            best = {f: min(t for g, t in r["trial_s"] if g == f) for f, _ in r["trial_s"]}
+            assert best["parameter servers"] < best["all-reduce"], r["explain"]
         assert r["trials"] == 0 if slow else r["trials"] >= 2
     assert json.loads(results[0]["strategy"])["builder"].startswith("Auto")
     if slow:  # the rows touched measured on the first batch: the sampled output layer
