@@ -357,7 +357,7 @@ class AutoWorker(Worker):
             batches = data.batches(step)
             active = [v for v in variants if v.error is None]
             for v in step_order(active, a.seed, step):
-                self.timed_step(v, step, batches[self.rank], phase)
+                self.visit(v, step, batches[self.rank], phase)
             if step % 5 == 4 or step == warmup + steps - 1:
                 self.log(f"{z.name}: step {step + 1}/{warmup + steps} "
                          f"({time.perf_counter() - t0:.0f} s)")
@@ -386,6 +386,17 @@ class AutoWorker(Worker):
             v.model = v.opt = None
         gc.collect()
         return result
+
+    def visit(self, v: Variant, step: int, batch: Any, phase: Phase) -> None:
+        """One timed step of ``v``, after ``--settle`` untimed steps of it on the same batch:
+        the variants share the processes, and the first step after another variant's pays
+        for that one's after-effects (its freed buffers faulted in again, caches refilled),
+        which a job training one strategy never sees."""
+        for _ in range(self.args.settle):
+            if v.error is None:
+                self.timed_step(v, -1, batch, phase)  # step -1: before warm-up, not recorded
+        if v.error is None:
+            self.timed_step(v, step, batch, phase)
 
     def confirm(self, z: Any, variants: list[Variant], every: list[Any], same: dict[str, str],
                 steps: int, warmup: int, data: Any, phase: Phase) -> dict[str, Any]:
@@ -421,7 +432,7 @@ class AutoWorker(Worker):
             batches = data.batches(step)
             for v in step_order([live[n] for n in names], self.args.seed, step):
                 if v.error is None:
-                    self.timed_step(v, step, batches[self.rank], phase)
+                    self.visit(v, step, batches[self.rank], phase)
         fresh = _gather_json({n: live[n].times[start[n]:] for n in names}, self.world)
         out: dict[str, Any] = {"steps": steps, "pairs": []}
         for auto, measured, best in pairs:
@@ -733,6 +744,7 @@ def _worker_argv(args: argparse.Namespace, out: Path, link_gbps: float, link_tex
     argv = [str(Path(__file__).resolve()), "--worker", "--out", str(out),
             "--models", *args.models, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--lm-steps", str(args.lm_steps), "--lm-warmup", str(args.lm_warmup),
+            "--settle", str(args.settle),
             "--dlrm-steps", str(args.dlrm_steps), "--lstm-vocab", str(args.lstm_vocab),
             "--lr", str(args.lr),
             "--seed", str(args.seed), "--pg-timeout", str(args.pg_timeout),
@@ -855,6 +867,8 @@ def main() -> int:
                    help="measured steps, DLRM (at least --steps): its PS steps take "
                         "20-80 ms and vary by +-10%% step to step, so 10 decide little")
     p.add_argument("--lm-warmup", type=int, default=1)
+    p.add_argument("--settle", type=int, default=0,
+                   help="untimed steps of a variant before each timed one (see visit)")
     p.add_argument("--lstm-vocab", type=int, default=200_000)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
