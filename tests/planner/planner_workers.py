@@ -201,8 +201,8 @@ def first_batch_case(rank: int, world: int, name: str, slow: bool) -> dict[str, 
         os.environ["LOCAL_RANK"] = "0"  # one worker per node of the spec
         ad = sg.AutoDist(resource_spec=spec, verbose=False,
                          strategy_builder=sg.strategy.Auto(probe=False, trials=0))
-    else:
-        ad = sg.AutoDist(strategy_builder="Auto", verbose=False)
+    else:  # the default builder: Auto
+        ad = sg.AutoDist(verbose=False)
     model = make(name, seed=rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
     dm, opt = ad.distribute(model, opt)

@@ -122,6 +122,14 @@ def test_auto_without_a_sample_plans_on_the_first_training_batch(tmp_path, name:
             torch.testing.assert_close(r["state"][k], v, rtol=1e-6, atol=1e-9, msg=k)
 
 
+def test_auto_is_the_default_builder() -> None:
+    from stratagem.strategy import AllReduce, Auto
+    from stratagem.strategy.resolve import resolve_builder
+
+    assert resolve_builder(None) == Auto()
+    assert resolve_builder("AllReduce") == AllReduce()  # pinned by name
+
+
 def test_autodist_with_auto_agrees_across_ranks_and_explains(tmp_path) -> None:  # noqa: ANN001
     results = _spawn.run(pw.autodist_case, 2, tmp_path, {"name": "sampled"},
                          _spawn.Setup(args=(2,), local_rank=True, init_group=True))

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from stratagem.errors import StrategyError
-from stratagem.strategy.builders import AllReduce, StrategyBuilder, builder_from_name
+from stratagem.strategy.builders import Auto, StrategyBuilder, builder_from_name
 from stratagem.strategy.schema import Strategy
 
 STRATEGY_SUFFIXES = (".json", ".yml", ".yaml")
@@ -22,10 +22,12 @@ def is_strategy_path(value: str) -> bool:
 
 
 def resolve_builder(value: StrategyBuilder | Strategy | str | None) -> StrategyBuilder:
-    """The builder for ``value`` (None: :class:`AllReduce`). A strategy file is loaded (and
-    checked) here; an unknown name or a missing file raises :class:`StrategyError`."""
+    """The builder for ``value`` (None: :class:`Auto`, the planner's choice, which is at
+    least as fast as the best built-in on bench/auto_strategy.py). A strategy file is
+    loaded (and checked) here; an unknown name or a missing file raises
+    :class:`StrategyError`."""
     if value is None:
-        return AllReduce()
+        return Auto()
     if isinstance(value, str):
         if not is_strategy_path(value):
             return builder_from_name(value)  # raises StrategyError listing the known names

@@ -60,7 +60,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         os.environ["LOCAL_RANK"] = str(world_rank % gpus if gpus else 0)
     from stratagem.autodist import AutoDist
 
-    _autodist = AutoDist(verbose=sg_env.verbose())
+    # AdaptDL trains data-parallel with all-reduce (its gradient noise scale is read off
+    # the all-reduce buffers); `stratagem run --strategy` still picks another
+    _autodist = AutoDist(strategy_builder="AllReduce", verbose=sg_env.verbose())
     if dist.is_initialized() and not collective.is_initialized():
         collective.initialize()
     restore_point()  # collective on first use: choose it here, on every replica at once

@@ -59,7 +59,8 @@ class JobSpec:
     @property
     def in_process_rescale(self) -> bool:
         """Whether a resize may use the in-process rescale: ``rescale: auto``, adaptive,
-        and an all-reduce strategy (``auto`` is the script's own, AllReduce by default;
+        and an all-reduce strategy (``auto`` is the script's own: the default Auto keeps to
+        all-reduce strategies in an in-process elastic job;
         strategy files and parameter-server builders resize by checkpoint-restart)."""
         return (self.rescale == "auto" and self.adaptive
                 and self.strategy.lower() in ALL_REDUCE_STRATEGIES)
