@@ -487,7 +487,7 @@ class AutoWorker(Worker):
                             "prediction_error": None}
         return {"model": z.name, "summary": z.summary, "nodes": self.world,
                 "link_gbps": self.args.link_gbps or None, "local_batch": z.local_batch,
-                "config": z.config, "steps": steps, "warmup": warmup,
+                "config": z.config, "steps": steps, "warmup": warmup, "settle": self.args.settle,
                 "variants": recs, "auto_build_s": round(plan_s, 3) if plan_s else None,
                 "predict_s_all_strategies": round(predict_s, 3) if have_pred else None,
                 **case_ratios(recs)}
@@ -798,6 +798,8 @@ METHOD = {
     "prediction": "predict_step_time(..., probe=True): calibrated, links measured in the "
                   "workers",
     "same_as": "a builder whose strategy equals an earlier one's is measured once",
+    "settle": "each timed step of a variant follows --settle untimed steps of it (the "
+              "first step after another variant's pays for that one's after-effects)",
     "optimizer": "SGD",
 }
 
@@ -867,7 +869,7 @@ def main() -> int:
                    help="measured steps, DLRM (at least --steps): its PS steps take "
                         "20-80 ms and vary by +-10%% step to step, so 10 decide little")
     p.add_argument("--lm-warmup", type=int, default=1)
-    p.add_argument("--settle", type=int, default=0,
+    p.add_argument("--settle", type=int, default=1,
                    help="untimed steps of a variant before each timed one (see visit)")
     p.add_argument("--lstm-vocab", type=int, default=200_000)
     p.add_argument("--lr", type=float, default=0.01)

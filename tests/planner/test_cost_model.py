@@ -227,6 +227,25 @@ def test_a_measured_half_precision_rate_prices_the_compressed_ring() -> None:
     assert half < 0.6 * full  # the latency terms stay
 
 
+def test_a_large_ring_runs_at_the_measured_large_buffer_rate() -> None:
+    from dataclasses import replace
+
+    s = spec(2)
+    plain = links(s)
+    slow_big = replace(plain, big_rate=0.5)  # 64 MiB ran at half the small buffers' rate
+    mib = 2 ** 20
+    assert [slow_big.size_factor(n * mib) for n in (8, 16, 32, 64, 256)] == \
+        pytest.approx([1.0, 1.0, 1.5, 2.0, 2.0])
+    assert plain.size_factor(256 * mib) == 1.0  # not measured
+    assert replace(plain, big_rate=1.2).size_factor(256 * mib) == 1.0  # no slower
+    devices = list(s.replicas)
+    wire = ring_allreduce_time(plain, devices, 64 * mib) - 2 * plain.latency_s
+    assert ring_allreduce_time(slow_big, devices, 64 * mib) - 2 * plain.latency_s == \
+        pytest.approx(2 * wire)
+    assert ring_allreduce_time(slow_big, devices, mib) == ring_allreduce_time(plain, devices,
+                                                                               mib)
+
+
 def test_measured_links_replace_the_spec_only_where_they_differ() -> None:
     from dataclasses import replace
 
@@ -249,8 +268,10 @@ def test_measured_links_replace_the_spec_only_where_they_differ() -> None:
     assert slow.latency_s == 2e-4 and slow.message_cpu_s == 3e-4  # t0 / (2(n-1)), m
     assert slow.all_to_all_s == 2e-3
     assert slow.half_rates == ()  # not measured: fp32's rate
-    both = base.measured(replace(probe(25e6), fp16_rate=0.4, bf16_rate=0.9), spec)
+    both = base.measured(replace(probe(25e6), fp16_rate=0.4, bf16_rate=0.9, big_rate=0.8),
+                         spec)
     assert both.half_rate("fp16") == 0.4 and both.half_rate("bf16") == 0.9
+    assert both.big_rate == 0.8 and slow.big_rate == 0.0
     # a ring all-reduce of 10 MB at 25 MB/s: 2(n-1)/n * S / bw + 2(n-1) alpha
     assert ring_allreduce_time(slow, ["10.0.0.1:CPU:0", "10.0.0.2:CPU:0"], 10e6) == \
         pytest.approx(10e6 / 25e6 + 2 * 2e-4)

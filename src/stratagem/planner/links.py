@@ -14,6 +14,7 @@ Constants (see docs/concepts/auto-strategy.md for where each comes from):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,6 +40,10 @@ INCAST_PENALTY = 0.02
 """Rate lost per extra sender into one link: PartitionedPS moved the same bytes as
 DDP's ring 1-4% slower with three owners sending into each downlink (bench/README,
 13,147 TCP retransmissions against 72)."""
+SMALL_BYTES = 16 * 2 ** 20
+"""The largest all-reduce of the probe's bandwidth fit..."""
+BIG_BYTES = 64 * 2 ** 20
+"""...and its one large all-reduce (``probe.BIG_MIB``)."""
 MEASURED_DIFFERS = 0.10
 """A probed bandwidth replaces the spec's when it is lower by more than this share..."""
 MEASURED_FASTER = 1.5
@@ -79,6 +84,19 @@ class LinkModel:
     software, slower per byte than fp32 where the CPU, not the wire, bounds the ring.
     A compressor not listed moves its bytes at fp32's rate."""
 
+    big_rate: float = 0.0
+    """Measured bus rate of a ``BIG_BYTES`` all-reduce over the small ones' (0: not
+    measured). Rings past ``SMALL_BYTES`` move towards it (see :meth:`size_factor`)."""
+
+    def size_factor(self, nbytes: float) -> float:
+        """How much longer a ring all-reduce of ``nbytes`` takes than the small buffers'
+        rate says: 1 up to ``SMALL_BYTES``, ``1 / big_rate`` from ``BIG_BYTES``, log-linear
+        between (1 when not measured, or when big buffers measured no slower)."""
+        if not 0 < self.big_rate < 1 or nbytes <= SMALL_BYTES:
+            return 1.0
+        share = min(1.0, math.log(nbytes / SMALL_BYTES) / math.log(BIG_BYTES / SMALL_BYTES))
+        return 1.0 + share * (1.0 / self.big_rate - 1.0)
+
     def half_rate(self, compressor: str) -> float:
         """Bytes/s of ``compressor``'s all-reduce over fp32's (1.0: not measured)."""
         return dict(self.half_rates).get(compressor, 1.0)
@@ -115,6 +133,7 @@ class LinkModel:
                       all_to_all_s=probe.all_to_all_s, pull_round_s=probe.pull_round_s,
                       sparse_push_s=probe.sparse_push_s, pull_row_s=probe.pull_row_s,
                       push_row_s=probe.push_row_s,
+                      big_rate=probe.big_rate,
                       half_rates=tuple((c, r) for c, r in (("fp16", probe.fp16_rate),
                                                            ("bf16", probe.bf16_rate)) if r > 0))
         if (probe.bus_bps < (1 - MEASURED_DIFFERS) * probe.nominal_bps
@@ -184,10 +203,11 @@ def ring_flows(devices: list[str], nbytes: float) -> list[tuple[str, str, float]
 
 def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
                         rounds: int = 1) -> float:
-    """2(n-1)/n * bytes / (slowest link on the ring) + 2(n-1) messages of latency each
-    round (``rounds``: all-reduces in a row, e.g. PowerSGD's two)."""
+    """2(n-1)/n * bytes / (slowest link on the ring), slower for a large buffer where
+    measured (:meth:`LinkModel.size_factor`), + 2(n-1) messages of latency each round
+    (``rounds``: all-reduces in a row, e.g. PowerSGD's two)."""
     n = len(devices)
     if n < 2:
         return 0.0
-    return links.transfer_time(ring_flows(devices, nbytes)) + rounds * 2 * (n - 1) * \
-        links.latency_s
+    return links.transfer_time(ring_flows(devices, nbytes)) * links.size_factor(nbytes) + \
+        rounds * 2 * (n - 1) * links.latency_s

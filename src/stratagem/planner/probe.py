@@ -50,6 +50,11 @@ SIZES_MIB = (0.25, 1.0, 4.0, 16.0)
 """All-reduce sizes of the bandwidth probe. The largest is a gradient bucket's order (DDP's
 25 MB): with four workers on two cores at 10 Gbit/s, all-reduces of 4 MiB ran at 1.4 GB/s
 bus bandwidth and the 64 MB of DLRM's table at 0.4 GB/s."""
+BIG_MIB = 64.0
+"""One all-reduce this large after the fit, when it fits in what is left of the budget
+(on a fast link): the rate of buffers past the caches, at which a large table's all-reduce
+runs (4 nodes on 2 cores at 10 Gbit/s: 0.66-0.69 GB/s for 89 MB against 0.74-0.87 GB/s
+fitted up to 16 MiB)."""
 TENSORS = 256  # small parameters the runtime-cost measurement runs over
 CHAIN = 8
 """Tiny all-to-alls timed back to back (per repeat). Chained, not one after a barrier: with
@@ -115,6 +120,8 @@ class LinkProbe:
     rows' wire time not)."""
     push_row_s: float = 0.0
     """The push and update's seconds per row a worker pushes (its wire time not)."""
+    big_rate: float = 0.0
+    """Bus bytes/s of a ``BIG_MIB`` all-reduce over ``bus_bps`` (0: not measured)."""
     fp16_rate: float = 0.0
     """Bytes/s of an fp16 all-reduce over those of an fp32 one of the same bytes (0: not
     measured)."""
@@ -126,7 +133,8 @@ class LinkProbe:
                 "bus_bps": self.bus_bps, "message_s": self.message_s,
                 "all_to_all_s": self.all_to_all_s, "pull_round_s": self.pull_round_s,
                 "sparse_push_s": self.sparse_push_s, "pull_row_s": self.pull_row_s,
-                "push_row_s": self.push_row_s, "fp16_rate": self.fp16_rate,
+                "push_row_s": self.push_row_s, "big_rate": self.big_rate,
+                "fp16_rate": self.fp16_rate,
                 "bf16_rate": self.bf16_rate,
                 "seconds": self.seconds, "nominal_bps": self.nominal_bps}
 
@@ -215,11 +223,26 @@ def _timed_allreduce(t: torch.Tensor, repeats: int) -> list[float]:
     return out
 
 
+def _big_rate(fixed: float, bus_bps: float, ring: float, budget_s: float) -> float:
+    """Bus bytes/s of one ``BIG_MIB`` all-reduce over ``bus_bps`` (warm-up and 2 timed,
+    median); 0 when 4 of them at ``bus_bps`` would not fit in ``budget_s`` (every rank
+    takes the same decision)."""
+    nbytes = int(BIG_MIB * 2 ** 20)
+    flag = torch.tensor([int(4 * (ring * nbytes / bus_bps + fixed) <= budget_s)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not flag.item():
+        return 0.0
+    t = torch.zeros(nbytes // 4)
+    _timed_allreduce(t, 1)
+    took = max(statistics.median(_timed_allreduce(t, 2)) - fixed, 1e-9)
+    return ring * nbytes / took / bus_bps
+
+
 def _half_rates(fixed: float, budget_s: float, ring_bps: float) -> tuple[float, float]:
-    """(fp16, bf16) all-reduce bytes/s over fp32's, ``HALF_MIB`` each or what 12
+    """(fp16, bf16) all-reduce bytes/s over fp32's, ``HALF_MIB`` each or what 24
     all-reduces at ``ring_bps`` (bytes/s of the buffer) fit in ``budget_s``; (0, 0) when
     they would not fit after all (every rank takes the same decision)."""
-    size = torch.tensor([max(2 ** 16, min(int(HALF_MIB * 2 ** 20), int(ring_bps * budget_s / 12)))])
+    size = torch.tensor([max(2 ** 16, min(int(HALF_MIB * 2 ** 20), int(ring_bps * budget_s / 24)))])
     dist.all_reduce(size, op=dist.ReduceOp.MIN)  # each rank measured its own rate
     nbytes = int(size.item()) // 4 * 4
     tensors = {dt: torch.zeros(nbytes // torch.empty((), dtype=dt).element_size(), dtype=dt)
@@ -227,11 +250,11 @@ def _half_rates(fixed: float, budget_s: float, ring_bps: float) -> tuple[float, 
     t = time.perf_counter()
     for x in tensors.values():  # warm-up; its time tells whether the repeats fit
         dist.all_reduce(x)
-    go = torch.tensor([int(3 * (time.perf_counter() - t) <= budget_s)])
+    go = torch.tensor([int(6 * (time.perf_counter() - t) <= budget_s)])
     dist.all_reduce(go, op=dist.ReduceOp.MIN)
     if not go.item():
         return 0.0, 0.0
-    took = {dt: max(statistics.median(_timed_allreduce(x, 3)) - fixed, 1e-9)
+    took = {dt: max(statistics.median(_timed_allreduce(x, 5)) - fixed, 1e-9)
             for dt, x in tensors.items()}
     return (took[torch.float32] / took[torch.float16],
             took[torch.float32] / took[torch.bfloat16])
@@ -409,6 +432,8 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     if slope <= 0:  # one size, or noise: the largest transfer's own rate
         slope = max((y - fixed) / x for x, y in zip(xs, ys, strict=True))
     bus = 1.0 / max(slope, 1e-12)
+    big_rate = _big_rate(fixed, bus, ring, PROBE_BUDGET_S - (time.perf_counter() - started)) \
+        if len(xs) == len(SIZES_MIB) else 0.0
     fp16_rate, bf16_rate = _half_rates(
         fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
         bus / ring)
@@ -416,7 +441,8 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     chained = _chained_all_to_all(CHAIN, CHAIN_REPEATS)
     sp = _sparse_steps(CHAIN, CHAIN_REPEATS, bus)
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
-                            sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate],
+                            sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,
+                            big_rate],
                            dtype=torch.float64)
     dist.all_reduce(figures)
     figures /= world  # the ranks' mean (the message: rank 0's measure)
@@ -425,7 +451,8 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
                       nominal_bps=nominal, all_to_all_s=float(figures[3]),
                       pull_round_s=float(figures[4]), pull_row_s=float(figures[5]),
                       sparse_push_s=float(figures[6]), push_row_s=float(figures[7]),
-                      fp16_rate=float(figures[8]), bf16_rate=float(figures[9]))
+                      fp16_rate=float(figures[8]), bf16_rate=float(figures[9]),
+                      big_rate=float(figures[10]))
     if use_cache:
         _LINKS[key] = probe
     return probe
