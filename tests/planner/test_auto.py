@@ -400,3 +400,12 @@ def test_a_group_without_gloo_is_not_probed_or_trialled(monkeypatch) -> None:  #
     assert measured_links(spec(2))[1] is None  # no probe started
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     assert collective_ready(spec(2))
+
+
+def test_trials_run_only_for_a_model_in_cpu_memory() -> None:
+    """Trial steps run CPU plans on copies of the model: a model elsewhere (a GPU's; the
+    meta device stands in for it here) plans without them."""
+    from stratagem.planner import on_cpu
+
+    assert on_cpu(torch.nn.Linear(2, 2))
+    assert not on_cpu(torch.nn.Linear(2, 2, device="meta"))
