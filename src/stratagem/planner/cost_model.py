@@ -95,7 +95,7 @@ def group_cost(group: GroupPlan, links: LinkModel, replicas: list[str],
         nbytes, work, rounds = float(group.numel * size), 0.0, 1
     # a half-precision ring moves its bytes at its own measured rate (CPU-bound sums)
     rate = links.half_rate(group.compressor) if group.compressor in ("fp16", "bf16") else 1.0
-    wire = ring_allreduce_time(links, replicas, nbytes / rate, rounds)
+    wire = ring_allreduce_time(links, replicas, nbytes, rounds, rate)
     return wire, work, ring_flows(replicas, nbytes)
 
 

@@ -202,12 +202,13 @@ def ring_flows(devices: list[str], nbytes: float) -> list[tuple[str, str, float]
 
 
 def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
-                        rounds: int = 1) -> float:
+                        rounds: int = 1, rate: float = 1.0) -> float:
     """2(n-1)/n * bytes / (slowest link on the ring), slower for a large buffer where
-    measured (:meth:`LinkModel.size_factor`), + 2(n-1) messages of latency each round
-    (``rounds``: all-reduces in a row, e.g. PowerSGD's two)."""
+    measured (:meth:`LinkModel.size_factor`) and at ``rate`` times fp32's bytes/s (a
+    half-precision ring's, :meth:`LinkModel.half_rate`), + 2(n-1) messages of latency
+    each round (``rounds``: all-reduces in a row, e.g. PowerSGD's two)."""
     n = len(devices)
     if n < 2:
         return 0.0
-    return links.transfer_time(ring_flows(devices, nbytes)) * links.size_factor(nbytes) + \
-        rounds * 2 * (n - 1) * links.latency_s
+    wire = links.transfer_time(ring_flows(devices, nbytes)) * links.size_factor(nbytes)
+    return wire / rate + rounds * 2 * (n - 1) * links.latency_s

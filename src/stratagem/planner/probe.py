@@ -134,8 +134,7 @@ class LinkProbe:
                 "all_to_all_s": self.all_to_all_s, "pull_round_s": self.pull_round_s,
                 "sparse_push_s": self.sparse_push_s, "pull_row_s": self.pull_row_s,
                 "push_row_s": self.push_row_s, "big_rate": self.big_rate,
-                "fp16_rate": self.fp16_rate,
-                "bf16_rate": self.bf16_rate,
+                "fp16_rate": self.fp16_rate, "bf16_rate": self.bf16_rate,
                 "seconds": self.seconds, "nominal_bps": self.nominal_bps}
 
 
@@ -242,7 +241,8 @@ def _half_rates(fixed: float, budget_s: float, ring_bps: float) -> tuple[float, 
     """(fp16, bf16) all-reduce bytes/s over fp32's, ``HALF_MIB`` each or what 24
     all-reduces at ``ring_bps`` (bytes/s of the buffer) fit in ``budget_s``; (0, 0) when
     they would not fit after all (every rank takes the same decision)."""
-    size = torch.tensor([max(2 ** 16, min(int(HALF_MIB * 2 ** 20), int(ring_bps * budget_s / 24)))])
+    fits = int(ring_bps * budget_s / 24)
+    size = torch.tensor([max(2 ** 16, min(int(HALF_MIB * 2 ** 20), fits))])
     dist.all_reduce(size, op=dist.ReduceOp.MIN)  # each rank measured its own rate
     nbytes = int(size.item()) // 4 * 4
     tensors = {dt: torch.zeros(nbytes // torch.empty((), dtype=dt).element_size(), dtype=dt)
@@ -442,8 +442,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     sp = _sparse_steps(CHAIN, CHAIN_REPEATS, bus)
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
                             sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,
-                            big_rate],
-                           dtype=torch.float64)
+                            big_rate], dtype=torch.float64)
     dist.all_reduce(figures)
     figures /= world  # the ranks' mean (the message: rank 0's measure)
     probe = LinkProbe(world=world, collective_s=float(figures[0]), bus_bps=float(figures[1]),
