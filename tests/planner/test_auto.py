@@ -26,6 +26,7 @@ from stratagem.planner.trial import (
     family,
     fastest,
     fit,
+    prefer_all_reduce,
     prefer_named,
     raced,
     second_look,
@@ -178,6 +179,18 @@ def test_trials_pick_the_fastest_and_keep_the_better_predicted_on_ties() -> None
     # faster by 10%, but the steps spread by 0.02 s each: within the noise
     assert fastest([0.20, 0.18], [0.02, 0.02]) == 0
     assert fastest([0.20, 0.10], [0.02, 0.02]) == 1
+
+
+def test_servers_must_beat_all_reduce_by_more_than_the_tie() -> None:
+    fam = [SERVERS, ALL_REDUCE, SERVERS, ALL_REDUCE]
+    # PSLoadBalancing 40.8 ms against AllReduce's 41.0 (the CNN's trials): all-reduce
+    assert prefer_all_reduce(0, fam, [0.0408, 0.0410, 0.0400, 0.0500]) == 1
+    # of the all-reduce candidates level with it, the fastest
+    assert prefer_all_reduce(0, fam, [0.0408, 0.0420, 0.0400, 0.0410]) == 3
+    # faster by more than the tie: servers stay; an all-reduce winner stays; no timing
+    assert prefer_all_reduce(0, fam, [0.0300, 0.0410, 0.0400, 0.0500]) == 0
+    assert prefer_all_reduce(1, fam, [0.0400, 0.0410, 0.0400, 0.0500]) == 1
+    assert prefer_all_reduce(0, fam, [None, 0.0410, 0.0400, 0.0500]) == 0
 
 
 def test_a_race_is_decided_on_the_standard_error_of_the_medians() -> None:
