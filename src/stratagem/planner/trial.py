@@ -275,6 +275,18 @@ def raced(measured: list[float | None], spread: list[float], counts: list[int]) 
     return best_i
 
 
+def _level_with(best_i: int, measured: list[float | None], challenged: bool,
+                preferred: Callable[[int], bool]) -> int:
+    """``best_i``, or when ``challenged`` the fastest ``preferred`` candidate measured
+    within ``TIE`` of it (``best_i`` when there is none)."""
+    t = measured[best_i]
+    if not challenged or t is None:
+        return best_i
+    level = [i for i, m in enumerate(measured)
+             if preferred(i) and m is not None and m <= t * (1 + TIE)]
+    return min(level, key=lambda i: measured[i] or 0.0) if level else best_i
+
+
 def prefer_named(best_i: int, names: list[str], measured: list[float | None]) -> int:
     """``best_i``, unless it is a hybrid (per-parameter choices no builder makes) and a named
     candidate (a built-in builder's strategy) measured within ``TIE`` of it: then the
@@ -283,12 +295,8 @@ def prefer_named(best_i: int, names: list[str], measured: list[float | None]) ->
     the parameter-server builders in its trials (8.8 ms each) and trained 12-28% slower
     than PSLoadBalancing in three benchmark runs (new ids every step, which a trial's one
     sample batch does not have)."""
-    t = measured[best_i]
-    if names[best_i] != HYBRID or t is None:
-        return best_i
-    level = [i for i, m in enumerate(measured)
-             if names[i] != HYBRID and m is not None and m <= t * (1 + TIE)]
-    return min(level, key=lambda i: measured[i] or 0.0) if level else best_i
+    return _level_with(best_i, measured, names[best_i] == HYBRID,
+                       lambda i: names[i] != HYBRID)
 
 
 def prefer_all_reduce(best_i: int, families: list[str], measured: list[float | None]) -> int:
@@ -297,12 +305,8 @@ def prefer_all_reduce(best_i: int, families: list[str], measured: list[float | N
     than the trials' resolution, or they are used for nothing: on the dense CNN at 2 nodes
     and 10 Gbit/s PSLoadBalancing measured 40.8 ms against AllReduce's 41.0 in trials,
     was kept on a 0.6% better prediction, and trained 8% slower than the best built-in."""
-    t = measured[best_i]
-    if families[best_i] != SERVERS or t is None:
-        return best_i
-    level = [i for i, m in enumerate(measured)
-             if families[i] == ALL_REDUCE and m is not None and m <= t * (1 + TIE)]
-    return min(level, key=lambda i: measured[i] or 0.0) if level else best_i
+    return _level_with(best_i, measured, families[best_i] == SERVERS,
+                       lambda i: families[i] == ALL_REDUCE)
 
 
 def _broadcast_json(obj: Any) -> Any:
