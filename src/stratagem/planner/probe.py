@@ -10,7 +10,8 @@ Two measurements, both seconds long at most:
   dominated by these.
 - :func:`probe_links` (every worker at once, a process group up): the link as the workers
   see it. A one-element all-reduce repeated gives the fixed cost of one collective; all-
-  reduces of a few sizes give the effective bus bandwidth (the slope); a one-element
+  reduces of a few sizes give the effective bus bandwidth (the slope), and one of 64 MiB,
+  where it fits the budget, the rate of buffers past the caches; a one-element
   ping-pong between ranks 0 and 1 gives the cost of one point-to-point message, and tiny
   all-to-alls back to back the cost of one in a chain (the sparse rows' exchange is such a
   chain: ids, rows, counts, each waiting for the last); the runtime's own sparse exchange
