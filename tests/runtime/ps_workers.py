@@ -104,6 +104,11 @@ def suite(rank: int, workers: int, servers: int, cases: list | None = None,
         for o in ("sgd", "adagrad"):
             out[f"checkpoint/{o}"] = guarded(lambda o=o: checkpoint_case(
                 cluster, spec, o, f"{ckpt_dir}/{o}"))
+        vias = ("wrap", "replan") if servers == 0 else ("wrap",)
+        for via in vias:
+            for o in ("sgd", "adam"):
+                out[f"adopt/{via}/{o}"] = guarded(
+                    lambda v=via, o=o: adoption_case(cluster, spec, o, v))
     if workers == 2 and cases is None:
         out.update(sparse_family(cluster, spec))
         out["message_order"] = guarded(lambda: message_order_case(cluster, spec))
@@ -261,6 +266,49 @@ def checkpoint_case(cluster: Any, spec: Any, opt: str, path: str) -> Any:
     second = {k: v.clone() for k, v in dm.state_dict().items()}
     dm.close()
     return {"continued": first, "restored": second, "plan": plan.summary()}
+
+
+def adoption_case(cluster: Any, spec: Any, opt: str, via: str) -> Any:
+    """The optimizer already holds state when the PS engine starts: 10 steps of plain
+    torch on the global batch (the same on every rank, as after every worker loaded one
+    checkpoint), then PartitionedPS for 10 more -- by wrapping the trained model
+    (``via="wrap"``) or by switching an all-reduce model's plan (``via="replan"``, as
+    Auto does on the first batch of a resumed job). The owners must carry the moments
+    and step counts on: the end must be 20 single-process steps."""
+    from ps_common import reference_run
+
+    from stratagem.strategy import AllReduce
+
+    rank, W = cluster.rank, cluster.workers
+    model, opts = reference_run(opt, steps=10)
+    profile = analyze(model)
+
+    def plan_of(builder: Any) -> Any:
+        strategy = validate(builder.build(profile, spec), profile, spec)
+        return compile_plan(strategy, profile, rank=rank, world_size=W,
+                            device=torch.device("cpu"), servers=server_devices(spec))
+
+    plan = plan_of(PartitionedPS())
+    if plan.role == "server":
+        return {"server": True, "stats": run_server(model, plan, opts, cluster)}
+    if via == "wrap":
+        dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
+    else:
+        dm = DistributedModel(model, plan_of(AllReduce()), optimizer=opts, cluster=cluster)
+        dm.replan(lambda: plan, optimizer=opts, cluster=cluster)
+    per = BATCH // W
+    sl = slice(rank * per, (rank + 1) * per)
+    for step in range(10, 20):
+        x, y = batch(step)
+        for o in opts:
+            o.zero_grad()
+        loss_fn(dm(x[sl]), y[sl]).backward()
+        for o in opts:
+            o.step()
+    dm.refresh_parameters()
+    state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
+    dm.close()
+    return {"state": state}
 
 
 def accumulation_case(cluster: Any, spec: Any, use_no_sync: bool) -> Any:

@@ -383,6 +383,19 @@ def test_checkpoint_is_single_process_and_restores_into_another_layout(
     assert_close(model.state_dict(), want)
 
 
+@pytest.mark.parametrize(("config", "via"), [("w2", "wrap"), ("w2", "replan"),
+                                             ("w2s2", "wrap")])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_an_optimizer_with_state_carries_on_under_parameter_servers(
+        config: str, via: str, opt: str, request: pytest.FixtureRequest) -> None:
+    """10 steps of plain torch, then PartitionedPS (wrapping the trained model, or
+    switching an all-reduce model's plan as Auto does when a resumed job plans on its first
+    batch): the owners take the optimizer's momentum, moments and step counts, and 20
+    steps end where single-process training ends."""
+    for r in workers_of(request.getfixturevalue(config), f"adopt/{via}/{opt}"):
+        assert_close(r["state"], ref(opt))
+
+
 @pytest.mark.parametrize("config", ["w2", "w2s2"])
 @pytest.mark.parametrize("no_sync", [True, False])
 def test_gradient_accumulation(config: str, no_sync: bool,

@@ -64,6 +64,7 @@ class DistributedModel(nn.Module):
         self._process_group = process_group
         self._scaler_link: Any = None
         self._first_training_forward: Callable[[tuple, dict], None] | None = None
+        self._hand_optimizer_state_to_owners()
         # The initial broadcast is not training traffic.
         self.comm_stats.reset()
 
@@ -118,7 +119,8 @@ class DistributedModel(nn.Module):
         planning on the first batch). The current synchronizers are removed first, so that
         ``make_plan`` may run the plain module (calibration, trial steps); values are not
         broadcast again (every rank holds rank 0's already). Between steps only; the
-        optimizer, gradient observers, ``no_sync`` and ``grad_weight`` carry over. If
+        optimizer (its state too: parameter-server owners take theirs), gradient
+        observers, ``no_sync`` and ``grad_weight`` carry over. If
         ``make_plan`` raises, the current plan is put back. All-reduce models only: with
         parameter-server synchronizers raises StratagemError."""
         if self._ps is not None:
@@ -149,10 +151,30 @@ class DistributedModel(nn.Module):
             self._ps = make_engine(plan, self.module, optimizer, cluster,
                                    self._process_group, self.comm_stats)
         self._install_synchronizers(params, self._process_group, broadcast=False)
+        self._hand_optimizer_state_to_owners()
         self._carry_over(old)
         if self._scaler_link is not None:  # its hooks follow the new synchronizers
             self.attach_scaler(self._scaler_link.scaler)
         self.comm_stats.reset()
+
+    def _hand_optimizer_state_to_owners(self) -> None:
+        """A new parameter-server engine's owners start with empty optimizer state. When
+        the user's optimizer already holds state for PS parameters (a resumed job whose
+        Auto plan switches to servers on its first batch; an optimizer trained before the
+        model was wrapped), the owners take it, as after a restore -- else Adam's moments
+        and step counts would silently start over. Collective: the workers agree first."""
+        if self._ps is None:
+            return
+        held = self._ps.holds_user_state()
+        if self.plan.world_size > 1:
+            group = self._process_group or dist.group.WORLD
+            flag = torch.tensor([1.0 if held else 0.0])
+            if dist.get_backend(group) == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            held = bool(flag.item())
+        if held:
+            self._ps.after_restore()
 
     def _carry_over(self, old: AllReduceReducer | LocalReducer, settings: bool = True) -> None:
         """What the user set on the replaced reducer: gradient observers, and with

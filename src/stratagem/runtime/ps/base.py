@@ -249,6 +249,12 @@ class EngineBase:
                 cls = type(optimizer.owner_of(shard))
                 optimizer.set_state(shard, convert_step(dict(entry["state"]), cls))
 
+    def holds_user_state(self) -> bool:
+        """Whether the user's optimizers hold state for a PS parameter: a new engine's
+        owners start empty, so that state is theirs to take (:meth:`after_restore`)."""
+        return any(self.params[n] in self.optimizers[self._loc[n][0]].state
+                   for n in self.by_param)
+
     def _drop_user_state(self) -> None:
         """Workers: the owners hold the PS parameters' optimizer state, not the user's
         optimizer (it skips them: their ``.grad`` stays None)."""
