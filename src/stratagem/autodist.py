@@ -314,6 +314,11 @@ class AutoDist:
             self.log("Auto: all-reduce strategies only (an in-process elastic job rescales "
                      "those)")
             options = replace(options, servers=False)
+        if (options.servers and self.adaptive is not None
+                and self.adaptive.needs_gradient_statistics):
+            self.log("Auto: all-reduce strategies only (the adaptive batch size reads the "
+                     "gradient noise scale from all-reduced gradients)")
+            options = replace(options, servers=False)
         if self.cluster is not None and sample_input is not None:
             self.log("Auto: dedicated parameter servers plan from the profile (no "
                      "calibration), so that every process chooses alike")
@@ -433,6 +438,12 @@ class AutoDist:
         self.log(self.strategy.summary() if self.strategy else "")
         if self.choice is not None:
             self.log("\n".join(explain_text(self.choice).splitlines()[:3]))
+            hidden = self.strategy.server_parameters if self.strategy else []
+            if hidden:
+                self.log(f"Auto: {len(hidden)} parameter(s) go to parameter servers: their "
+                         ".grad stays None on the workers (gradient clipping sees the "
+                         "all-reduced ones only); strategy_builder=Auto(servers=False) "
+                         "keeps every gradient on the workers")
 
     def _plan_on_batch(self, args: tuple, kwargs: dict, optimizer: Any) -> None:
         """The first training forward's inputs as Auto's sample batch: plan on them, then

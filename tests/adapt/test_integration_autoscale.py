@@ -115,3 +115,29 @@ def test_two_ranks_agree_on_every_decision(tmp_path: Path) -> None:
     for k in a["params"]:
         torch.testing.assert_close(a["params"][k], b["params"][k], rtol=0, atol=0)
     assert a["progress"] == b["progress"]
+
+
+def test_autoscaling_says_which_parameters_the_noise_scale_leaves_out() -> None:
+    """Parameters on parameter servers keep their gradients with their owners: turning
+    autoscaling on in a job of several workers names them (one worker has no servers)."""
+    from torch.utils.data import TensorDataset
+
+    from stratagem.adapt import AdaptiveTrainer
+    from stratagem.data import DistributedDataLoader
+
+    class OnServers(torch.nn.Linear):
+        server_parameters = ["emb.weight", "fc.bias", "fc.weight", "out.weight"]
+
+    data = TensorDataset(torch.randn(64, 3))
+    for world, said in ((2, True), (1, False)):
+        model = OnServers(3, 1)
+        lines: list[str] = []
+        trainer = AdaptiveTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  world_size=world, log=lines.append)
+        loader = DistributedDataLoader(data, 8, rank=0, world_size=world)
+        loader.hooks = trainer
+        assert not trainer.needs_gradient_statistics
+        loader.autoscale_batch_size(32)
+        assert trainer.needs_gradient_statistics
+        assert any("4 parameter(s) on parameter servers (emb.weight, fc.bias, fc.weight, "
+                   "...)" in line for line in lines) == said, lines

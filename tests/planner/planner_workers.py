@@ -183,11 +183,13 @@ def autodist_case(rank: int, world: int, name: str) -> dict[str, Any]:
             "json": explain_json(ad.choice), "rigged": rigged_choice(ad.resource_spec)}
 
 
-def first_batch_case(rank: int, world: int, name: str, slow: bool) -> dict[str, Any]:
+def first_batch_case(rank: int, world: int, name: str, slow: bool,
+                     stats: bool = False) -> dict[str, Any]:
     """Auto without a sample batch: all-reduce until the first training forward, which
     plans on its batch (an evaluation forward before it does not); then STEPS steps.
     ``slow``: two nodes on 1 Mbit/s links, priced from the spec (no probe, no trials):
-    bytes decide, so the plan sends rows to parameter servers."""
+    bytes decide, so the plan sends rows to parameter servers. ``stats``: the adaptive
+    loop collects gradient statistics (what batch size autoscaling reads)."""
     import stratagem as sg
     from stratagem.errors import StratagemError
     from stratagem.resource import ResourceSpec
@@ -203,9 +205,12 @@ def first_batch_case(rank: int, world: int, name: str, slow: bool) -> dict[str, 
                          strategy_builder=sg.strategy.Auto(probe=False, trials=0))
     else:  # the default builder: Auto
         ad = sg.AutoDist(verbose=False)
+    logged: list[str] = []
+    ad.log = logged.append  # type: ignore[method-assign]
     model = make(name, seed=rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
     dm, opt = ad.distribute(model, opt)
+    ad.adaptive.collect_stats = stats
     before = ad.strategy.builder
     try:
         ad.explain()
@@ -221,7 +226,7 @@ def first_batch_case(rank: int, world: int, name: str, slow: bool) -> dict[str, 
     state = train_steps(dm, opt, name, rank, world)
     return {"state": state, "before": before, "early": early, "planned_early": planned_early,
             "strategy": ad.strategy.to_json(), "explain": ad.explain(),
-            "ps": dm._ps is not None, "trials": len(ad.choice.trials),
+            "ps": dm._ps is not None, "trials": len(ad.choice.trials), "log": logged,
             "trial_s": [(t.family, t.measured_s) for t in ad.choice.trials
                         if t.measured_s is not None],
             "rows": sorted(nc.var_name for nc in ad.strategy.node_config for leaf in nc.leaves()

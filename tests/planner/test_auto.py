@@ -114,6 +114,8 @@ def test_auto_without_a_sample_plans_on_the_first_training_batch(tmp_path, name:
             best = {f: min(t for g, t in r["trial_s"] if g == f) for f, _ in r["trial_s"]}
             assert best["parameter servers"] < best["all-reduce"], r["explain"]
         assert r["trials"] == 0 if slow else r["trials"] >= 2
+        if r["ps"]:  # the announcement says what servers mean for .grad
+            assert any(".grad stays None" in line for line in r["log"]), r["log"]
     assert json.loads(results[0]["strategy"])["builder"].startswith("Auto")
     if slow:  # the rows touched measured on the first batch: the sampled output layer
         assert "out.weight" in results[0]["rows"], results[0]["rows"]
@@ -121,6 +123,23 @@ def test_auto_without_a_sample_plans_on_the_first_training_batch(tmp_path, name:
     for r in results:
         for k, v in want.items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-6, atol=1e-9, msg=k)
+
+
+def test_auto_keeps_to_all_reduce_when_the_adaptive_loop_reads_gradient_statistics(
+        tmp_path) -> None:  # noqa: ANN001
+    """The slow-link case above sends rows to parameter servers; with gradient statistics
+    on (what batch size autoscaling reads, from all-reduced gradients), Auto plans
+    all-reduce strategies only, says so, and training is still single-process SGD."""
+    results = _spawn.run(pw.first_batch_case, 2, tmp_path,
+                         {"name": "sampled", "slow": True, "stats": True},
+                         _spawn.Setup(args=(2,), local_rank=True, init_group=True))
+    for r in results:
+        assert not r["ps"], r["explain"]
+        assert any("gradient noise scale" in line for line in r["log"]), r["log"]
+        assert not any("go to parameter servers" in line for line in r["log"])
+    want = pw.reference("sampled")
+    for k, v in want.items():
+        torch.testing.assert_close(results[0]["state"][k], v, rtol=1e-6, atol=1e-9, msg=k)
 
 
 def test_auto_is_the_default_builder() -> None:

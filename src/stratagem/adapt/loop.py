@@ -396,8 +396,21 @@ class AdaptiveTrainer:
         if self.stats is not None:
             self._renew_stats()
 
+    @property
+    def needs_gradient_statistics(self) -> bool:
+        """Whether the loop reads the gradient noise scale (batch size autoscaling, or
+        ``collect_stats``): from all-reduced gradients only, so Auto then keeps to
+        all-reduce strategies."""
+        return self.autoscaler is not None or self.collect_stats
+
     def enable_autoscale(self, loader: DistributedDataLoader) -> None:
         """Called by ``loader.autoscale_batch_size``: decide for ``loader`` from now on."""
+        hidden = getattr(self.model, "server_parameters", [])
+        if hidden and self.world_size > 1:
+            self.log(f"adaptive batch size: {len(hidden)} parameter(s) on parameter servers "
+                     f"({', '.join(hidden[:3])}{', ...' if len(hidden) > 3 else ''}) are "
+                     "left out of the gradient noise scale (their gradients stay with their "
+                     "owners); an all-reduce strategy measures every parameter")
         self.attach(loader)
         self._register_state()
         self.autoscaler = Autoscaler(loader.base_batch_size, int(loader.max_batch_size),

@@ -291,6 +291,15 @@ class DistributedModel(nn.Module):
         return self._scaler_link.scaler if self._scaler_link is not None else None
 
     # -- parameter servers ---------------------------------------------------------------
+    @property
+    def server_parameters(self) -> list[str]:
+        """Parameters synchronized by parameter servers: after backward their ``.grad`` is
+        None on the workers (their owners hold the gradient), so gradient clipping,
+        gradient observers and other ``.grad`` readers see the all-reduced ones only."""
+        if self._ps is None:
+            return []
+        return sorted({p.param for p in self.plan.ps.pieces})
+
     def wait_for_values(self) -> None:
         """Wait for the parameter values the last update sends to this worker (the next
         forward would; call it to time a whole step, or before reading pulled values)."""

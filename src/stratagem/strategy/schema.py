@@ -194,6 +194,13 @@ class Strategy:
     def name(self) -> str:
         return self.builder
 
+    @property
+    def server_parameters(self) -> list[str]:
+        """Parameters (some piece of them) synchronized by parameter servers."""
+        return sorted(nc.var_name for nc in self.node_config
+                      if any(isinstance(leaf.synchronizer, PSSynchronizer)
+                             for leaf in nc.leaves()))
+
     def config_for(self, var_name: str) -> NodeConfig:
         for nc in self.node_config:
             if nc.var_name == var_name:
