@@ -113,6 +113,8 @@ def suite(rank: int, workers: int, servers: int, cases: list | None = None,
         out.update(sparse_family(cluster, spec))
         out["message_order"] = guarded(lambda: message_order_case(cluster, spec))
         out["late_pull"] = guarded(lambda: late_pull_case(cluster, spec, f"{ckpt_dir}-late"))
+    if workers == 2 and cases is None:
+        out["release"] = guarded(lambda: release_case(cluster, spec))
     if (workers, servers) == (2, 2) and cases is None:
         for comp in ("fp16", "none"):
             out[f"mixed/{comp}"] = guarded(lambda c=comp: train(
@@ -309,6 +311,39 @@ def adoption_case(cluster: Any, spec: Any, opt: str, via: str) -> Any:
     state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
     dm.close()
     return {"state": state}
+
+
+def release_case(cluster: Any, spec: Any, runtimes: int = 5) -> Any:
+    """Create, train (Adam, 3 steps) and close ``runtimes`` PartitionedPS models in turn,
+    as trial steps do; after each, this process's thread counts (Python's, and the OS's:
+    gloo's)."""
+    import os
+    import threading
+
+    rank, W = cluster.rank, cluster.workers
+    counts = []
+    for _ in range(runtimes):
+        model = make_model(seed=0)
+        opts = make_optimizers("adam", model)
+        profile = analyze(model)
+        strategy = validate(PartitionedPS().build(profile, spec), profile, spec)
+        plan = compile_plan(strategy, profile, rank=rank, world_size=W,
+                            device=torch.device("cpu"), servers=server_devices(spec))
+        if plan.role == "server":
+            run_server(model, plan, opts, cluster)
+        else:
+            dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
+            for step in range(3):
+                x, y = batch(step)
+                for o in opts:
+                    o.zero_grad()
+                loss_fn(dm(x[rank::W]), y[rank::W]).backward()
+                for o in opts:
+                    o.step()
+            dm.close()
+            del dm
+        counts.append((threading.active_count(), len(os.listdir("/proc/self/task"))))
+    return {"counts": counts, "namespaces": len(getattr(cluster, "_groups", {}))}
 
 
 def accumulation_case(cluster: Any, spec: Any, use_no_sync: bool) -> Any:

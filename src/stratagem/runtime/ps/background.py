@@ -26,6 +26,7 @@ class Background:
         self._done = threading.Event()
         self._done.set()
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     @property
     def busy(self) -> bool:
@@ -51,15 +52,26 @@ class Background:
         if error is not None:
             raise error
 
+    def stop(self) -> None:
+        """End the thread once its current job is done (joined or not): an idle thread
+        would otherwise live, and keep nothing else alive, until the interpreter exits."""
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
+
     def _loop(self) -> None:
         while True:
             with self._ready:
-                while self._job is None:
+                while self._job is None and not self._stopping:
                     self._ready.wait()
+                if self._job is None:
+                    self._thread = None
+                    return
                 job, self._job = self._job, None
             try:
                 job()
             except BaseException as exc:  # noqa: BLE001 - handed to join()
                 self._error = exc
             finally:
+                job = None  # (a bound method: it would keep its engine alive while idle)
                 self._done.set()

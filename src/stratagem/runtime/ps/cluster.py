@@ -123,6 +123,8 @@ class Cluster:
         self._hb_stop = threading.Event()
         self._known_dead: list[int] = []  # filled by the heartbeat thread
         self._hb_thread: threading.Thread | None = None
+        self._groups: dict[str, list[Group]] = {}  # runtime namespace -> its groups
+        self._retired: list[str] = []  # namespaces of runtimes this rank is done with
 
     # -- who is who -----------------------------------------------------------------
     @property
@@ -156,7 +158,28 @@ class Cluster:
         members = tuple(sorted(set(members)))
         if self.rank not in members:
             return None
-        return Group(self, prefix, members, timeout or data_timeout())
+        group = Group(self, prefix, members, timeout or data_timeout())
+        self._groups.setdefault(prefix.rsplit("/", 1)[0], []).append(group)
+        if members == tuple(range(self.size)):
+            # Every rank connected to it, so every rank is past the runtimes it retired
+            # before this one: nobody sends on their groups any more.
+            self._release_retired()
+        return group
+
+    def retire(self, namespace: str) -> None:
+        """This rank is done with the runtime of ``namespace`` (closed, or served to its
+        STOP). Its groups -- gloo connections and threads, a dozen per runtime -- are shut
+        down when the next runtime's first all-ranks group forms, not at once: a peer may
+        still be finishing its own close on them. Trial steps and benchmarks create a
+        runtime per candidate; without this each one's threads outlived it."""
+        if namespace in self._groups and namespace not in self._retired:
+            self._retired.append(namespace)
+
+    def _release_retired(self) -> None:
+        for namespace in self._retired:
+            for group in self._groups.pop(namespace, []):
+                group.release()
+        self._retired.clear()
 
     # -- heartbeat and failure explanation ---------------------------------------------
     def start_heartbeat(self) -> None:
@@ -270,7 +293,8 @@ class Group:
         self.size = len(members)
         store = dist.PrefixStore(f"{prefix}/", cluster.store)
         try:
-            self.pg = dist.ProcessGroupGloo(store, self.rank, self.size, timeout)
+            self.pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
+                store, self.rank, self.size, timeout)
         except RuntimeError as exc:
             raise cluster.explain(exc, f"connecting group {prefix}", members) from None
 
@@ -322,6 +346,10 @@ class Group:
         self.wait(fn(), what)
 
     def _call(self, fn, what: str) -> dist.Work:  # noqa: ANN001
+        if self.pg is None:
+            raise DistributedError(f"group {self.name} was released (its runtime closed)",
+                                   where=f"a {what} on group {self.name}",
+                                   fix="use the runtime's groups only until it closes")
         try:
             return fn()
         except RuntimeError as exc:
@@ -329,8 +357,15 @@ class Group:
                                        self.members) from None
 
     def shutdown(self) -> None:
-        with contextlib.suppress(Exception):
-            self.pg.shutdown()
+        if self.pg is not None:
+            with contextlib.suppress(Exception):
+                self.pg.shutdown()
+
+    def release(self) -> None:
+        """Shut down and drop the gloo group: its connections and threads end with it
+        (shutdown alone leaves them until the object is collected)."""
+        self.shutdown()
+        self.pg = None
 
 
 def join_cluster(replicas: Sequence[str], servers: Sequence[str], *,

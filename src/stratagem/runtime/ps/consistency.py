@@ -175,7 +175,7 @@ class AsyncEngine(EngineBase):
         super().__init__(plan, module, optimizers, cluster, stats)
         ps = self.ps
         self.bound = ps.staleness if ps.sync else None  # None: no bound (asynchronous)
-        ns = cluster.next_namespace()
+        ns = self.namespace = cluster.next_namespace()
         self.g_all = cluster.make_group(f"{ns}/all", range(ps.size))
         self.g_workers = cluster.make_group(f"{ns}/workers", range(self.W))
         self.services = sorted({*ps.owners, *range(self.W, ps.size)})
@@ -506,6 +506,7 @@ class AsyncEngine(EngineBase):
     def serve(self) -> None:
         """Dedicated server: the service loop, until every worker has sent STOP."""
         self._serve_loop()
+        self.cluster.retire(self.namespace)
 
     def _check_service(self) -> None:
         if self._service_error is not None:
@@ -603,3 +604,4 @@ class AsyncEngine(EngineBase):
             self._service.join()
             self._check_service()
         self.remove_hooks()
+        self.cluster.retire(self.namespace)

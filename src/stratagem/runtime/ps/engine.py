@@ -113,7 +113,7 @@ class PSEngine(EngineBase):
         self.step_count = 0
 
         # Process groups: created in the same order on every rank (members only).
-        ns = cluster.next_namespace()
+        ns = self.namespace = cluster.next_namespace()
         everyone = range(ps.size)
         self.g_all = cluster.make_group(f"{ns}/all", everyone)
         self.g_ctrl = (cluster.make_group(f"{ns}/ctrl", [0, *range(self.W, ps.size)],
@@ -628,6 +628,7 @@ class PSEngine(EngineBase):
                 self.finish_pulls()
                 if self.fetch_service is not None:  # until the workers are done reading
                     self.fetch_service.linger()
+                self.cluster.retire(self.namespace)
                 return
             if cmd == PULL:
                 self.finish_pulls()
@@ -674,12 +675,14 @@ class PSEngine(EngineBase):
             self.finish_pulls()
         self._closed = True
         self.remove_hooks()
+        self._closer.stop()
         if self.fetcher is not None:
             self.fetcher.close()
         if self.is_chief:
             self.stopper.stop()
         if self.fetch_service is not None:
             self.fetch_service.linger()
+        self.cluster.retire(self.namespace)
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
