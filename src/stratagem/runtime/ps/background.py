@@ -53,8 +53,8 @@ class Background:
             raise error
 
     def stop(self) -> None:
-        """End the thread once its current job is done (joined or not): an idle thread
-        would otherwise live, and keep nothing else alive, until the interpreter exits."""
+        """End the thread once its current job is done (joined or not): an idle one would
+        otherwise wait for the next job until the interpreter exits."""
         with self._ready:
             self._stopping = True
             self._ready.notify()
