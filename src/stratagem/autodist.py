@@ -27,6 +27,7 @@ from stratagem.adapt.loop import AdaptiveTrainer, TrainerConfig
 from stratagem.adapt.step_metrics import StepRecorder
 from stratagem.analysis import ModelProfile, analyze
 from stratagem.data import DistributedDataLoader
+from stratagem.elastic.state import state_filename
 from stratagem.errors import StratagemError, install_excepthook
 from stratagem.launch.env import active_nodes, nproc_override
 from stratagem.observe import MetricsFile, ProgressDisplay, logger
@@ -134,6 +135,7 @@ class AutoDist:
         self.choice: Choice | None = None  # the planner's choice, when the builder is Auto
         self._plan_pending = False  # Auto plans on the first training batch (see distribute)
         self._saved_strategy: str | None = None  # the restored checkpoint's strategy id
+        self._kept_strategy = False  # resumed with the checkpoint's strategy, not planned
         self.optimizer: torch.optim.Optimizer | None = None
         self.adaptive: AdaptiveTrainer | None = None  # the adaptive loop, once distributed
         # Fully built: follow in-process rescales (the lifecycle calls back, see below).
@@ -156,6 +158,7 @@ class AutoDist:
         self.strategy, self.profile, self.model = None, None, None
         self.choice, self.optimizer, self.adaptive = None, None, None
         self._plan_pending, self._saved_strategy = False, None
+        self._kept_strategy = False
 
     def _load_spec(self, path: Any, spec: ResourceSpec | None) -> ResourceSpec:
         if spec is None:
@@ -350,6 +353,11 @@ class AutoDist:
     def explain(self) -> str:
         """What Auto chose and why: groups, predicted step split into compute, exposed
         communication and overheads, bytes per link, the alternatives it rejected."""
+        if self.choice is None and self._kept_strategy and self.strategy is not None:
+            return (f"Resumed with the checkpoint's strategy {self.strategy.id}, which Auto "
+                    f"planned in an earlier run for these {self.world_size} workers; this "
+                    "run did not plan (its explanation is that run's).\n"
+                    + self.strategy.summary())
         if self.choice is None:
             raise StratagemError(
                 "explain() needs a strategy chosen by Auto" + (
@@ -385,8 +393,13 @@ class AutoDist:
         model.to(self.device)
         self._check_optimizer(model, optimizer)
         self._plan_pending = self._plans_on_first_batch(sample_input)
+        kept = None
         if self._plan_pending:
             self.profile = analyze(model)
+            kept = self._checkpointed_strategy(self.profile)
+        if kept is not None:
+            self.strategy, self._plan_pending = kept, False
+        elif self._plan_pending:
             self.strategy = validate(AllReduce().build(self.profile, self.resource_spec),
                                      self.profile, self.resource_spec)
         else:
@@ -397,6 +410,11 @@ class AutoDist:
         if self._plan_pending:
             self.log("Auto: plans on the first training batch (calibration, link probe, "
                      "trial steps); all-reduce until then")
+        elif kept is not None:
+            self.log(self.strategy.summary())
+            self.log(f"Auto: resumed with the checkpoint's strategy {kept.id}, planned for "
+                     f"these {self.world_size} workers (no new planning; a job on other "
+                     "workers plans anew)")
         else:
             self._announce()
         plan = compile_plan(self.strategy, self.profile, rank=self.rank,
@@ -432,6 +450,29 @@ class AutoDist:
         together (no dedicated servers: those plan from the profile)."""
         return (isinstance(self._builder, Auto) and sample_input is None
                 and self.world_size > 1 and self.cluster is None and not _PLAN_ONLY)
+
+    def _checkpointed_strategy(self, profile: ModelProfile) -> Strategy | None:
+        """The strategy of the checkpoint this job resumes from, when it was planned for
+        the same workers and fits this model: kept, so a restart neither spends the
+        planning again nor flips to another plan on timing noise. Every worker must agree
+        (they plan together otherwise); None means plan anew."""
+        point = elastic.restore_point()
+        saved = None
+        if point is not None:
+            path = Path(point) / state_filename(elastic.unique_name("strategy"), "json",
+                                                False, 0)
+            with contextlib.suppress(StratagemError, OSError, ValueError):
+                saved = validate(Strategy.load(path), profile, self.resource_spec)
+                if (list(saved.graph_config.replicas) != list(self.resource_spec.replicas)
+                        or (saved.server_parameters and self.elastic_group is not None)):
+                    saved = None  # other workers; or servers an in-process rescale can't
+        if self.world_size > 1:
+            flag = torch.tensor([1 if saved is not None else 0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            if not int(flag.item()):
+                saved = None
+        self._kept_strategy = saved is not None
+        return saved
 
     def _announce(self) -> None:
         """Print the strategy (and, from Auto, the prediction behind it)."""
@@ -534,7 +575,8 @@ class AutoDist:
 
     def _compare_strategy(self, saved: Any) -> None:
         """Restore hook of the checkpointed strategy: the model state does not depend on it,
-        so a different plan is allowed, but said (Auto may choose anew after a restart)."""
+        so a different plan is allowed, but said (Auto plans anew after a restart on other
+        workers)."""
         saved_id = saved.get("id") if isinstance(saved, dict) else None
         if self._plan_pending:  # compared once Auto has planned
             self._saved_strategy = saved_id

@@ -8,7 +8,9 @@ step then completes and the loader's exit point saves the job state and exits 14
 end rank 0 writes ``DIR/final.pt`` (model and optimizer state).
 
 The job: 3 epochs over 40 samples, global batch 8, switched to 12 during step 3 (a batch
-size change mid-epoch), Adam, and a user State counting steps.
+size change mid-epoch), Adam, and a user State counting steps. After its first step, rank 0
+of each run writes ``DIR/run-<pid>.json``: its world size, strategy id, and whether Auto
+planned in this run (a resumed run on the same workers keeps the checkpoint's strategy).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def train(out: Path, stop_at: int | None = None, on_step: Any = None) -> dict[st
     counter = StepCounter()
     load_state(counter)
     log = (out / f"ids-{os.getpid()}.jsonl").open("a")
+    first = True
     for epoch in ad.remaining_epochs_until(EPOCHS):
         for ids, x, y in loader:
             counter.step += 1
@@ -95,6 +98,11 @@ def train(out: Path, stop_at: int | None = None, on_step: Any = None) -> dict[st
             if on_step is not None:
                 on_step(counter.step)
             opt.step()
+            if first and ad.rank == 0:
+                (out / f"run-{os.getpid()}.json").write_text(json.dumps(
+                    {"world": ad.world_size, "strategy": ad.strategy.id,
+                     "planned": ad.choice is not None, "explain": ad.explain()}))
+            first = False
     log.close()
     final = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     if ad.rank == 0:

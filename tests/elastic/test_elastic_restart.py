@@ -9,6 +9,7 @@ match an uninterrupted single-process run.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,10 @@ def test_stopped_runs_saved_and_final_run_completed(chain: tuple[Path, Path, lis
     kept = checkpoint.CheckpointDir(ckpt).checkpoints()
     assert [p.name for p in kept] == ["ckpt-00000001", "ckpt-00000002"]
     assert checkpoint.read_meta(kept[-1])["world_size"] == 1
+    # Each run is on other workers than the checkpoint's: each plans anew.
+    runs = [json.loads(p.read_text()) for p in out.glob("run-*.json")]
+    assert sorted((r["world"], r["planned"]) for r in runs) == [(1, True), (2, True),
+                                                                 (3, True)], runs
 
 
 def test_every_sample_exactly_once_per_epoch(chain: tuple[Path, Path, list]) -> None:
