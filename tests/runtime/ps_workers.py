@@ -40,6 +40,21 @@ OPTS = ("sgd", "adagrad", "adam")
 SYNC_CASES = [(b, o) for b in BUILDERS for o in OPTS]
 
 
+def run_steps(dm: Any, opts: list, steps: range, sl: slice, scheds: list | None = None
+              ) -> None:
+    """Optimizer steps ``steps`` of a user's loop on this worker's slice ``sl`` of each
+    global batch (``scheds``: LR schedulers stepped after each)."""
+    for step in steps:
+        x, y = batch(step)
+        for o in opts:
+            o.zero_grad()
+        loss_fn(dm(x[sl]), y[sl]).backward()
+        for o in opts:
+            o.step()
+        for s in scheds or []:
+            s.step()
+
+
 def train(cluster: Any, builder: Any, opt: str, spec: Any, steps: int = STEPS,
           sparse: bool = True, bag: bool = True, lr_decay: bool = False) -> Any:
     rank, W = cluster.rank, cluster.workers
@@ -55,16 +70,7 @@ def train(cluster: Any, builder: Any, opt: str, spec: Any, steps: int = STEPS,
         return {"server": True, "stats": stats}
     dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
     per = BATCH // W
-    sl = slice(rank * per, (rank + 1) * per)
-    for step in range(steps):
-        x, y = batch(step)
-        for o in opts:
-            o.zero_grad()
-        loss_fn(dm(x[sl]), y[sl]).backward()
-        for o in opts:
-            o.step()
-        for s in scheds:
-            s.step()
+    run_steps(dm, opts, range(steps), slice(rank * per, (rank + 1) * per), scheds)
     dm.refresh_parameters()
     state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
     stats = dm.comm_stats
@@ -243,13 +249,7 @@ def checkpoint_case(cluster: Any, spec: Any, opt: str, path: str) -> Any:
         return DistributedModel(model, plan, optimizer=opts, cluster=cluster), opts, plan
 
     def steps(dm: Any, opts: Any, rng: range) -> None:
-        for step in rng:
-            x, y = batch(step)
-            for o in opts:
-                o.zero_grad()
-            loss_fn(dm(x[sl]), y[sl]).backward()
-            for o in opts:
-                o.step()
+        run_steps(dm, opts, rng, sl)
 
     dm, opts, _ = run(PartitionedPS(), seed=rank)
     if dm is not None:
@@ -299,14 +299,7 @@ def adoption_case(cluster: Any, spec: Any, opt: str, via: str) -> Any:
         dm = DistributedModel(model, plan_of(AllReduce()), optimizer=opts, cluster=cluster)
         dm.replan(lambda: plan, optimizer=opts, cluster=cluster)
     per = BATCH // W
-    sl = slice(rank * per, (rank + 1) * per)
-    for step in range(10, 20):
-        x, y = batch(step)
-        for o in opts:
-            o.zero_grad()
-        loss_fn(dm(x[sl]), y[sl]).backward()
-        for o in opts:
-            o.step()
+    run_steps(dm, opts, range(10, 20), slice(rank * per, (rank + 1) * per))
     dm.refresh_parameters()
     state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
     dm.close()
@@ -333,13 +326,7 @@ def release_case(cluster: Any, spec: Any, runtimes: int = 5) -> Any:
             run_server(model, plan, opts, cluster)
         else:
             dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
-            for step in range(3):
-                x, y = batch(step)
-                for o in opts:
-                    o.zero_grad()
-                loss_fn(dm(x[rank::W]), y[rank::W]).backward()
-                for o in opts:
-                    o.step()
+            run_steps(dm, opts, range(3), slice(rank, None, W))
             dm.close()
             del dm
         counts.append((threading.active_count(), len(os.listdir("/proc/self/task"))))
