@@ -27,7 +27,6 @@ from stratagem.adapt.loop import AdaptiveTrainer, TrainerConfig
 from stratagem.adapt.step_metrics import StepRecorder
 from stratagem.analysis import ModelProfile, analyze
 from stratagem.data import DistributedDataLoader
-from stratagem.elastic.state import state_filename
 from stratagem.errors import StratagemError, install_excepthook
 from stratagem.launch.env import active_nodes, nproc_override
 from stratagem.observe import MetricsFile, ProgressDisplay, logger
@@ -134,7 +133,7 @@ class AutoDist:
         self.model: DistributedModel | None = None
         self.choice: Choice | None = None  # the planner's choice, when the builder is Auto
         self._plan_pending = False  # Auto plans on the first training batch (see distribute)
-        self._saved_strategy: str | None = None  # the restored checkpoint's strategy id
+        self._saved_strategy: dict[str, Any] | None = None  # the checkpoint's strategy
         self._kept_strategy = False  # resumed with the checkpoint's strategy, not planned
         self.optimizer: torch.optim.Optimizer | None = None
         self.adaptive: AdaptiveTrainer | None = None  # the adaptive loop, once distributed
@@ -393,9 +392,10 @@ class AutoDist:
         model.to(self.device)
         self._check_optimizer(model, optimizer)
         self._plan_pending = self._plans_on_first_batch(sample_input)
-        kept = None
+        kept, tracked = None, self._plan_pending
         if self._plan_pending:
             self.profile = analyze(model)
+            self._track_strategy()  # the checkpoint's strategy, before deciding to plan
             kept = self._checkpointed_strategy(self.profile)
         if kept is not None:
             self.strategy, self._plan_pending = kept, False
@@ -432,11 +432,8 @@ class AutoDist:
         # Job state for checkpoint-restart (restored here when a checkpoint exists).
         if elastic.track_model(self.model, optimizer):
             self.log(f"resumed from checkpoint {elastic.restore_point()}")
-        # The strategy goes into every checkpoint (strategy.json), so a run can be repeated
-        # with --strategy CKPT/strategy.json; a resumed job says when it now plans another.
-        elastic.load_state(elastic.ObjectState(
-            elastic.unique_name("strategy"), self._strategy_dict, self._compare_strategy,
-            format="json"))
+        if not tracked:
+            self._track_strategy()
         if optimizer is not None:
             self.adaptive = AdaptiveTrainer(
                 self.model, optimizer, scaling_rule=scaling_rule, rank=self.rank,
@@ -456,21 +453,19 @@ class AutoDist:
         the same workers and fits this model: kept, so a restart neither spends the
         planning again nor flips to another plan on timing noise. Every worker must agree
         (they plan together otherwise); None means plan anew."""
-        point = elastic.restore_point()
         saved = None
-        if point is not None:
-            path = Path(point) / state_filename(elastic.unique_name("strategy"), "json",
-                                                False, 0)
-            with contextlib.suppress(StratagemError, OSError, ValueError):
-                saved = validate(Strategy.load(path), profile, self.resource_spec)
+        if self._saved_strategy is not None:
+            with contextlib.suppress(StratagemError):
+                saved = validate(Strategy.from_dict(self._saved_strategy,
+                                                    source="the checkpoint's strategy"),
+                                 profile, self.resource_spec)
                 if (list(saved.graph_config.replicas) != list(self.resource_spec.replicas)
                         or (saved.server_parameters and self.elastic_group is not None)):
                     saved = None  # other workers; or servers an in-process rescale can't
-        if self.world_size > 1:
-            flag = torch.tensor([1 if saved is not None else 0], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            if not int(flag.item()):
-                saved = None
+        flag = torch.tensor([1 if saved is not None else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # (several workers: see the caller)
+        if not int(flag.item()):
+            saved = None
         self._kept_strategy = saved is not None
         return saved
 
@@ -503,8 +498,7 @@ class AutoDist:
         self.model.replan(make_plan, optimizer=optimizer, cluster=self.cluster)
         self._plan_pending = False
         self._announce()
-        if self._saved_strategy is not None:
-            self._compare_strategy({"id": self._saved_strategy})
+        self._say_if_replanned()
 
     def _servers_for(self, strategy: Strategy) -> list[str]:
         """The job's dedicated servers (error if the strategy needs ones not started)."""
@@ -573,14 +567,24 @@ class AutoDist:
     def _strategy_dict(self) -> dict[str, Any] | None:
         return self.strategy.to_dict() if self.strategy is not None else None
 
-    def _compare_strategy(self, saved: Any) -> None:
+    def _track_strategy(self) -> None:
+        """The strategy as job state: it goes into every checkpoint (strategy.json), so a
+        run can be repeated with --strategy CKPT/strategy.json; restored (checksum-checked)
+        into ``_saved_strategy``."""
+        elastic.load_state(elastic.ObjectState(
+            elastic.unique_name("strategy"), self._strategy_dict, self._restore_strategy,
+            format="json"))
+
+    def _restore_strategy(self, saved: Any) -> None:
         """Restore hook of the checkpointed strategy: the model state does not depend on it,
         so a different plan is allowed, but said (Auto plans anew after a restart on other
-        workers)."""
-        saved_id = saved.get("id") if isinstance(saved, dict) else None
-        if self._plan_pending:  # compared once Auto has planned
-            self._saved_strategy = saved_id
-            return
+        workers; compared once it has)."""
+        self._saved_strategy = saved if isinstance(saved, dict) else None
+        if not self._plan_pending:
+            self._say_if_replanned()
+
+    def _say_if_replanned(self) -> None:
+        saved_id = (self._saved_strategy or {}).get("id")
         if self.strategy is not None and saved_id not in (None, self.strategy.id):
             self.log(f"the checkpoint was trained with strategy {saved_id}, this run uses "
                      f"{self.strategy.id}; to keep the old one, pass --strategy "
