@@ -330,7 +330,7 @@ def release_case(cluster: Any, spec: Any, runtimes: int = 5) -> Any:
             dm.close()
             del dm
         counts.append((threading.active_count(), len(os.listdir("/proc/self/task"))))
-    return {"counts": counts, "namespaces": len(getattr(cluster, "_groups", {}))}
+    return {"counts": counts, "namespaces": len(cluster._groups)}
 
 
 def accumulation_case(cluster: Any, spec: Any, use_no_sync: bool) -> Any:
