@@ -35,6 +35,7 @@ from stratagem import env
 
 BEAT_S = 1.0
 EXIT_CODE = 75  # a rank that left its collective because a peer was lost
+JOIN_S = 5.0  # the longest :meth:`PeerWatchdog.stop` waits for the thread
 
 
 class PeerWatchdog:
@@ -57,8 +58,12 @@ class PeerWatchdog:
         return self
 
     def stop(self, done: bool = True) -> None:
-        """Stop beating; ``done``: tell the others this rank finished (not lost)."""
+        """Stop beating and wait (at most :data:`JOIN_S`) for the thread to leave the
+        store: a store call that returns while the interpreter finalizes aborts the
+        process. ``done``: tell the others this rank finished (not lost)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(JOIN_S)
         if done:
             with contextlib.suppress(Exception):
                 self.store.set(f"done/{self.rank}", "1")

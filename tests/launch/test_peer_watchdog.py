@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -62,6 +63,16 @@ def test_a_peer_that_finished_is_not_lost() -> None:
     b.stop(done=True)
     assert not _wait_until(lambda: a.lost is not None, 4.0)
     a.stop()
+
+
+def test_stop_returns_once_the_thread_has_left_the_store() -> None:
+    """A store call returning while the interpreter finalizes aborts the process, so
+    stop() (at exit, from destroy_process_group) waits for the thread to end."""
+    a, b = _pair(2.0)
+    a.start(), b.start()
+    time.sleep(0.2)
+    a.stop(), b.stop()
+    assert [t.name for t in threading.enumerate() if t.name == "stratagem-peer-watchdog"] == []
 
 
 @pytest.mark.timeout(300)

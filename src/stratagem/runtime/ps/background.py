@@ -18,8 +18,12 @@ class Background:
     Daemon: a job stuck on a dead peer must not keep the interpreter from exiting (its
     own collective times out and the error surfaces at the next :meth:`join`)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, track: Callable[[threading.Thread, Callable[[], None]],
+                                                  None] | None = None) -> None:
+        """``track(thread, stop)``: told of the thread when it starts (``Cluster.track``:
+        stopped, woken and joined at exit)."""
         self.name = name
+        self._track = track
         self._job: Callable[[], None] | None = None
         self._error: BaseException | None = None
         self._ready = threading.Condition()
@@ -44,6 +48,8 @@ class Background:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
+            if self._track is not None:
+                self._track(self._thread, self.stop)
 
     def join(self) -> None:
         """Wait for the current job (if any); raise what it raised."""

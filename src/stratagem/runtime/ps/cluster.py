@@ -17,17 +17,25 @@ so servers can join them and their collectives never interleave with the all-red
 **Failure.** Each process refreshes a heartbeat key in the store every second. When a gloo
 operation fails (a peer closed its connection), :meth:`Cluster.explain` looks for the rank
 whose heartbeat stopped and the error names it (role, device, rank).
+
+**Exit.** No thread may be inside a torch call when the interpreter finalizes: a call that
+returns then (its peer answered or left) ends the thread through a forced unwind that C++
+turns into ``std::terminate``, and a run that finished aborts ("terminate called without
+an active exception"). So at exit, after the runtimes' own exit handlers, a cluster stops
+its heartbeat, wakes every thread it tracks (:meth:`Cluster.track`) by interrupting its
+groups (:meth:`Group.interrupt`) and joins them (:meth:`Cluster.quiesce`).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,6 +53,8 @@ DEFAULT_TIMEOUT_S = env.DEFAULT_PG_TIMEOUT_S  # a data operation that takes long
 IDLE_TIMEOUT = timedelta(days=7)  # servers waiting for the next command
 HEARTBEAT_S = 1.0
 STALE_S = 3.0
+QUIESCE_S = 5.0  # at exit, the longest wait for woken threads to leave torch
+INTERRUPT_TAG = (1 << 31) - 1  # never sent: the receive that times out on purpose
 
 
 def data_timeout() -> timedelta:
@@ -125,6 +135,8 @@ class Cluster:
         self._hb_thread: threading.Thread | None = None
         self._groups: dict[str, list[Group]] = {}  # runtime namespace -> its groups
         self._retired: list[str] = []  # namespaces of runtimes this rank is done with
+        # threads waiting on this rank's groups, and how to end each one's idle wait
+        self._threads: list[tuple[threading.Thread, Callable[[], None] | None]] = []
 
     # -- who is who -----------------------------------------------------------------
     @property
@@ -181,6 +193,31 @@ class Cluster:
                 group.release()
         self._retired.clear()
 
+    # -- exit --------------------------------------------------------------------------
+    def track(self, thread: threading.Thread, stop: Callable[[], None] | None = None
+              ) -> None:
+        """``thread`` waits on this cluster's groups: :meth:`quiesce` wakes and joins it
+        (``stop``: also ends its idle wait for more work, if it has one)."""
+        self._threads = [(t, s) for t, s in self._threads if t.is_alive()]
+        self._threads.append((thread, stop))
+
+    def quiesce(self) -> None:
+        """Interpreter exit, after the runtimes' exit handlers (owners have served their
+        readers): stop the heartbeat, interrupt every group this rank still holds and wait
+        (at most :data:`QUIESCE_S`) for the heartbeat and the tracked threads to leave
+        torch -- see the module's *Exit*. The groups are unusable afterwards."""
+        self._hb_stop.set()
+        for _, stop in self._threads:
+            if stop is not None:
+                stop()
+        for groups in self._groups.values():
+            for group in groups:
+                group.interrupt()
+        deadline = time.monotonic() + QUIESCE_S
+        for t in [self._hb_thread, *(t for t, _ in self._threads)]:
+            if t is not None and t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+
     # -- heartbeat and failure explanation ---------------------------------------------
     def start_heartbeat(self) -> None:
         if self._hb_thread is not None:
@@ -206,9 +243,7 @@ class Cluster:
                                            daemon=True)
         self._hb_thread.start()
         weakref.finalize(self, stop.set)
-
-    def stop_heartbeat(self) -> None:
-        self._hb_stop.set()
+        atexit.register(_quiesce_at_exit, weakref.ref(self))  # after the runtimes' hooks
 
     def dead_peers(self, candidates: Sequence[int], wait: float = STALE_S + 1.0
                    ) -> list[int]:
@@ -356,7 +391,20 @@ class Group:
             raise self.cluster.explain(exc, f"starting a {what} on group {self.name}",
                                        self.members) from None
 
+    def interrupt(self) -> None:
+        """Fail every operation pending on this group now, receives blocked for good
+        included (``pg.shutdown()`` does not wake them): gloo closes a group's
+        connections when a wait on it times out, so a 1 ms receive of a message nobody
+        sends does it. The group is unusable afterwards."""
+        if self.pg is None or self.size < 2:
+            return
+        with contextlib.suppress(Exception):  # (the timeout is the point)
+            self.pg.recv([torch.empty(1)], 1 if self.rank == 0 else 0,
+                         INTERRUPT_TAG).wait(timedelta(milliseconds=1))
+
     def shutdown(self) -> None:
+        """Interrupt the group (see :meth:`interrupt`) and shut it down."""
+        self.interrupt()
         if self.pg is not None:
             with contextlib.suppress(Exception):
                 self.pg.shutdown()
@@ -366,6 +414,13 @@ class Group:
         (shutdown alone leaves them until the object is collected)."""
         self.shutdown()
         self.pg = None
+
+
+def _quiesce_at_exit(ref: weakref.ref) -> None:
+    cluster = ref()
+    if cluster is not None:
+        with contextlib.suppress(Exception):  # at exit, nothing is left to report to
+            cluster.quiesce()
 
 
 def join_cluster(replicas: Sequence[str], servers: Sequence[str], *,

@@ -162,7 +162,7 @@ class PSEngine(EngineBase):
                                       self.params, self.shards, stats)
                        if ps.sparse else None)
         self.on_demand = [p for p in ps.sparse if not p.local_replication]
-        self._closer = Background(f"stratagem-ps-pull-{self.rank}")
+        self._closer = Background(f"stratagem-ps-pull-{self.rank}", cluster.track)
         self._closer_stats = CommStats()
 
         # Single-rank reads (fetch.py): a group per owner (on-demand rows and every owned

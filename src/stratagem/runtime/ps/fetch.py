@@ -42,7 +42,7 @@ import torch
 
 from stratagem.errors import DistributedError
 from stratagem.runtime.ps import statewire
-from stratagem.runtime.ps.cluster import Group, data_timeout
+from stratagem.runtime.ps.cluster import QUIESCE_S, Group, data_timeout
 from stratagem.runtime.ps.plan import PSPiece
 
 IDLE = timedelta(days=365)  # an owner waits this long for a worker's next request
@@ -85,6 +85,7 @@ class FetchService:
                          for w in range(workers) if w != self.rank]
         for t in self._threads:
             t.start()
+            group.cluster.track(t)
 
     def advance(self) -> None:
         """The owner's values changed (an update or a restore finished)."""
@@ -145,9 +146,14 @@ class FetchService:
         self.stop()
 
     def stop(self) -> None:
-        """Shut the group down: a receive still pending at interpreter exit (a thread whose
-        worker is still there) makes gloo's teardown abort the process now and then."""
+        """Shut the group down, waking the threads still waiting for a worker's request,
+        and let them end (at most :data:`~stratagem.runtime.ps.cluster.QUIESCE_S`): a
+        receive that returns while the interpreter finalizes aborts the process (see
+        ``cluster.py``, *Exit*)."""
         self.group.shutdown()
+        deadline = time.monotonic() + QUIESCE_S
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class FetchClient:
