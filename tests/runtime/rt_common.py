@@ -120,6 +120,28 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(name)
 
 
+def sparse_adam(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """SparseNet's optimizers: SparseAdam over the sparse embedding (it refuses a dense
+    gradient), Adam over the rest."""
+    dense = [p for n, p in model.named_parameters() if not n.endswith("emb.weight")]
+    emb = [p for n, p in model.named_parameters() if n.endswith("emb.weight")]
+    return [torch.optim.SparseAdam(emb, lr=0.05), torch.optim.Adam(dense, lr=0.05)]
+
+
+def reference_sparse_adam(steps: int, n: int = BATCH) -> dict[str, torch.Tensor]:
+    """Single-process SparseNet under :func:`sparse_adam` with the global batch."""
+    m = make_model("sparse", 0)
+    opts = sparse_adam(m)
+    for step in range(steps):
+        x, y = batch("sparse", step, n)
+        for o in opts:
+            o.zero_grad()
+        loss_fn("sparse", m(x), y).backward()
+        for o in opts:
+            o.step()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
 def reference(model: str, opt: str, steps: int = STEPS, n: int = BATCH, seed: int = 0
               ) -> dict[str, torch.Tensor]:
     """Single-process plain-torch training with the global batch."""

@@ -7,7 +7,7 @@ import io
 from typing import Any
 
 import torch
-from rt_common import BATCH, STEPS, batch, guarded, loss_fn, make_model, make_optimizer
+from rt_common import BATCH, STEPS, batch, guarded, loss_fn, make_model, make_optimizer, sparse_adam
 from torch import nn
 
 from stratagem.analysis import analyze
@@ -154,6 +154,26 @@ def sparse_case(rank: int, world: int) -> dict:
     return train(rank, world, "sparse", "plain_sgd", BUILDERS["PartitionedAR"](), steps=8)
 
 
+def sparse_adam_case(rank: int, world: int) -> dict:
+    """SparseAdam over the sparse embedding, whole (AllReduce) and split by rows
+    (PartitionedAR): its gradient, summed densely, comes back row-sparse."""
+    out = {}
+    for name in ("AllReduce", "PartitionedAR"):
+        dm = wrap(make_model("sparse", seed=rank), rank, world, BUILDERS[name]())
+        opts = sparse_adam(dm.module)
+        sl = local_slice(rank, world)
+        for step in range(6):
+            x, y = batch("sparse", step)
+            for o in opts:
+                o.zero_grad()
+            loss_fn("sparse", dm(x[sl]), y[sl]).backward()
+            assert dm.module.emb.weight.grad.is_sparse
+            for o in opts:
+                o.step()
+        out[name] = state(dm)
+    return out
+
+
 def sparse_columns_case(rank: int, world: int) -> dict:
     """The sparse embedding split along its columns (axis 1, 5 parts; seed 0)."""
     return train(rank, world, "sparse", "plain_sgd",
@@ -291,6 +311,7 @@ def world2(rank: int, world: int, ckpt_dir: str) -> dict:
     for name, fn in [("grad_weight", grad_weight_case), ("no_sync", no_sync_case),
                      ("batchnorm", batchnorm_case), ("stats", stats_case),
                      ("unused", unused_case), ("sparse", sparse_case),
+                     ("sparse_adam", sparse_adam_case),
                      ("sparse_columns", sparse_columns_case),
                      ("wrong_rank", wrong_rank_case), ("compressors", compressors),
                      ("powersgd_roundtrip", powersgd_roundtrip)]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import rt_workers
 import torch
-from rt_common import BATCH, check, reference, spawn
+from rt_common import BATCH, check, reference, reference_sparse_adam, spawn
 
 RTOL = 1e-5
 
@@ -112,6 +112,16 @@ def test_sparse_embedding_densified(world2: list[dict], case: str) -> None:
     per_rank = [check(r[case]) for r in world2]
     assert_replicas_equal(per_rank)
     assert_state_close(per_rank[0], ref("sparse", "plain_sgd", steps=8))
+
+
+def test_sparse_adam_gets_row_sparse_gradients(world2: list[dict]) -> None:
+    """SparseAdam refuses dense gradients: the all-reduced embedding gradient goes back
+    row-sparse, and training matches single-process SparseAdam."""
+    per_rank = [check(r["sparse_adam"]) for r in world2]
+    for name in ("AllReduce", "PartitionedAR"):
+        states = [r[name] for r in per_rank]
+        assert_replicas_equal(states)
+        assert_state_close(states[0], reference_sparse_adam(steps=6))
 
 
 def test_plan_for_another_rank_is_refused(world2: list[dict]) -> None:

@@ -15,7 +15,8 @@ Life of one synced backward pass:
    still waiting (parameters without a gradient contribute zeros), runs second rounds
    (PowerSGD) in launch order, waits for everything and copies averaged slices back into
    ``param.grad`` where it is not a buffer view. ``loss.backward()`` returns with averaged
-   gradients.
+   gradients; a row-sparse one (``nn.Embedding(sparse=True)``), summed densely, is handed
+   back row-sparse: the rows whose sum is not zero.
 
 Assumption (as in DDP): every rank runs the same number of synced backward passes, and each
 of them produces a gradient for at least one parameter. Reentrant activation checkpointing
@@ -179,6 +180,11 @@ class AllReduceReducer:
         self.world_size = plan.world_size
         device = torch.device(plan.device)
         self.groups = [_GroupRT(g, params, comms[g.backend], device) for g in plan.groups]
+        # Row-sparse gradients (an nn.Embedding(sparse=True)'s) are summed densely; they go
+        # back to the optimizer row-sparse, as single-process training hands them over
+        # (SparseAdam takes nothing else). Not where a PS piece of the parameter remains.
+        self._sparse = [params[n] for n in plan.densified
+                        if plan.ps is None or not plan.ps.pieces_of(n)]
         self._entries: dict[int, list[tuple[_GroupRT, _MemberRT]]] = {}
         for g in self.groups:
             for m in g.members:
@@ -273,6 +279,9 @@ class AllReduceReducer:
             for g in self.groups:
                 for m in g.members:
                     m.write_back()
+            for p in self._sparse:  # the rows whose sum is non-zero
+                if p.grad is not None and not p.grad.is_sparse:
+                    p.grad = p.grad.to_sparse(1)
             if finish_extra is not None:
                 finish_extra()
             self.stats.steps += 1
