@@ -115,8 +115,8 @@ def test_sparse_embedding_densified(world2: list[dict], case: str) -> None:
 
 
 def test_sparse_adam_gets_row_sparse_gradients(world2: list[dict]) -> None:
-    """SparseAdam refuses dense gradients: the all-reduced embedding gradient goes back
-    row-sparse, and training matches single-process SparseAdam."""
+    """SparseAdam refuses dense gradients: its step gets the rows of the embedding
+    gradient all-reduced densely, and training matches single-process SparseAdam."""
     per_rank = [check(r["sparse_adam"]) for r in world2]
     for name in ("AllReduce", "PartitionedAR"):
         states = [r[name] for r in per_rank]

@@ -15,8 +15,9 @@ Life of one synced backward pass:
    still waiting (parameters without a gradient contribute zeros), runs second rounds
    (PowerSGD) in launch order, waits for everything and copies averaged slices back into
    ``param.grad`` where it is not a buffer view. ``loss.backward()`` returns with averaged
-   gradients; a row-sparse one (``nn.Embedding(sparse=True)``), summed densely, is handed
-   back row-sparse: the rows whose sum is not zero.
+   gradients (a row-sparse one, ``nn.Embedding(sparse=True)``'s, summed densely: dense,
+   except that a ``SparseAdam`` step gets its non-zero rows, see
+   :func:`_rows_for_sparse_adam`).
 
 Assumption (as in DDP): every rank runs the same number of synced backward passes, and each
 of them produces a gradient for at least one parameter. Reentrant activation checkpointing
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stratagem.errors import CheckpointError, DistributedError, StrategyError
 from stratagem.runtime.comm import Comm
@@ -47,6 +49,35 @@ Observers must not modify the buffer."""
 
 def _queue_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+_ROW_SPARSE = "_stratagem_row_sparse"  # a parameter attribute: its sparse gradient is summed
+_hooked = False                         # densely here (see _rows_for_sparse_adam)
+
+
+def _mark_row_sparse(param: torch.Tensor) -> None:
+    global _hooked
+    setattr(param, _ROW_SPARSE, True)
+    if not _hooked:
+        register_optimizer_step_pre_hook(_rows_for_sparse_adam)
+        _hooked = True
+
+
+def _rows_for_sparse_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before a ``SparseAdam`` step: the all-reduced gradient of a row-sparse parameter is
+    dense, which SparseAdam refuses; hand it the rows whose sum is not zero instead. Only
+    there: finding the rows is a pass over the table (tens of ms for DLRM's 64 MB),
+    while SGD or Adagrad take the dense sum as it is."""
+    if not isinstance(optimizer, torch.optim.SparseAdam):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None or g.is_sparse or not getattr(p, _ROW_SPARSE, False):
+                continue
+            rows = g.ne(0).flatten(1).any(1).nonzero().squeeze(1)
+            p.grad = torch.sparse_coo_tensor(rows[None], g.index_select(0, rows), g.shape,
+                                             is_coalesced=True, check_invariants=False)
 
 
 class _MemberRT:
@@ -180,11 +211,9 @@ class AllReduceReducer:
         self.world_size = plan.world_size
         device = torch.device(plan.device)
         self.groups = [_GroupRT(g, params, comms[g.backend], device) for g in plan.groups]
-        # Row-sparse gradients (an nn.Embedding(sparse=True)'s) are summed densely; they go
-        # back to the optimizer row-sparse, as single-process training hands them over
-        # (SparseAdam takes nothing else). Not where a PS piece of the parameter remains.
-        self._sparse = [params[n] for n in plan.densified
-                        if plan.ps is None or not plan.ps.pieces_of(n)]
+        for n in plan.densified:  # (not where a PS piece of the parameter remains)
+            if plan.ps is None or not plan.ps.pieces_of(n):
+                _mark_row_sparse(params[n])
         self._entries: dict[int, list[tuple[_GroupRT, _MemberRT]]] = {}
         for g in self.groups:
             for m in g.members:
@@ -279,9 +308,6 @@ class AllReduceReducer:
             for g in self.groups:
                 for m in g.members:
                     m.write_back()
-            for p in self._sparse:  # the rows whose sum is non-zero
-                if p.grad is not None and not p.grad.is_sparse:
-                    p.grad = p.grad.to_sparse(1)
             if finish_extra is not None:
                 finish_extra()
             self.stats.steps += 1
