@@ -129,6 +129,25 @@ def test_bounded_staleness(config: str, mode: str, request: pytest.FixtureReques
             assert h["go"] >= done[h["step"] - s - 1], h
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["ssp", "async"])
+def test_a_dedicated_server_ends_when_workers_exit_without_closing(
+        mode: str, tmp_path: Path) -> None:
+    """Under bounded staleness or asynchronous PS a server ends once every worker said it
+    is done; workers whose script ends without ``model.close()`` say it at exit (the
+    server waited for good before)."""
+    import yaml
+    from ps_common import run_script, spec_for
+
+    spec = tmp_path / "spec.yml"
+    spec.write_text(yaml.safe_dump(spec_for(2, 1).to_dict()))
+    codes = run_script(Path(__file__).with_name("ps_unclosed.py"),
+                       ["worker", "worker", "server"], tmp_path,
+                       {"PS_SPEC": str(spec), "PS_MODE": mode})
+    assert codes == ["0"] * 3, codes
+    assert (tmp_path / "trained0").exists() and (tmp_path / "trained1").exists()
+
+
 @pytest.mark.parametrize("config", ["w2", "w2s2"])
 def test_asynchronous_runs_ahead_and_converges(config: str,
                                                 request: pytest.FixtureRequest) -> None:

@@ -28,9 +28,12 @@ replies use their own groups and tags.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -215,6 +218,7 @@ class AsyncEngine(EngineBase):
                 self._service = threading.Thread(target=self._service_main,
                                                  name="stratagem-ps-service", daemon=True)
                 self._service.start()
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- client: forward -----------------------------------------------------------------
     @property
@@ -585,9 +589,10 @@ class AsyncEngine(EngineBase):
     def finish_pulls(self) -> None:
         """Nothing pending between steps that a state_dict() must wait for."""
 
-    def close(self) -> None:
+    def close(self, wait_s: float | None = None) -> None:
         """Tell every owner this worker is done; an owning worker then waits for the
-        others to finish (its service answers them until their STOP)."""
+        others to finish (its service answers them until their STOP; at most ``wait_s``
+        seconds, None: as long as it takes)."""
         if self._closed:
             return
         self._closed = True
@@ -601,7 +606,33 @@ class AsyncEngine(EngineBase):
                 self._send(o, STOP, torch.empty(0, dtype=torch.uint8))
         self._wait_sends()
         if self._service is not None:
-            self._service.join()
-            self._check_service()
+            self._service.join(wait_s)
+            if not self._service.is_alive():
+                self._check_service()
         self.remove_hooks()
         self.cluster.retire(self.namespace)
+
+    def _stop_services(self) -> None:
+        """Only the STOPs: the owners and dedicated servers count this worker done."""
+        self._closed = True
+        self._sends.clear()  # (a failed step's sends are not waited for)
+        for o in self.services:
+            if o != self.rank:
+                self._send(o, STOP, torch.empty(0, dtype=torch.uint8))
+        self._wait_sends()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """Interpreter exit of a worker that did not close: every owner and dedicated server
+    waits for each worker's STOP, and without it a dedicated server never ends. After an
+    uncaught exception, or in the middle of a backward pass, only the STOPs are sent;
+    otherwise the worker closes, serving the others (if it owns pieces) until they are
+    done, at most the data timeout."""
+    engine = ref()
+    if engine is None or engine._closed:
+        return
+    with contextlib.suppress(Exception):  # at exit, peers may already be gone
+        if engine._queued or getattr(sys, "last_value", None) is not None:
+            engine._stop_services()
+        else:
+            engine.close(wait_s=data_timeout().total_seconds())
