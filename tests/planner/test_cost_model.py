@@ -275,13 +275,6 @@ def test_measured_links_replace_the_spec_only_where_they_differ() -> None:
     # a ring all-reduce of 10 MB at 25 MB/s: 2(n-1)/n * S / bw + 2(n-1) alpha
     assert ring_allreduce_time(slow, ["10.0.0.1:CPU:0", "10.0.0.2:CPU:0"], 10e6) == \
         pytest.approx(10e6 / 25e6 + 2 * 2e-4)
-    # measured, a group's fixed cost replaces the 2(n-1) latencies, once per round
-    queued = base.measured(replace(probe(25e6), group_fixed_s=3e-3), spec)
-    assert queued.group_fixed_s == 3e-3 and slow.group_fixed_s == 0.0
-    devices = ["10.0.0.1:CPU:0", "10.0.0.2:CPU:0"]
-    assert ring_allreduce_time(queued, devices, 10e6) == pytest.approx(10e6 / 25e6 + 3e-3)
-    assert ring_allreduce_time(queued, devices, 10e6, rounds=2) == \
-        pytest.approx(10e6 / 25e6 + 2 * 3e-3)
     assert base.measured(probe(0.95 * nominal), spec).nic_bps == base.nic_bps
     assert base.measured(probe(1.2 * nominal), spec).nic_bps == base.nic_bps
     assert base.measured(probe(10 * nominal), spec).nic_bps == (10 * nominal,) * 2

@@ -84,9 +84,6 @@ class LinkModel:
     software, slower per byte than fp32 where the CPU, not the wire, bounds the ring.
     A compressor not listed moves its bytes at fp32's rate."""
 
-    group_fixed_s: float = 0.0
-    """Measured fixed seconds of one all-reduce group in the runtime (a small all-reduce
-    among queued ones, beyond its wire time); 0: not measured, ``2(n-1)`` latencies."""
     big_rate: float = 0.0
     """Measured bus rate of a ``BIG_BYTES`` all-reduce over the small ones' (0: not
     measured). Rings past ``SMALL_BYTES`` move towards it (see :meth:`size_factor`)."""
@@ -123,7 +120,6 @@ class LinkModel:
     def measured(self, probe: Any, spec: ResourceSpec) -> LinkModel:
         """This model with ``probe``'s (:class:`~stratagem.planner.probe.LinkProbe`)
         measured figures: the fixed cost of a collective as the ring's per-message latency,
-        that of a queued all-reduce with a payload as an all-reduce group's fixed cost,
         the point-to-point message cost as the PS message cost, a chained all-to-all's as
         the sparse exchange's per collective, a chained pull round's as an embedding
         call's, the rest of that sparse step as a step's push (each with its cost per row),
@@ -137,7 +133,6 @@ class LinkModel:
                       all_to_all_s=probe.all_to_all_s, pull_round_s=probe.pull_round_s,
                       sparse_push_s=probe.sparse_push_s, pull_row_s=probe.pull_row_s,
                       push_row_s=probe.push_row_s,
-                      group_fixed_s=probe.group_fixed_s,
                       big_rate=probe.big_rate,
                       half_rates=tuple((c, r) for c, r in (("fp16", probe.fp16_rate),
                                                            ("bf16", probe.bf16_rate)) if r > 0))
@@ -210,12 +205,10 @@ def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
                         rounds: int = 1, rate: float = 1.0) -> float:
     """2(n-1)/n * bytes / (slowest link on the ring), slower for a large buffer where
     measured (:meth:`LinkModel.size_factor`) and at ``rate`` times fp32's bytes/s (a
-    half-precision ring's, :meth:`LinkModel.half_rate`), + a group's fixed cost each round
-    (``rounds``: all-reduces in a row, e.g. PowerSGD's two): the measured
-    ``group_fixed_s``, else 2(n-1) messages of latency."""
+    half-precision ring's, :meth:`LinkModel.half_rate`), + 2(n-1) messages of latency
+    each round (``rounds``: all-reduces in a row, e.g. PowerSGD's two)."""
     n = len(devices)
     if n < 2:
         return 0.0
     wire = links.transfer_time(ring_flows(devices, nbytes)) * links.size_factor(nbytes)
-    fixed = links.group_fixed_s if links.group_fixed_s > 0 else 2 * (n - 1) * links.latency_s
-    return wire / rate + rounds * fixed
+    return wire / rate + rounds * 2 * (n - 1) * links.latency_s

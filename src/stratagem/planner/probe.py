@@ -12,9 +12,7 @@ Two measurements, both seconds long at most:
   see it. A one-element all-reduce repeated gives the fixed cost of one collective; all-
   reduces of a few sizes give the effective bus bandwidth (the slope), and one of 64 MiB,
   where it fits the budget, the rate of buffers past the caches; a one-element
-  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message; small
-  all-reduces queued back to back, as the reducer launches its groups, the fixed cost of
-  one all-reduce group (:data:`QUEUED`); tiny
+  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message, and tiny
   all-to-alls back to back the cost of one in a chain (the sparse rows' exchange is such a
   chain: ids, rows, counts, each waiting for the last); the runtime's own sparse exchange
   (:func:`_sparse_steps`), with few rows and with many, gives a pull round's cost (an
@@ -64,13 +62,6 @@ CHAIN = 8
 four workers on two cores one all-to-all after a barrier took 0.5 ms, four in a row 4.6 ms
 (each waits for every peer to be scheduled again), and the rows' exchange is such a chain."""
 CHAIN_REPEATS = 5
-QUEUED = 8
-QUEUED_KIB = 64
-"""All-reduces of this many KiB launched back to back, ``QUEUED`` at a time, as the
-runtime's reducer launches its groups during backward: the fixed cost of a group. A
-one-element all-reduce understates it. Four workers on two cores at 10 Gbit/s: 0.5 ms for
-one element, 6-8 ms for 1 KiB to 256 KiB (each ring hop waits for the next process to
-be scheduled), 6 ms each queued; many_small's step grew by 7 ms per group."""
 ROUND_ROWS = (32, 512)
 """Rows one worker asks of each other worker in a timed pull round (16 floats each): a
 few (the fixed cost of a round and a push), then many (the cost per row)."""
@@ -137,9 +128,6 @@ class LinkProbe:
     measured)."""
     bf16_rate: float = 0.0
     """The same for bf16."""
-    group_fixed_s: float = 0.0
-    """Fixed seconds of one all-reduce with a payload among queued ones (``QUEUED_KIB``;
-    its wire time at ``bus_bps`` taken off, at least ``collective_s``; 0: not measured)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "collective_s": self.collective_s,
@@ -148,7 +136,6 @@ class LinkProbe:
                 "sparse_push_s": self.sparse_push_s, "pull_row_s": self.pull_row_s,
                 "push_row_s": self.push_row_s, "big_rate": self.big_rate,
                 "fp16_rate": self.fp16_rate, "bf16_rate": self.bf16_rate,
-                "group_fixed_s": self.group_fixed_s,
                 "seconds": self.seconds, "nominal_bps": self.nominal_bps}
 
 
@@ -289,23 +276,6 @@ def _ping_pong(repeats: int) -> float:
             dist.send(t, 0)
         times.append((time.perf_counter() - s) / 2)
     return statistics.median(times) if rank == 0 else 0.0
-
-
-def _queued_allreduce(repeats: int) -> float:
-    """Seconds of one ``QUEUED_KIB`` all-reduce among ``QUEUED`` launched back to back and
-    waited for together (median over ``repeats``, after a warm-up)."""
-    bufs = [torch.zeros(QUEUED_KIB * 256) for _ in range(QUEUED)]
-
-    def once() -> float:
-        dist.barrier()
-        s = time.perf_counter()
-        works = [dist.all_reduce(b, async_op=True) for b in bufs]
-        for w in works:
-            w.wait()
-        return (time.perf_counter() - s) / QUEUED
-
-    once()
-    return statistics.median(once() for _ in range(repeats))
 
 
 def _chained_all_to_all(chain: int, repeats: int) -> float:
@@ -469,13 +439,11 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
         fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
         bus / ring)
     message = _ping_pong(TINY_REPEATS)
-    queued = _queued_allreduce(CHAIN_REPEATS)
-    group_fixed = max(fixed, queued - ring * QUEUED_KIB * 1024 / bus)
     chained = _chained_all_to_all(CHAIN, CHAIN_REPEATS)
     sp = _sparse_steps(CHAIN, CHAIN_REPEATS, bus)
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
                             sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,
-                            big_rate, group_fixed], dtype=torch.float64)
+                            big_rate], dtype=torch.float64)
     dist.all_reduce(figures)
     figures /= world  # the ranks' mean (the message: rank 0's measure)
     probe = LinkProbe(world=world, collective_s=float(figures[0]), bus_bps=float(figures[1]),
@@ -484,7 +452,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
                       pull_round_s=float(figures[4]), pull_row_s=float(figures[5]),
                       sparse_push_s=float(figures[6]), push_row_s=float(figures[7]),
                       fp16_rate=float(figures[8]), bf16_rate=float(figures[9]),
-                      big_rate=float(figures[10]), group_fixed_s=float(figures[11]))
+                      big_rate=float(figures[10]))
     if use_cache:
         _LINKS[key] = probe
     return probe
