@@ -40,12 +40,17 @@ OPTS = ("sgd", "adagrad", "adam")
 SYNC_CASES = [(b, o) for b in BUILDERS for o in OPTS]
 
 
-def run_steps(dm: Any, opts: list, steps: range, sl: slice, scheds: list | None = None
-              ) -> None:
+def run_steps(dm: Any, opts: list, steps: range, sl: slice, scheds: list | None = None,
+              data: Any = batch, pause_s: float = 0.0) -> None:
     """Optimizer steps ``steps`` of a user's loop on this worker's slice ``sl`` of each
-    global batch (``scheds``: LR schedulers stepped after each)."""
+    global batch ``data(step)`` (``scheds``: LR schedulers stepped after each; ``pause_s``:
+    a sleep before each step, a slow worker's)."""
+    import time
+
     for step in steps:
-        x, y = batch(step)
+        if pause_s:
+            time.sleep(pause_s)
+        x, y = data(step)
         for o in opts:
             o.zero_grad()
         loss_fn(dm(x[sl]), y[sl]).backward()
@@ -189,8 +194,6 @@ def consistency_case(cluster: Any, spec: Any, sync: bool, staleness: int, slow: 
                      delay: float = 0.02, steps: int = 40,
                      local_proxy_variable: bool = False) -> Any:
     """SGD on the teacher task with worker ``slow`` sleeping ``delay`` s per step."""
-    import time
-
     from ps_common import task_batch, task_loss
 
     rank, W = cluster.rank, cluster.workers
@@ -207,16 +210,8 @@ def consistency_case(cluster: Any, spec: Any, sync: bool, staleness: int, slow: 
     dm = DistributedModel(model, plan, optimizer=opts, cluster=cluster)
     before = task_loss(dm.module)
     per = BATCH // W
-    sl = slice(rank * per, (rank + 1) * per)
-    for step in range(steps):
-        if rank == slow:
-            time.sleep(delay)
-        x, y = task_batch(step)
-        for o in opts:
-            o.zero_grad()
-        loss_fn(dm(x[sl]), y[sl]).backward()
-        for o in opts:
-            o.step()
+    run_steps(dm, opts, range(steps), slice(rank * per, (rank + 1) * per), data=task_batch,
+              pause_s=delay if rank == slow else 0.0)
     history = list(dm._ps.history)
     dm.refresh_parameters()
     after = task_loss(dm.module)

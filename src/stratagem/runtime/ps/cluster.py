@@ -213,10 +213,7 @@ class Cluster:
         for groups in self._groups.values():
             for group in groups:
                 group.interrupt()
-        deadline = time.monotonic() + QUIESCE_S
-        for t in [self._hb_thread, *(t for t, _ in self._threads)]:
-            if t is not None and t is not threading.current_thread():
-                t.join(max(0.0, deadline - time.monotonic()))
+        join_all([self._hb_thread, *(t for t, _ in self._threads)])
 
     # -- heartbeat and failure explanation ---------------------------------------------
     def start_heartbeat(self) -> None:
@@ -414,6 +411,15 @@ class Group:
         (shutdown alone leaves them until the object is collected)."""
         self.shutdown()
         self.pg = None
+
+
+def join_all(threads: Sequence[threading.Thread | None], seconds: float = QUIESCE_S
+             ) -> None:
+    """Wait for ``threads`` to end, at most ``seconds`` for all of them together."""
+    deadline = time.monotonic() + seconds
+    for t in threads:
+        if t is not None and t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _quiesce_at_exit(ref: weakref.ref) -> None:

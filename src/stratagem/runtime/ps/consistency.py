@@ -601,10 +601,7 @@ class AsyncEngine(EngineBase):
                 self._receive(o, reqid)
         self._prefetch.clear()
         self._wait_sends()
-        for o in self.services:
-            if o != self.rank:
-                self._send(o, STOP, torch.empty(0, dtype=torch.uint8))
-        self._wait_sends()
+        self._send_stops()
         if self._service is not None:
             self._service.join(wait_s)
             if not self._service.is_alive():
@@ -612,10 +609,8 @@ class AsyncEngine(EngineBase):
         self.remove_hooks()
         self.cluster.retire(self.namespace)
 
-    def _stop_services(self) -> None:
-        """Only the STOPs: the owners and dedicated servers count this worker done."""
-        self._closed = True
-        self._sends.clear()  # (a failed step's sends are not waited for)
+    def _send_stops(self) -> None:
+        """STOP to every other owner and dedicated server: they count this worker done."""
         for o in self.services:
             if o != self.rank:
                 self._send(o, STOP, torch.empty(0, dtype=torch.uint8))
@@ -633,6 +628,8 @@ def _close_at_exit(ref: weakref.ref) -> None:
         return
     with contextlib.suppress(Exception):  # at exit, peers may already be gone
         if engine._queued or getattr(sys, "last_value", None) is not None:
-            engine._stop_services()
+            engine._closed = True
+            engine._sends.clear()  # (a failed step's sends are not waited for)
+            engine._send_stops()
         else:
             engine.close(wait_s=data_timeout().total_seconds())

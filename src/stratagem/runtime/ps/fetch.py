@@ -42,7 +42,7 @@ import torch
 
 from stratagem.errors import DistributedError
 from stratagem.runtime.ps import statewire
-from stratagem.runtime.ps.cluster import QUIESCE_S, Group, data_timeout
+from stratagem.runtime.ps.cluster import Group, data_timeout, join_all
 from stratagem.runtime.ps.plan import PSPiece
 
 IDLE = timedelta(days=365)  # an owner waits this long for a worker's next request
@@ -151,9 +151,7 @@ class FetchService:
         receive that returns while the interpreter finalizes aborts the process (see
         ``cluster.py``, *Exit*)."""
         self.group.shutdown()
-        deadline = time.monotonic() + QUIESCE_S
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        join_all(self._threads)
 
 
 class FetchClient:
