@@ -275,6 +275,13 @@ def test_measured_links_replace_the_spec_only_where_they_differ() -> None:
     # a ring all-reduce of 10 MB at 25 MB/s: 2(n-1)/n * S / bw + 2(n-1) alpha
     assert ring_allreduce_time(slow, ["10.0.0.1:CPU:0", "10.0.0.2:CPU:0"], 10e6) == \
         pytest.approx(10e6 / 25e6 + 2 * 2e-4)
+    # measured, a group's fixed cost replaces the 2(n-1) latencies, once per round
+    queued = base.measured(replace(probe(25e6), group_fixed_s=3e-3), spec)
+    assert queued.group_fixed_s == 3e-3 and slow.group_fixed_s == 0.0
+    devices = ["10.0.0.1:CPU:0", "10.0.0.2:CPU:0"]
+    assert ring_allreduce_time(queued, devices, 10e6) == pytest.approx(10e6 / 25e6 + 3e-3)
+    assert ring_allreduce_time(queued, devices, 10e6, rounds=2) == \
+        pytest.approx(10e6 / 25e6 + 2 * 3e-3)
     assert base.measured(probe(0.95 * nominal), spec).nic_bps == base.nic_bps
     assert base.measured(probe(1.2 * nominal), spec).nic_bps == base.nic_bps
     assert base.measured(probe(10 * nominal), spec).nic_bps == (10 * nominal,) * 2
@@ -332,3 +339,50 @@ def test_update_is_priced_per_byte_and_sparse_gradients_all_reduced_are_densifie
     # not measured (0): the calibrated optimizer time, by the share of the model updated
     assert predict(ar, _profile(), s, _cal(optimizer_s=0.03), links(s)).parts["update"] \
         == pytest.approx(0.03)
+
+
+def test_a_dense_bucket_push_and_pull_each_cost_a_measured_hop() -> None:
+    """With a measured group cost ``g`` (a ring's 2(n-1) hops), a dense PS bucket's push
+    and its values' pull each cost ``g / 2(n-1)``; an all-reduce group costs ``g``."""
+    s = spec(4)
+    w = s.replicas
+    ps = Strategy(node_config=(NodeConfig("fc", PSSynchronizer(reduction_destination=w[1])),
+                               )).with_replicas(w)
+    ar = Strategy(node_config=(NodeConfig("fc", AllReduceSynchronizer(group=0)),
+                               )).with_replicas(w)
+    prof = ModelProfile(params=(ParamInfo("fc", (5,), "float32", 5, 20),))
+    cal = _cal(grad_ready_s={"fc": 0.02})
+    flat = links(s, latency_s=0.0, message_cpu_s=0.0)
+    hops = links(s, latency_s=0.0, message_cpu_s=0.0, group_fixed_s=6e-3)
+    assert hops.hop_s(4) == pytest.approx(1e-3) and flat.hop_s(4) == 0.0
+    push_pull = predict(ps, prof, s, cal, hops).total_s - predict(ps, prof, s, cal, flat).total_s
+    assert push_pull == pytest.approx(2e-3, rel=1e-3)  # a hop each way, after backward
+    ring = predict(ar, prof, s, cal, hops).total_s - predict(ar, prof, s, cal, flat).total_s
+    assert ring == pytest.approx(6e-3, rel=1e-3)
+
+
+def test_measured_interference_adds_its_share_of_the_overlapped_transfers() -> None:
+    """fc's all-reduce (8 ms at 1 Gbit/s) runs from 5 to 13 ms, inside backward (20 ms);
+    emb's starts when backward ends. With half of an overlapped transfer's time taken from
+    the compute, the step grows by 4 ms; the exposed tail is emb's alone either way."""
+    s = spec(2)
+    strat = Strategy(node_config=(NodeConfig("emb", AllReduceSynchronizer(group=0)),
+                                  NodeConfig("fc", AllReduceSynchronizer(group=1))))
+    strat = strat.with_replicas(s.replicas)
+    hidden = predict(strat, _profile(), s, _cal(), links(s, latency_s=0.0))
+    shared = predict(strat, _profile(), s, _cal(), links(s, latency_s=0.0, interference=0.5))
+    fc = 1e6 / GBIT_BYTES
+    assert shared.parts["contention"] == pytest.approx(0.5 * fc)
+    assert shared.total_s - hidden.total_s == pytest.approx(0.5 * fc)
+    assert shared.parts["backward_tail"] == pytest.approx(hidden.parts["backward_tail"])
+    assert hidden.parts["contention"] == 0.0
+
+
+def test_overlapped_time_of_a_given_timeline() -> None:
+    from stratagem.planner.timeline import overlapped
+
+    slots = schedule([("a", 0.0, 0.004), ("b", 0.001, 0.010), ("c", 0.030, 0.002)])
+    # a: 0-4 ms, b: 4-14 ms (waits for a), c: 30-32 ms; compute ends at 10 ms
+    assert overlapped(slots, 0.010) == pytest.approx(0.004 + 0.006)
+    assert overlapped(slots, 0.0) == 0.0
+    assert overlapped(slots, 1.0) == pytest.approx(0.016)

@@ -44,6 +44,11 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     assert probe["nominal_bps"] > 4 * SHAPED_BPS  # the spec's 1 Gbit/s
     assert res["nic_bps"] == [probe["bus_bps"]] * 2  # the model uses the measured rate
     assert 0 < probe["collective_s"] < 0.05 and 0 < probe["message_s"] < 0.05
+    # an all-reduce with a payload, queued as the reducer queues its groups, costs at
+    # least what a one-element one does beyond its wire time
+    assert probe["collective_s"] <= probe["group_fixed_s"] < 0.05, probe
+    # what an overlapped all-reduce takes from a compute loop beside it: a share
+    assert 0.0 <= probe["interference"] <= 1.0, probe
     assert 0 < probe["all_to_all_s"] < 0.05
     # a pull round is two all-to-alls and the runtime's work around them
     assert probe["all_to_all_s"] < probe["pull_round_s"] < 0.05

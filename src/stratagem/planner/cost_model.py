@@ -9,6 +9,8 @@ exactly what the runtime would execute:
   taking ``ring_allreduce_time`` of its (compressed) bytes plus the compressor's own work;
 - **dense PS buckets**: pushed to their owner as they are ready (per-owner load, incast),
   the updated values pulled back after the update (exposed: the next forward waits);
+  the push and the pull each cost a hop (:meth:`LinkModel.hop_s`: a ring's measured
+  group cost per hop, the all-reduce groups' own fixed cost being the whole ring's);
 - **sparse PS pieces**: rows a worker touches (``AccessStats``) spread over the owners by
   their share of the rows; pulled in the forward (on-demand pieces: a pull round per
   embedding call, ``AccessStats.calls``) or refreshed after the update to every worker
@@ -18,7 +20,9 @@ exactly what the runtime would execute:
   rounds cost, and the push what the rest of the probe's sparse step cost, both with
   the probe's cost per row;
 - **overlap**: transfers queue on one link in launch order (``timeline.schedule``);
-  whatever ends after backward is exposed communication.
+  whatever ends after backward is exposed communication, and of what runs during
+  backward the measured share that takes the compute's CPU (``LinkModel.interference``)
+  is exposed too.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from stratagem.analysis.profile import AccessStats, ModelProfile
 from stratagem.planner.calibrate import Calibration
 from stratagem.planner.links import LinkModel, ring_allreduce_time, ring_flows
-from stratagem.planner.timeline import Slot, exposed, schedule
+from stratagem.planner.timeline import Slot, exposed, overlapped, schedule
 from stratagem.resource import ResourceSpec
 from stratagem.runtime.plan import GroupPlan, Plan, compile_plan
 from stratagem.runtime.ps.plan import PSPiece
@@ -175,11 +179,12 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             owned_bytes[b.owner] += nbytes
         push_total = links.transfer_time(push_flows_all)
         dense_bytes = sum(n for *_, n in buckets) or 1
+        hop = links.hop_s(W)  # a bucket's push, and the values' pull, each one hop
         for b, pieces, nbytes in buckets:
             events.append((_ready(cal, [p.param for p in pieces]), f"push bucket {b.id}",
-                           push_total * nbytes / dense_bytes + links.latency_s))
+                           push_total * nbytes / dense_bytes + hop))
         all_flows += push_flows_all + pull_flows
-        pull_s = links.transfer_time(pull_flows) + (links.latency_s if pull_flows else 0.0)
+        pull_s = links.transfer_time(pull_flows) + (hop if pull_flows else 0.0)
         # Sparse pieces: rows per worker, by owner.
         fwd_flows: list[tuple[str, str, float]] = []
         push_flows: list[tuple[str, str, float]] = []
@@ -249,6 +254,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         start = max(end, cal.backward_s)
         slots.append(Slot("sparse push", cal.backward_s, start, start + sparse_push_s))
     backward_tail = exposed(slots, cal.backward_s)
+    # what the overlapped transfers take from the backward pass's CPU (measured share)
+    contention_s = links.interference * overlapped(slots, cal.backward_s)
     # The local update touches what this worker updates: all-reduced values and its shards;
     # a sparse gradient all-reduced is first made dense (a pass over its bytes).
     local = ar_bytes + (max(owned_bytes) if owned_bytes else 0.0)
@@ -256,7 +263,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
                   for g in plan.groups for m in g.members if info[m.param].sparse)
     update_s = cal.update_s(local + densify, profile.total_bytes)
     compute = cal.forward_s + cal.backward_s + update_s
-    exposed_comm = backward_tail + pull_s + refresh_s + fwd_pull_s
+    exposed_comm = backward_tail + contention_s + pull_s + refresh_s + fwd_pull_s
     # Compressor work runs inside the queued transfers (counted there; shown apart).
     # The runtime's own work per tensor (hook, copy in and back) and per group.
     # (a dense PS bucket's machinery -- buffer, posting its sends -- is priced as a group's)
@@ -264,7 +271,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     runtime_s = tensors * cal.tensor_s + groups * cal.group_s + scan_s
     overhead = (messages - in_collectives) * links.message_cpu_s + runtime_s
     parts = {"forward": cal.forward_s, "backward": cal.backward_s, "update": update_s,
-             "backward_tail": backward_tail, "ps_pull": pull_s, "sparse_pull": fwd_pull_s,
+             "backward_tail": backward_tail, "contention": contention_s,
+             "ps_pull": pull_s, "sparse_pull": fwd_pull_s,
              "sparse_push": sparse_push_s, "refresh": refresh_s,
              "compressor_work": work_s, "messages": float(messages),
              "runtime": runtime_s, "tensors": float(tensors), "row_scan": scan_s}

@@ -148,10 +148,15 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
         p = choice.link_probe
         lines += ["", _cut(f"links measured ({p.seconds:.2f} s): {p.bus_bps * 8 / 1e9:.2f} "
                            f"Gbit/s (spec {p.nominal_bps * 8 / 1e9:.2f})", WIDTH),
-                  _cut(f"  fixed costs: collective {p.collective_s * 1e6:.0f} us, message "
-                       f"{p.message_s * 1e6:.0f} us"
+                  _cut(f"  fixed costs: collective {p.collective_s * 1e6:.0f} us"
+                       + (f" (a group's {p.group_fixed_s * 1e6:.0f} us)"
+                          if p.group_fixed_s else "")
+                       + f", message {p.message_s * 1e6:.0f} us"
                        + (f", chained all-to-all {p.all_to_all_s * 1e6:.0f} us"
                           if p.all_to_all_s else ""), WIDTH)]
+        if p.interference:
+            lines.append(_cut(f"  overlap: compute beside a transfer loses "
+                              f"{p.interference:.0%} of the transfer's time", WIDTH))
     if choice.trials:
         lines += ["", "trial steps (slowest rank, median):"]
         rows = [["candidate", "predicted ms", "measured ms", "error"]]

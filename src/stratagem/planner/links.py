@@ -84,9 +84,18 @@ class LinkModel:
     software, slower per byte than fp32 where the CPU, not the wire, bounds the ring.
     A compressor not listed moves its bytes at fp32's rate."""
 
+    group_fixed_s: float = 0.0
+    """Measured fixed seconds of one all-reduce group in the runtime (a small all-reduce
+    among queued ones, beyond its wire time); 0: not measured, ``2(n-1)`` latencies."""
     big_rate: float = 0.0
     """Measured bus rate of a ``BIG_BYTES`` all-reduce over the small ones' (0: not
     measured). Rings past ``SMALL_BYTES`` move towards it (see :meth:`size_factor`)."""
+    interference: float = 0.0
+    """Measured share of a transfer's time that the compute it overlaps loses (0: none,
+    the transfer is hidden; 1: the two take turns on the CPU). A ring at 10 Gbit/s on a
+    core per worker is CPU work: overlapped with backward it slowed backward by about
+    its own time (``probe._interference``); at 1 Gbit/s the wire bounds it and the CPU
+    waits. 0: not measured."""
 
     def size_factor(self, nbytes: float) -> float:
         """How much longer a ring all-reduce of ``nbytes`` takes than the small buffers'
@@ -96,6 +105,16 @@ class LinkModel:
             return 1.0
         share = min(1.0, math.log(nbytes / SMALL_BYTES) / math.log(BIG_BYTES / SMALL_BYTES))
         return 1.0 + share * (1.0 / self.big_rate - 1.0)
+
+    def hop_s(self, world: int) -> float:
+        """Fixed seconds of one point-to-point hop among queued transfers: a measured
+        group's fixed cost shared over the ``2(world-1)`` hops of its ring (a dense PS
+        bucket's push or pull is one such hop: priced at the one-element latency, a
+        parameter server looked cheaper than a ring for a 20-byte model), else the
+        latency."""
+        if self.group_fixed_s > 0 and world > 1:
+            return self.group_fixed_s / (2 * (world - 1))
+        return self.latency_s
 
     def half_rate(self, compressor: str) -> float:
         """Bytes/s of ``compressor``'s all-reduce over fp32's (1.0: not measured)."""
@@ -120,6 +139,7 @@ class LinkModel:
     def measured(self, probe: Any, spec: ResourceSpec) -> LinkModel:
         """This model with ``probe``'s (:class:`~stratagem.planner.probe.LinkProbe`)
         measured figures: the fixed cost of a collective as the ring's per-message latency,
+        that of a queued all-reduce with a payload as an all-reduce group's fixed cost,
         the point-to-point message cost as the PS message cost, a chained all-to-all's as
         the sparse exchange's per collective, a chained pull round's as an embedding
         call's, the rest of that sparse step as a step's push (each with its cost per row),
@@ -133,7 +153,8 @@ class LinkModel:
                       all_to_all_s=probe.all_to_all_s, pull_round_s=probe.pull_round_s,
                       sparse_push_s=probe.sparse_push_s, pull_row_s=probe.pull_row_s,
                       push_row_s=probe.push_row_s,
-                      big_rate=probe.big_rate,
+                      group_fixed_s=probe.group_fixed_s,
+                      big_rate=probe.big_rate, interference=probe.interference,
                       half_rates=tuple((c, r) for c, r in (("fp16", probe.fp16_rate),
                                                            ("bf16", probe.bf16_rate)) if r > 0))
         if (probe.bus_bps < (1 - MEASURED_DIFFERS) * probe.nominal_bps
@@ -205,10 +226,12 @@ def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
                         rounds: int = 1, rate: float = 1.0) -> float:
     """2(n-1)/n * bytes / (slowest link on the ring), slower for a large buffer where
     measured (:meth:`LinkModel.size_factor`) and at ``rate`` times fp32's bytes/s (a
-    half-precision ring's, :meth:`LinkModel.half_rate`), + 2(n-1) messages of latency
-    each round (``rounds``: all-reduces in a row, e.g. PowerSGD's two)."""
+    half-precision ring's, :meth:`LinkModel.half_rate`), + a group's fixed cost each round
+    (``rounds``: all-reduces in a row, e.g. PowerSGD's two): the measured
+    ``group_fixed_s``, else 2(n-1) messages of latency."""
     n = len(devices)
     if n < 2:
         return 0.0
     wire = links.transfer_time(ring_flows(devices, nbytes)) * links.size_factor(nbytes)
-    return wire / rate + rounds * 2 * (n - 1) * links.latency_s
+    fixed = links.group_fixed_s if links.group_fixed_s > 0 else 2 * (n - 1) * links.latency_s
+    return wire / rate + rounds * fixed

@@ -12,7 +12,9 @@ Two measurements, both seconds long at most:
   see it. A one-element all-reduce repeated gives the fixed cost of one collective; all-
   reduces of a few sizes give the effective bus bandwidth (the slope), and one of 64 MiB,
   where it fits the budget, the rate of buffers past the caches; a one-element
-  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message, and tiny
+  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message; small
+  all-reduces queued back to back, as the reducer launches its groups, the fixed cost of
+  one all-reduce group (:data:`QUEUED`); tiny
   all-to-alls back to back the cost of one in a chain (the sparse rows' exchange is such a
   chain: ids, rows, counts, each waiting for the last); the runtime's own sparse exchange
   (:func:`_sparse_steps`), with few rows and with many, gives a pull round's cost (an
@@ -20,7 +22,9 @@ Two measurements, both seconds long at most:
   owner update), each fixed and per row; one size all-reduced again as fp16 and as bf16
   gives how much faster or slower half-precision bytes move (gloo sums fp16 elementwise
   in software: on loopback an fp16 all-reduce of half the bytes took 1.2x an fp32 one's
-  time, a bf16 one 0.6x, so on a CPU-bound link fp16 compression saves nothing). Every
+  time, a bf16 one 0.6x, so on a CPU-bound link fp16 compression saves nothing); an
+  all-reduce run beside a compute loop gives how much of its time the compute loses
+  (:func:`_interference`: on a fast link moving bytes is CPU work, not hidden by overlap). Every
   number is averaged over the ranks with an all-reduce, so every rank plans with the same
   link model. Bounded: each size is tried only if it fits in ``PROBE_BUDGET_S`` at the
   rate measured so far (the spec's nominal rate at first).
@@ -62,10 +66,25 @@ CHAIN = 8
 four workers on two cores one all-to-all after a barrier took 0.5 ms, four in a row 4.6 ms
 (each waits for every peer to be scheduled again), and the rows' exchange is such a chain."""
 CHAIN_REPEATS = 5
+QUEUED = 8
+QUEUED_KIB = 64
+"""All-reduces of this many KiB launched back to back, ``QUEUED`` at a time, as the
+runtime's reducer launches its groups during backward: the fixed cost of a group. A
+one-element all-reduce understates it. Four workers on two cores at 10 Gbit/s: 0.5 ms for
+one element, 6-8 ms for 1 KiB to 256 KiB (each ring hop waits for the next process to
+be scheduled), 6 ms each queued; many_small's step grew by 7 ms per group."""
 ROUND_ROWS = (32, 512)
 """Rows one worker asks of each other worker in a timed pull round (16 floats each): a
 few (the fixed cost of a round and a push), then many (the cost per row)."""
 ROW_BYTES = 16 * 4 + 8  # a probe row and its id
+INTERFERE_S = 0.05
+"""Seconds (at the measured rate) of the all-reduce run under a compute loop of about its
+length, to measure how much each slows the other: the cost model's
+``LinkModel.interference``."""
+INTERFERE_MIB = (0.25, 16.0)
+"""Bounds of that all-reduce's size."""
+WORK_N = 128
+"""The compute loop's matrices (``WORK_N`` square, fp32 matmuls: backward's kind of work)."""
 HALF_MIB = 4.0
 """The size (MiB) all-reduced again in fp16 and bf16, the same bytes in each dtype (less
 where it would not fit in the budget below at the measured rate; the ratio moves with the
@@ -128,6 +147,12 @@ class LinkProbe:
     measured)."""
     bf16_rate: float = 0.0
     """The same for bf16."""
+    group_fixed_s: float = 0.0
+    """Fixed seconds of one all-reduce with a payload among queued ones (``QUEUED_KIB``;
+    its wire time at ``bus_bps`` taken off, at least ``collective_s``; 0: not measured)."""
+    interference: float = 0.0
+    """Share of an overlapped all-reduce's time a compute loop beside it loses
+    (:func:`_interference`; 0: none, or not measured)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "collective_s": self.collective_s,
@@ -136,6 +161,7 @@ class LinkProbe:
                 "sparse_push_s": self.sparse_push_s, "pull_row_s": self.pull_row_s,
                 "push_row_s": self.push_row_s, "big_rate": self.big_rate,
                 "fp16_rate": self.fp16_rate, "bf16_rate": self.bf16_rate,
+                "group_fixed_s": self.group_fixed_s, "interference": self.interference,
                 "seconds": self.seconds, "nominal_bps": self.nominal_bps}
 
 
@@ -261,6 +287,52 @@ def _half_rates(fixed: float, budget_s: float, ring_bps: float) -> tuple[float, 
             took[torch.float32] / took[torch.bfloat16])
 
 
+def _agreed(value: float, op: Any = None) -> float:
+    """``value`` reduced over the ranks (the minimum by default): every rank sizes alike."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=op or dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def _interference(fixed: float, bus_bps: float, ring: float, repeats: int = 3) -> float:
+    """Share of an overlapped all-reduce's time that a compute loop running beside it
+    loses: (loop under the all-reduce - loop alone) / the all-reduce's time alone, in
+    [0, 1]. The all-reduce takes about ``INTERFERE_S``; the loop (``WORK_N`` matmuls) is
+    sized to match. Where the wire bounds the transfer the CPU is free and the loop runs
+    at full speed (about 0); where moving the bytes is CPU work on the same cores, the
+    loop waits for it (about 1). Medians over ``repeats`` rounds of (loop alone,
+    all-reduce alone, both at once)."""
+    lo, hi = (int(m * 2 ** 20) for m in INTERFERE_MIB)
+    nbytes = int(_agreed(min(hi, max(lo, bus_bps * INTERFERE_S / ring)))) // 4 * 4
+    buf = torch.zeros(nbytes // 4)
+    a, b = torch.randn(WORK_N, WORK_N), torch.randn(WORK_N, WORK_N)
+
+    def work(n: int) -> float:
+        s = time.perf_counter()
+        for _ in range(n):
+            torch.mm(a, b)
+        return time.perf_counter() - s
+
+    dist.all_reduce(buf)  # warm-up
+    per = work(16) / 16
+    ring_s = ring * nbytes / bus_bps + fixed
+    n = max(4, int(_agreed(ring_s / max(per, 1e-7))))
+    alone, comm, under = [], [], []
+    for _ in range(repeats):
+        dist.barrier()
+        alone.append(work(n))
+        dist.barrier()
+        s = time.perf_counter()
+        dist.all_reduce(buf)
+        comm.append(time.perf_counter() - s)
+        dist.barrier()
+        handle = dist.all_reduce(buf, async_op=True)
+        under.append(work(n))
+        handle.wait()
+    lost = statistics.median(under) - statistics.median(alone)
+    return min(1.0, max(0.0, lost / max(statistics.median(comm), 1e-9)))
+
+
 def _ping_pong(repeats: int) -> float:
     """Half a round trip of a one-element message between ranks 0 and 1 (others wait)."""
     rank = dist.get_rank()
@@ -276,6 +348,23 @@ def _ping_pong(repeats: int) -> float:
             dist.send(t, 0)
         times.append((time.perf_counter() - s) / 2)
     return statistics.median(times) if rank == 0 else 0.0
+
+
+def _queued_allreduce(repeats: int) -> float:
+    """Seconds of one ``QUEUED_KIB`` all-reduce among ``QUEUED`` launched back to back and
+    waited for together (median over ``repeats``, after a warm-up)."""
+    bufs = [torch.zeros(QUEUED_KIB * 256) for _ in range(QUEUED)]
+
+    def once() -> float:
+        dist.barrier()
+        s = time.perf_counter()
+        works = [dist.all_reduce(b, async_op=True) for b in bufs]
+        for w in works:
+            w.wait()
+        return (time.perf_counter() - s) / QUEUED
+
+    once()
+    return statistics.median(once() for _ in range(repeats))
 
 
 def _chained_all_to_all(chain: int, repeats: int) -> float:
@@ -439,11 +528,14 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
         fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
         bus / ring)
     message = _ping_pong(TINY_REPEATS)
+    queued = _queued_allreduce(CHAIN_REPEATS)
+    group_fixed = max(fixed, queued - ring * QUEUED_KIB * 1024 / bus)
     chained = _chained_all_to_all(CHAIN, CHAIN_REPEATS)
     sp = _sparse_steps(CHAIN, CHAIN_REPEATS, bus)
+    interference = _interference(fixed, bus, ring)
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
                             sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,
-                            big_rate], dtype=torch.float64)
+                            big_rate, group_fixed, interference], dtype=torch.float64)
     dist.all_reduce(figures)
     figures /= world  # the ranks' mean (the message: rank 0's measure)
     probe = LinkProbe(world=world, collective_s=float(figures[0]), bus_bps=float(figures[1]),
@@ -452,7 +544,8 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
                       pull_round_s=float(figures[4]), pull_row_s=float(figures[5]),
                       sparse_push_s=float(figures[6]), push_row_s=float(figures[7]),
                       fp16_rate=float(figures[8]), bf16_rate=float(figures[9]),
-                      big_rate=float(figures[10]))
+                      big_rate=float(figures[10]), group_fixed_s=float(figures[11]),
+                      interference=float(figures[12]))
     if use_cache:
         _LINKS[key] = probe
     return probe

@@ -2,7 +2,10 @@
 
 Transfers start in launch order, each when its data is ready (its last gradient exists) and
 the one before it has finished (one link, used in turn). Communication that ends after the
-backward pass is *exposed*: it adds to the step.
+backward pass is *exposed*: it adds to the step. Communication *overlapped* with the
+backward pass is hidden only as far as it leaves the compute its CPU: where moving the
+bytes is CPU work on the same cores (a fast link, a busy host), some of it adds too
+(:attr:`~stratagem.planner.links.LinkModel.interference`).
 """
 
 from __future__ import annotations
@@ -36,3 +39,8 @@ def exposed(slots: Sequence[Slot], compute_end_s: float) -> float:
     """Seconds of communication left when the compute ends."""
     end = max((s.end_s for s in slots), default=0.0)
     return max(0.0, end - compute_end_s)
+
+
+def overlapped(slots: Sequence[Slot], compute_end_s: float) -> float:
+    """Seconds of communication that run while the compute does (before it ends)."""
+    return sum(max(0.0, min(s.end_s, compute_end_s) - s.start_s) for s in slots)
