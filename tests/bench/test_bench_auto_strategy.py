@@ -207,3 +207,20 @@ def test_targets_known_answer() -> None:
     none = {t["target"]: t["met"] for t in auto_strategy.targets(
         {"a": case("cnn", 2, None, None, [], None)})}
     assert set(none.values()) == {None}  # no planner: nothing claimed
+
+
+def test_repeat_errors_compare_a_trial_with_the_same_strategys_benchmark_steps() -> None:
+    case = {"planner": {"Auto": {"trials": [
+        {"name": "PS", "predicted_s": 0.01, "measured_s": 0.012},
+        # measured as AllReduce (the same strategy)
+        {"name": "Parallax", "predicted_s": 0.01, "measured_s": 0.030},
+        {"name": "hybrid", "predicted_s": 0.01, "measured_s": 0.02},  # no such variant
+        {"name": "PartitionedPS", "predicted_s": 0.01, "measured_s": None}]}},  # not run
+        "variants": {"PS": {"median_step_s": 0.010},
+                     "AllReduce": {"median_step_s": 0.040},
+                     "Parallax": {"same_as": "AllReduce"},
+                     "PartitionedPS": {"median_step_s": 0.02}}}
+    assert auto_strategy.repeat_errors(case) == [pytest.approx(0.2), pytest.approx(0.25)]
+    ref = next(t for t in auto_strategy.targets({"c": case})
+               if t["target"].startswith("for reference"))
+    assert ref["value"] == 0.25 and ref["met"] is None
