@@ -363,8 +363,9 @@ def test_a_dense_bucket_push_and_pull_each_cost_a_measured_hop() -> None:
 
 def test_measured_interference_adds_its_share_of_the_overlapped_transfers() -> None:
     """fc's all-reduce (8 ms at 1 Gbit/s) runs from 5 to 13 ms, inside backward (20 ms);
-    emb's starts when backward ends. With half of an overlapped transfer's time taken from
-    the compute, the step grows by 4 ms; the exposed tail is emb's alone either way."""
+    emb's starts when backward ends. With half of an overlapped transfer's byte-moving
+    time taken from the compute, the step grows by 4 ms; the exposed tail is emb's alone
+    either way."""
     s = spec(2)
     strat = Strategy(node_config=(NodeConfig("emb", AllReduceSynchronizer(group=0)),
                                   NodeConfig("fc", AllReduceSynchronizer(group=1))))
@@ -376,6 +377,11 @@ def test_measured_interference_adds_its_share_of_the_overlapped_transfers() -> N
     assert shared.total_s - hidden.total_s == pytest.approx(0.5 * fc)
     assert shared.parts["backward_tail"] == pytest.approx(hidden.parts["backward_tail"])
     assert hidden.parts["contention"] == 0.0
+    # a group's fixed cost is a wait, not CPU taken from the compute: fc's slot grows to
+    # 5-19 ms with a 6 ms group cost, its contention stays its bytes' share
+    waits = predict(strat, _profile(), s, _cal(),
+                    links(s, latency_s=0.0, interference=0.5, group_fixed_s=6e-3))
+    assert waits.parts["contention"] == pytest.approx(0.5 * fc)
 
 
 def test_overlapped_time_of_a_given_timeline() -> None:
@@ -386,3 +392,23 @@ def test_overlapped_time_of_a_given_timeline() -> None:
     assert overlapped(slots, 0.010) == pytest.approx(0.004 + 0.006)
     assert overlapped(slots, 0.0) == 0.0
     assert overlapped(slots, 1.0) == pytest.approx(0.016)
+
+
+def test_sparse_probe_fit_known_answers() -> None:
+    from stratagem.planner.probe import fit_sparse
+
+    # 2 workers; a round: 1 ms + 2 us per row asked; the rest: 2 ms + 1 us per row pushed
+    few = (32, 1e-3 + 2e-6 * 32, 2e-3 + 1e-6 * 100, 100)
+    many = (512, 1e-3 + 2e-6 * 512, 2e-3 + 1e-6 * 1600, 1600)
+    fit = fit_sparse(2, 0.0, few, many)
+    assert fit.round_s == pytest.approx(1e-3) and fit.round_row_s == pytest.approx(2e-6)
+    assert fit.push_s == pytest.approx(2e-3) and fit.push_row_s == pytest.approx(1e-6)
+    # the wire's share of a row is the link's, not the runtime's
+    wired = fit_sparse(2, 0.5e-6, few, many)
+    assert wired.push_row_s == pytest.approx(0.5e-6)
+    assert wired.push_s == pytest.approx(2e-3 + 0.5e-6 * 100)
+    # noise: the few rows' rest measured slower than the many rows' -> no slope, and the
+    # fixed cost is at most what the many rows' step took
+    noisy = fit_sparse(2, 0.0, (32, 1e-3, 3.9e-3, 100), (512, 2e-3, 1.5e-3, 1600))
+    assert noisy.push_row_s == 0.0 and noisy.push_s == pytest.approx(1.5e-3)
+    assert noisy.round_s == pytest.approx(1e-3 - 32 * 1e-3 / 480)  # rounds: a slope

@@ -73,9 +73,10 @@ def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def group_cost(group: GroupPlan, links: LinkModel, replicas: list[str],
-               cal: Calibration) -> tuple[float, float, list[tuple[str, str, float]]]:
-    """(wire seconds, compressor seconds, flows) of one all-reduce group."""
+def group_cost(group: GroupPlan, links: LinkModel, replicas: list[str], cal: Calibration
+               ) -> tuple[float, float, list[tuple[str, str, float]], float]:
+    """(wire seconds, compressor seconds, flows, the wire seconds' fixed part) of one
+    all-reduce group."""
     size = _itemsize(group.dtype)
     if group.compressor in ("fp16", "bf16"):
         nbytes = group.numel * 2
@@ -100,7 +101,8 @@ def group_cost(group: GroupPlan, links: LinkModel, replicas: list[str],
     # a half-precision ring moves its bytes at its own measured rate (CPU-bound sums)
     rate = links.half_rate(group.compressor) if group.compressor in ("fp16", "bf16") else 1.0
     wire = ring_allreduce_time(links, replicas, nbytes, rounds, rate)
-    return wire, work, ring_flows(replicas, nbytes)
+    fixed = rounds * links.ring_fixed_s(len(replicas)) if len(replicas) > 1 else 0.0
+    return wire, work, ring_flows(replicas, nbytes), fixed
 
 
 def _ready(cal: Calibration, params: list[str]) -> float:
@@ -143,15 +145,17 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
                                "update": cal.optimizer_s})
     ps = plan.ps
     owners_dev = list(ps.replicas) + list(ps.servers) if ps else replicas
-    events: list[tuple[float, str, float]] = []  # (ready, name, duration)
+    events: list[tuple[float, str, float, float]] = []  # (ready, name, duration, bytes')
     all_flows: list[tuple[str, str, float]] = []
     work_s = 0.0
     messages = 0
     ar_bytes = 0
     tensors = sum(len(g.members) for g in plan.groups)
     for g in plan.groups:
-        wire, work, flows = group_cost(g, links, replicas, cal)
-        events.append((_ready(cal, list(g.params)), f"allreduce group {g.id}", wire + work))
+        wire, work, flows, fixed = group_cost(g, links, replicas, cal)
+        moving = max(0.0, wire - fixed)
+        events.append((_ready(cal, list(g.params)), f"allreduce group {g.id}", wire + work,
+                       moving))
         all_flows += flows
         work_s += work
         ar_bytes += g.nbytes
@@ -181,8 +185,9 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         dense_bytes = sum(n for *_, n in buckets) or 1
         hop = links.hop_s(W)  # a bucket's push, and the values' pull, each one hop
         for b, pieces, nbytes in buckets:
+            moving = push_total * nbytes / dense_bytes
             events.append((_ready(cal, [p.param for p in pieces]), f"push bucket {b.id}",
-                           push_total * nbytes / dense_bytes + hop))
+                           moving + hop, moving))
         all_flows += push_flows_all + pull_flows
         pull_s = links.transfer_time(pull_flows) + (hop if pull_flows else 0.0)
         # Sparse pieces: rows per worker, by owner.
@@ -248,14 +253,18 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         all_flows += fwd_flows + push_flows + ref_flows
 
     events.sort(key=lambda e: e[0])  # the link takes them as they become ready
-    slots = schedule([(name, ready, dur) for ready, name, dur in events])
+    slots = schedule([(name, ready, dur) for ready, name, dur, _ in events])
+    moving_share = [m / d if d > 0 else 0.0 for _, _, d, m in events]
     if ps is not None and ps.sparse:
         end = max((s.end_s for s in slots), default=0.0)
         start = max(end, cal.backward_s)
         slots.append(Slot("sparse push", cal.backward_s, start, start + sparse_push_s))
     backward_tail = exposed(slots, cal.backward_s)
-    # what the overlapped transfers take from the backward pass's CPU (measured share)
-    contention_s = links.interference * overlapped(slots, cal.backward_s)
+    # what moving the overlapped transfers' bytes takes from the backward pass's CPU (the
+    # measured share; fixed costs are waits, the compressor's work is priced apart)
+    contention_s = links.interference * sum(
+        overlapped([s], cal.backward_s) * share
+        for s, share in zip(slots, moving_share, strict=False))
     # The local update touches what this worker updates: all-reduced values and its shards;
     # a sparse gradient all-reduced is first made dense (a pass over its bytes).
     local = ar_bytes + (max(owned_bytes) if owned_bytes else 0.0)

@@ -116,6 +116,11 @@ class LinkModel:
             return self.group_fixed_s / (2 * (world - 1))
         return self.latency_s
 
+    def ring_fixed_s(self, world: int) -> float:
+        """Fixed seconds of one ring all-reduce among ``world`` workers: the measured
+        ``group_fixed_s``, else ``2(world-1)`` latencies."""
+        return self.group_fixed_s if self.group_fixed_s > 0 else 2 * (world - 1) * self.latency_s
+
     def half_rate(self, compressor: str) -> float:
         """Bytes/s of ``compressor``'s all-reduce over fp32's (1.0: not measured)."""
         return dict(self.half_rates).get(compressor, 1.0)
@@ -233,5 +238,4 @@ def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
     if n < 2:
         return 0.0
     wire = links.transfer_time(ring_flows(devices, nbytes)) * links.size_factor(nbytes)
-    fixed = links.group_fixed_s if links.group_fixed_s > 0 else 2 * (n - 1) * links.latency_s
-    return wire / rate + rounds * fixed
+    return wire / rate + rounds * links.ring_fixed_s(n)

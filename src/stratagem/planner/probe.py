@@ -66,6 +66,10 @@ CHAIN = 8
 four workers on two cores one all-to-all after a barrier took 0.5 ms, four in a row 4.6 ms
 (each waits for every peer to be scheduled again), and the rows' exchange is such a chain."""
 CHAIN_REPEATS = 5
+SPARSE_REPEATS = 9
+"""Repeats of the sparse step (:func:`_sparse_step`), a median of each part: at 2 nodes and
+10 Gbit/s a third of the steps' rest took 3-5 ms instead of 0.6-0.9 (a peer late from
+its forward), so a median of 5 read either from run to run (0.8-3.9 ms)."""
 QUEUED = 8
 QUEUED_KIB = 64
 """All-reduces of this many KiB launched back to back, ``QUEUED`` at a time, as the
@@ -464,16 +468,30 @@ def _sparse_steps(chain: int, repeats: int, bus_bps: float) -> SparseSteps:
     """:func:`_sparse_step` with few rows and with many: the fixed costs and the slopes
     per row, less the slopes' wire time at ``bus_bps`` (the cost model prices the bytes
     on the links apart)."""
-    world = dist.get_world_size()
     few, many = ROUND_ROWS
-    r0, p0, n0 = _sparse_step(chain, repeats, few)
-    r1, p1, n1 = _sparse_step(chain, repeats, many)
-    wire = ROW_BYTES / bus_bps
-    round_row = max(0.0, (r1 - r0) / ((world - 1) * (many - few)) - wire)
+    return fit_sparse(dist.get_world_size(), ROW_BYTES / bus_bps,
+                      (few, *_sparse_step(chain, repeats, few)),
+                      (many, *_sparse_step(chain, repeats, many)))
+
+
+def fit_sparse(world: int, wire: float, few: tuple[int, float, float, int],
+               many: tuple[int, float, float, int]) -> SparseSteps:
+    """The fixed costs and per-row slopes of a pull round and of the rest of a sparse
+    step from two measurements, ``(rows asked per peer, round s, rest s, rows pushed)``
+    with few rows and with many; ``wire``: one row's seconds on the link (taken off the
+    slopes)."""
+    few_rows, r0, p0, n0 = few
+    many_rows, r1, p1, n1 = many
+    round_row = max(0.0, (r1 - r0) / ((world - 1) * (many_rows - few_rows)) - wire)
     push_row = max(0.0, (p1 - p0) / max(n1 - n0, 1) - wire)
-    return SparseSteps(round_s=max(0.0, r0 - round_row * (world - 1) * few),
-                       round_row_s=round_row,
-                       push_s=max(0.0, p0 - push_row * n0), push_row_s=push_row)
+    # More rows never cost less: where the many rows' step measured faster than the few
+    # rows' (noise), its time bounds the fixed cost too (the smaller of the two estimates).
+    # At 2 nodes and 10 Gbit/s the few rows' push read 0.8-3.9 ms from run to run.
+    return SparseSteps(
+        round_s=max(0.0, min(r0 - round_row * (world - 1) * few_rows,
+                             r1 - round_row * (world - 1) * many_rows)),
+        round_row_s=round_row,
+        push_s=max(0.0, min(p0 - push_row * n0, p1 - push_row * n1)), push_row_s=push_row)
 
 
 def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
@@ -531,7 +549,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     queued = _queued_allreduce(CHAIN_REPEATS)
     group_fixed = max(fixed, queued - ring * QUEUED_KIB * 1024 / bus)
     chained = _chained_all_to_all(CHAIN, CHAIN_REPEATS)
-    sp = _sparse_steps(CHAIN, CHAIN_REPEATS, bus)
+    sp = _sparse_steps(CHAIN, SPARSE_REPEATS, bus)
     interference = _interference(fixed, bus, ring)
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
                             sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,
