@@ -204,8 +204,10 @@ def test_servers_must_beat_all_reduce_by_more_than_the_tie() -> None:
     fam = [SERVERS, ALL_REDUCE, SERVERS, ALL_REDUCE]
     # PSLoadBalancing 40.8 ms against AllReduce's 41.0 (the CNN's trials): all-reduce
     assert prefer_all_reduce(0, fam, [0.0408, 0.0410, 0.0400, 0.0500]) == 1
-    # of the all-reduce candidates level with it, the fastest
-    assert prefer_all_reduce(0, fam, [0.0408, 0.0420, 0.0400, 0.0410]) == 3
+    # of the all-reduce candidates level with it, the better predicted (earlier) one...
+    assert prefer_all_reduce(0, fam, [0.0408, 0.0420, 0.0400, 0.0410]) == 1
+    # ...unless a later one is faster than it by more than the tie
+    assert prefer_all_reduce(0, fam, [0.0408, 0.0428, 0.0400, 0.0405]) == 3
     # faster by more than the tie: servers stay; an all-reduce winner stays; no timing
     assert prefer_all_reduce(0, fam, [0.0300, 0.0410, 0.0400, 0.0500]) == 0
     assert prefer_all_reduce(1, fam, [0.0400, 0.0410, 0.0400, 0.0500]) == 1
@@ -224,8 +226,11 @@ def test_a_race_is_decided_on_the_standard_error_of_the_medians() -> None:
 
 def test_a_hybrid_must_beat_every_named_builder_by_more_than_the_tie() -> None:
     names = ["hybrid", "Parallax", "PS", "AllReduce"]
-    # PS within 5% of the hybrid (and faster than Parallax): the named one is taken
-    assert prefer_named(0, names, [0.0100, 0.0104, 0.0102, 0.08]) == 2
+    # Parallax and PS within 5% of the hybrid: a named one is taken, the better
+    # predicted (earlier) one, PS being faster by less than the tie
+    assert prefer_named(0, names, [0.0100, 0.0104, 0.0102, 0.08]) == 1
+    # ...unless the later one is faster by more than the tie
+    assert prefer_named(0, names, [0.0100, 0.0104, 0.0098, 0.08]) == 2
     # every named one more than 5% slower: the hybrid stays
     assert prefer_named(0, names, [0.0100, 0.0106, 0.0110, 0.08]) == 0
     # a named winner is never displaced, nor one without a timing

@@ -277,34 +277,39 @@ def raced(measured: list[float | None], spread: list[float], counts: list[int]) 
 
 def _level_with(best_i: int, measured: list[float | None], challenged: bool,
                 preferred: Callable[[int], bool]) -> int:
-    """``best_i``, or when ``challenged`` the fastest ``preferred`` candidate measured
-    within ``TIE`` of it (``best_i`` when there is none)."""
+    """``best_i``, or when ``challenged`` the ``preferred`` candidate measured within
+    ``TIE`` of it that :func:`fastest` picks among them (the better predicted unless
+    another is faster by more than ``TIE``); ``best_i`` when there is none. Among
+    level candidates the measurement does not decide: on DLRM at 2 nodes and 1 Gbit/s
+    PartitionedPS (12.3 ms) was taken over the better-predicted Parallax (12.4 ms) and
+    measured 1.05-1.15x Parallax in the benchmark."""
     t = measured[best_i]
     if not challenged or t is None:
         return best_i
     level = [i for i, m in enumerate(measured)
              if preferred(i) and m is not None and m <= t * (1 + TIE)]
-    return min(level, key=lambda i: measured[i] or 0.0) if level else best_i
+    return level[fastest([measured[i] for i in level])] if level else best_i
 
 
 def prefer_named(best_i: int, names: list[str], measured: list[float | None]) -> int:
     """``best_i``, unless it is a hybrid (per-parameter choices no builder makes) and a named
     candidate (a built-in builder's strategy) measured within ``TIE`` of it: then the
-    fastest such one. A hybrid has to beat what a user could pick by name by more than the
-    trials' resolution: on DLRM at 2 nodes and 10 Gbit/s a hybrid of replicated rows tied
-    the parameter-server builders in its trials (8.8 ms each) and trained 12-28% slower
-    than PSLoadBalancing in three benchmark runs (new ids every step, which a trial's one
-    sample batch does not have)."""
+    one :func:`_level_with` picks among them. A hybrid has to beat what a user could pick
+    by name by more than the trials' resolution: on DLRM at 2 nodes and 10 Gbit/s a hybrid
+    of replicated rows tied the parameter-server builders in its trials (8.8 ms each) and
+    trained 12-28% slower than PSLoadBalancing in three benchmark runs (new ids every
+    step, which a trial's one sample batch does not have)."""
     return _level_with(best_i, measured, names[best_i] == HYBRID,
                        lambda i: names[i] != HYBRID)
 
 
 def prefer_all_reduce(best_i: int, families: list[str], measured: list[float | None]) -> int:
     """``best_i``, unless it puts parameters on servers and an all-reduce-only candidate
-    measured within ``TIE`` of it: then the fastest such one. Servers have to win by more
-    than the trials' resolution, or they are used for nothing: on the dense CNN at 2 nodes
-    and 10 Gbit/s PSLoadBalancing measured 40.8 ms against AllReduce's 41.0 in trials,
-    was kept on a 0.6% better prediction, and trained 8% slower than the best built-in."""
+    measured within ``TIE`` of it: then the one :func:`_level_with` picks among them.
+    Servers have to win by more than the trials' resolution, or they are used for nothing:
+    on the dense CNN at 2 nodes and 10 Gbit/s PSLoadBalancing measured 40.8 ms against
+    AllReduce's 41.0 in trials, was kept on a 0.6% better prediction, and trained 8%
+    slower than the best built-in."""
     return _level_with(best_i, measured, families[best_i] == SERVERS,
                        lambda i: families[i] == ALL_REDUCE)
 
