@@ -20,9 +20,9 @@ exactly what the runtime would execute:
   rounds cost, and the push what the rest of the probe's sparse step cost, both with
   the probe's cost per row;
 - **overlap**: transfers queue on one link in launch order (``timeline.schedule``);
-  whatever ends after backward is exposed communication, and of what runs during
-  backward the measured share that takes the compute's CPU (``LinkModel.interference``)
-  is exposed too.
+  whatever ends after backward is exposed communication; of the time spent moving bytes
+  during backward, the measured share the compute loses (``LinkModel.interference``) is
+  added too (fixed costs are waits, not counted there).
 """
 
 from __future__ import annotations
@@ -262,6 +262,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     backward_tail = exposed(slots, cal.backward_s)
     # what moving the overlapped transfers' bytes takes from the backward pass's CPU (the
     # measured share; fixed costs are waits, the compressor's work is priced apart)
+    # (the sparse push, appended last, starts when backward ends: nothing to count)
     contention_s = links.interference * sum(
         overlapped([s], cal.backward_s) * share
         for s, share in zip(slots, moving_share, strict=False))
