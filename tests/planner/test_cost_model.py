@@ -412,3 +412,12 @@ def test_sparse_probe_fit_known_answers() -> None:
     noisy = fit_sparse(2, 0.0, (32, 1e-3, 3.9e-3, 100), (512, 2e-3, 1.5e-3, 1600))
     assert noisy.push_row_s == 0.0 and noisy.push_s == pytest.approx(1.5e-3)
     assert noisy.round_s == pytest.approx(1e-3 - 32 * 1e-3 / 480)  # rounds: a slope
+
+
+def test_interference_share_known_answers() -> None:
+    from stratagem.planner.probe import interference_share
+
+    # a 50 ms loop took 75 ms beside a 50 ms all-reduce: it lost half the transfer's time
+    assert interference_share(0.050, 0.050, 0.075) == pytest.approx(0.5)
+    assert interference_share(0.050, 0.050, 0.049) == 0.0  # faster beside it: noise
+    assert interference_share(0.050, 0.020, 0.090) == 1.0  # they took turns, and more

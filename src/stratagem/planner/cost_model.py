@@ -254,18 +254,16 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
 
     events.sort(key=lambda e: e[0])  # the link takes them as they become ready
     slots = schedule([(name, ready, dur) for ready, name, dur, _ in events])
-    moving_share = [m / d if d > 0 else 0.0 for _, _, d, m in events]
-    if ps is not None and ps.sparse:
+    # what moving the overlapped transfers' bytes takes from the backward pass's CPU (the
+    # measured share; fixed costs are waits, the compressor's work is priced apart)
+    contention_s = links.interference * sum(
+        overlapped([s], cal.backward_s) * (m / d if d > 0 else 0.0)
+        for s, (_, _, d, m) in zip(slots, events, strict=True))
+    if ps is not None and ps.sparse:  # after backward: nothing of it overlaps
         end = max((s.end_s for s in slots), default=0.0)
         start = max(end, cal.backward_s)
         slots.append(Slot("sparse push", cal.backward_s, start, start + sparse_push_s))
     backward_tail = exposed(slots, cal.backward_s)
-    # what moving the overlapped transfers' bytes takes from the backward pass's CPU (the
-    # measured share; fixed costs are waits, the compressor's work is priced apart)
-    # (the sparse push, appended last, starts when backward ends: nothing to count)
-    contention_s = links.interference * sum(
-        overlapped([s], cal.backward_s) * share
-        for s, share in zip(slots, moving_share, strict=False))
     # The local update touches what this worker updates: all-reduced values and its shards;
     # a sparse gradient all-reduced is first made dense (a pass over its bytes).
     local = ar_bytes + (max(owned_bytes) if owned_bytes else 0.0)

@@ -112,9 +112,7 @@ class LinkModel:
         bucket's push or pull is one such hop: priced at the one-element latency, a
         parameter server looked cheaper than a ring for a 20-byte model), else the
         latency."""
-        if self.group_fixed_s > 0 and world > 1:
-            return self.group_fixed_s / (2 * (world - 1))
-        return self.latency_s
+        return self.ring_fixed_s(world) / (2 * (world - 1)) if world > 1 else self.latency_s
 
     def ring_fixed_s(self, world: int) -> float:
         """Fixed seconds of one ring all-reduce among ``world`` workers: the measured

@@ -253,14 +253,20 @@ def _timed_allreduce(t: torch.Tensor, repeats: int) -> list[float]:
     return out
 
 
+def _agreed(value: float) -> float:
+    """The smallest of the ranks' ``value``s, on every rank: each decides alike (whether
+    a size fits, how large to make it)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
 def _big_rate(fixed: float, bus_bps: float, ring: float, budget_s: float) -> float:
     """Bus bytes/s of one ``BIG_MIB`` all-reduce over ``bus_bps`` (warm-up and 2 timed,
     median); 0 when 4 of them at ``bus_bps`` would not fit in ``budget_s`` (every rank
     takes the same decision)."""
     nbytes = int(BIG_MIB * 2 ** 20)
-    flag = torch.tensor([int(4 * (ring * nbytes / bus_bps + fixed) <= budget_s)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if not flag.item():
+    if not _agreed(float(4 * (ring * nbytes / bus_bps + fixed) <= budget_s)):
         return 0.0
     t = torch.zeros(nbytes // 4)
     _timed_allreduce(t, 1)
@@ -273,29 +279,19 @@ def _half_rates(fixed: float, budget_s: float, ring_bps: float) -> tuple[float, 
     all-reduces at ``ring_bps`` (bytes/s of the buffer) fit in ``budget_s``; (0, 0) when
     they would not fit after all (every rank takes the same decision)."""
     fits = int(ring_bps * budget_s / 24)
-    size = torch.tensor([max(2 ** 16, min(int(HALF_MIB * 2 ** 20), fits))])
-    dist.all_reduce(size, op=dist.ReduceOp.MIN)  # each rank measured its own rate
-    nbytes = int(size.item()) // 4 * 4
+    # each rank measured its own rate
+    nbytes = int(_agreed(max(2 ** 16, min(int(HALF_MIB * 2 ** 20), fits)))) // 4 * 4
     tensors = {dt: torch.zeros(nbytes // torch.empty((), dtype=dt).element_size(), dtype=dt)
                for dt in (torch.float32, torch.float16, torch.bfloat16)}
     t = time.perf_counter()
     for x in tensors.values():  # warm-up; its time tells whether the repeats fit
         dist.all_reduce(x)
-    go = torch.tensor([int(6 * (time.perf_counter() - t) <= budget_s)])
-    dist.all_reduce(go, op=dist.ReduceOp.MIN)
-    if not go.item():
+    if not _agreed(float(6 * (time.perf_counter() - t) <= budget_s)):
         return 0.0, 0.0
     took = {dt: max(statistics.median(_timed_allreduce(x, 5)) - fixed, 1e-9)
             for dt, x in tensors.items()}
     return (took[torch.float32] / took[torch.float16],
             took[torch.float32] / took[torch.bfloat16])
-
-
-def _agreed(value: float, op: Any = None) -> float:
-    """``value`` reduced over the ranks (the minimum by default): every rank sizes alike."""
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=op or dist.ReduceOp.MIN)
-    return float(t.item())
 
 
 def _interference(fixed: float, bus_bps: float, ring: float, repeats: int = 3) -> float:
@@ -333,8 +329,14 @@ def _interference(fixed: float, bus_bps: float, ring: float, repeats: int = 3) -
         handle = dist.all_reduce(buf, async_op=True)
         under.append(work(n))
         handle.wait()
-    lost = statistics.median(under) - statistics.median(alone)
-    return min(1.0, max(0.0, lost / max(statistics.median(comm), 1e-9)))
+    return interference_share(statistics.median(alone), statistics.median(comm),
+                              statistics.median(under))
+
+
+def interference_share(alone_s: float, comm_s: float, under_s: float) -> float:
+    """Share of an all-reduce's time (``comm_s``, alone) that a compute loop taking
+    ``alone_s`` alone lost when it ran beside it (``under_s``), in [0, 1]."""
+    return min(1.0, max(0.0, (under_s - alone_s) / max(comm_s, 1e-9)))
 
 
 def _ping_pong(repeats: int) -> float:
@@ -523,9 +525,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
         nbytes = int(mib * 2 ** 20)
         cost = 4 * (ring * nbytes / rate + fixed)  # warm-up + 3 repeats
         go = not xs or time.perf_counter() - started + cost <= PROBE_BUDGET_S * 0.8
-        flag = torch.tensor([int(go)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if not flag.item():
+        if not _agreed(float(go)):
             break
         t = torch.zeros(nbytes // 4)
         _timed_allreduce(t, 1)
