@@ -424,17 +424,21 @@ class AutoWorker(Worker):
         if not pairs:
             return {}
         names = sorted({n for _, *pair in pairs for n in pair})
-        self.log(f"{z.name}: confirming {[(a, b) for _, a, b in pairs]} on {steps} fresh "
-                 "steps")
+        self.log(f"{z.name}: confirming {[(a, b) for _, a, b in pairs]} on at least {steps} "
+                 f"fresh steps (up to {self.args.confirm_s:g} s)")
         start = {n: len(live[n].times) for n in names}
-        for i in range(steps):
-            step = warmup + steps + i
+        t0 = time.perf_counter()
+        done = 0
+        while done < steps or (done < self.args.confirm_max_steps
+                               and not _rank0_over(t0, self.args.confirm_s)):
+            step = warmup + steps + done
             batches = data.batches(step)
             for v in step_order([live[n] for n in names], self.args.seed, step):
                 if v.error is None:
                     self.visit(v, step, batches[self.rank], phase)
+            done += 1
         fresh = _gather_json({n: live[n].times[start[n]:] for n in names}, self.world)
-        out: dict[str, Any] = {"steps": steps, "pairs": []}
+        out: dict[str, Any] = {"steps": done, "pairs": []}
         for auto, measured, best in pairs:
             job = {n: job_steps([fresh[r][n] for r in range(self.world)])
                    for n in (measured, best)}
@@ -445,6 +449,8 @@ class AutoWorker(Worker):
                                  "first_ratio": round(medians[measured] / medians[best], 4),
                                  "median_s": {measured: round(a, 5), best: round(b, 5)},
                                  "ratio": round(a / b, 4),
+                                 "ratio_ci90": [round(x, 4) for x in
+                                                ratio_interval(job[measured], job[best])],
                                  "step_s": {n: [round(t, 5) for t in job[n]] for n in job}})
         return out
 
@@ -524,6 +530,30 @@ def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "prediction_error_median": round(statistics.median(errs), 4) if errs else None,
         "prediction_error_max": round(max(errs), 4) if errs else None,
     }
+
+
+def _rank0_over(started: float, budget_s: float) -> bool:
+    """Rank 0's clock says ``budget_s`` has passed since ``started`` (the same answer on
+    every rank: the pairs' steps are collective)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(time.perf_counter() - started > budget_s)])
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
+def ratio_interval(a: list[float], b: list[float], resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """A 90% bootstrap interval of ``median(a) / median(b)`` (seeded: the same steps give
+    the same interval). How far the confirmed ratio could move on other steps of the same
+    pair: two strategies that tie read anywhere inside it."""
+    import random
+
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(a, k=len(a)))
+                    / statistics.median(rng.choices(b, k=len(b))) for _ in range(resamples))
+    return ratios[int(0.05 * resamples)], ratios[int(0.95 * resamples) - 1]
 
 
 def refined_errors(case: dict[str, Any]) -> list[float]:
@@ -768,7 +798,8 @@ def _worker_argv(args: argparse.Namespace, out: Path, link_gbps: float, link_tex
     argv = [str(Path(__file__).resolve()), "--worker", "--out", str(out),
             "--models", *args.models, "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--lm-steps", str(args.lm_steps), "--lm-warmup", str(args.lm_warmup),
-            "--settle", str(args.settle),
+            "--settle", str(args.settle), "--confirm-s", str(args.confirm_s),
+            "--confirm-max-steps", str(args.confirm_max_steps),
             "--dlrm-steps", str(args.dlrm_steps), "--lstm-vocab", str(args.lstm_vocab),
             "--lr", str(args.lr),
             "--seed", str(args.seed), "--pg-timeout", str(args.pg_timeout),
@@ -893,6 +924,11 @@ def main() -> int:
                    help="measured steps, DLRM (at least --steps): its PS steps take "
                         "20-80 ms and vary by +-10%% step to step, so 10 decide little")
     p.add_argument("--lm-warmup", type=int, default=1)
+    p.add_argument("--confirm-s", type=float, default=15.0,
+                   help="a confirmation runs at least as many steps as the case, then "
+                        "more while within this many seconds (short steps: a median of "
+                        "30 DLRM steps at 2 nodes moves by 5-10%%)")
+    p.add_argument("--confirm-max-steps", type=int, default=400)
     p.add_argument("--settle", type=int, default=1,
                    help="untimed steps of a variant before each timed one (see visit)")
     p.add_argument("--lstm-vocab", type=int, default=200_000)

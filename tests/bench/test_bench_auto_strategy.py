@@ -138,7 +138,8 @@ def test_quick_mode_runs_on_loopback(tmp_path: Path) -> None:
         [sys.executable, str(BENCH / "auto_strategy.py"), "--loopback", "2", "--tiny",
          "--models", "many_small", "hybrid", "--builders", "AllReduce", "Parallax",
          "HybridRef", "--steps", "2", "--warmup", "1", "--out", str(out),
-         "--auto-builder", "PartitionedPS"],  # stands in for the planner: the Auto path runs
+         "--auto-builder", "PartitionedPS",  # stands in for the planner: the Auto path runs
+         "--confirm-s", "1"],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -157,6 +158,11 @@ def test_quick_mode_runs_on_loopback(tmp_path: Path) -> None:
     assert hybrid["auto_build_s"] > 0 and res["planner"]["auto_builder"] == "PartitionedPS"
     if not res["planner"]["predict_step_time"]:
         assert auto["predicted_step_s"] is None and auto["prediction"] == "planner not available"
+    for case in res["cases"].values():  # a slower Auto re-measured: at least the case's steps
+        for pair in (case.get("confirm") or {}).get("pairs", []):
+            assert case["confirm"]["steps"] >= 2
+            lo, hi = pair["ratio_ci90"]
+            assert 0 < lo <= hi and len(pair["step_s"][pair["builtin"]]) >= 2
 
 
 def test_predict_all_keeps_good_predictions_and_reports_bad_ones() -> None:
@@ -224,3 +230,17 @@ def test_repeat_errors_compare_a_trial_with_the_same_strategys_benchmark_steps()
     ref = next(t for t in auto_strategy.targets({"c": case})
                if t["target"].startswith("for reference"))
     assert ref["value"] == 0.25 and ref["met"] is None
+
+
+def test_ratio_interval_brackets_the_ratio_of_medians() -> None:
+    # constant steps: every resample has the same medians, so the interval is the ratio
+    assert auto_strategy.ratio_interval([2.0] * 30, [1.0] * 30) == (2.0, 2.0)
+    # the same steps on both sides (a tie): the interval holds 1, symmetric in log
+    steps = [1.0 + 0.01 * (i % 7) for i in range(40)]
+    lo, hi = auto_strategy.ratio_interval(steps, list(reversed(steps)))
+    assert lo < 1.0 < hi
+    assert lo == pytest.approx(1 / hi, rel=0.02)
+    # a tenfold slower pair is outside any tie, and seeded: the same steps, the same answer
+    slow = [10 * s for s in steps]
+    assert auto_strategy.ratio_interval(slow, steps)[0] > 9
+    assert auto_strategy.ratio_interval(slow, steps) == auto_strategy.ratio_interval(slow, steps)
