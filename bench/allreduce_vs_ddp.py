@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vcluster_host import pinned_cpus, virtual_cluster
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
@@ -171,15 +173,10 @@ def report(args: argparse.Namespace, world: int, num_params: int, bucket_mb: flo
 
 # ----------------------------------------------------------------------------- driver side
 def driver(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT / "tools"))
-    from vcluster import VirtualCluster  # type: ignore[import-not-found]
-
-    ok, reason = VirtualCluster.available()
-    if not ok:
-        print(f"skipped: {reason}")
+    VirtualCluster = virtual_cluster()
+    if VirtualCluster is None:
         return 0
-    ncpu = len(os.sched_getaffinity(0))
-    cpus = [[i % ncpu] for i in range(args.nodes)]
+    cpus = pinned_cpus(args.nodes)
     with VirtualCluster(args.nodes, bandwidth=args.bandwidth, delay=args.delay, cpus=cpus) as vc, \
             tempfile.TemporaryDirectory() as tmp:
         spec = vc.write_resource_spec(Path(tmp) / "spec.yml")

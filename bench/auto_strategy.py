@@ -61,6 +61,7 @@ from ps_vs_ddp import (
     _gather_json,
     step_order,
 )
+from vcluster_host import pinned_cpus, virtual_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -872,16 +873,11 @@ def driver(args: argparse.Namespace) -> int:
                       f"loopback, {args.loopback} workers")
             _collect(part, args, commit)
             return rc
-        sys.path.insert(0, str(ROOT / "tools"))
-        from vcluster import VirtualCluster  # type: ignore[import-not-found]
-
-        ok, reason = VirtualCluster.available()
-        if not ok:
-            print(f"skipped: {reason}")
+        VirtualCluster = virtual_cluster()
+        if VirtualCluster is None:
             return 0
-        ncpu = len(os.sched_getaffinity(0))
         for nodes in args.nodes:
-            cpus = [[i % ncpu] for i in range(nodes)]
+            cpus = pinned_cpus(nodes)
             pinning = ":".join(",".join(map(str, c)) for c in cpus)
             for bw in args.bandwidth:
                 part = Path(tmp) / f"part_{nodes}_{bw}.json"

@@ -45,6 +45,8 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+from vcluster_host import pinned_cpus, virtual_cluster
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 INDEX_BYTES = 8  # int64 row index of a sparse COO gradient
@@ -731,18 +733,13 @@ def _commit() -> str:
 
 
 def driver(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT / "tools"))
-    from vcluster import VirtualCluster  # type: ignore[import-not-found]
-
-    ok, reason = VirtualCluster.available()
-    if not ok:
-        print(f"skipped: {reason}")
+    VirtualCluster = virtual_cluster()
+    if VirtualCluster is None:
         return 0
-    ncpu = len(os.sched_getaffinity(0))
     rc = 0
     commit = _commit()
     for nodes in args.nodes:
-        cpus = [[i % ncpu] for i in range(nodes)]
+        cpus = pinned_cpus(nodes)
         out = Path(args.out_dir) / f"ps_vs_ddp_{nodes}nodes{args.tag}.json"
         with VirtualCluster(nodes, bandwidth=args.bandwidth, delay=args.delay, cpus=cpus,
                             prefix=args.prefix, subnet=args.subnet) as vc, \

@@ -41,6 +41,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from vcluster_host import pinned_cpus, virtual_cluster
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "wait_latency.json"
 KINDS = ("allreduce_1kib", "bucket_round_1kib", "allreduce_1kib_busy", "compute_1ms")
@@ -148,18 +150,13 @@ def worker(args: argparse.Namespace) -> None:
 
 # -- driver ---------------------------------------------------------------------------------
 def driver(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT / "tools"))
-    from vcluster import VirtualCluster  # type: ignore[import-not-found]
-
-    ok, reason = VirtualCluster.available()
-    if not ok:
-        print(f"skipped: {reason}")
+    VirtualCluster = virtual_cluster()
+    if VirtualCluster is None:
         return 0
-    ncpu = len(os.sched_getaffinity(0))
     cases: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for nodes in args.nodes:
-            cpus = [[i % ncpu] for i in range(nodes)]
+            cpus = pinned_cpus(nodes)
             for bw in args.bandwidth:
                 part = Path(tmp) / f"{nodes}_{bw}.json"
                 load0 = os.getloadavg()[0]
