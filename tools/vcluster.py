@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -275,6 +276,7 @@ class VirtualCluster:
         self.addresses: list[str] = [str(net.network_address + i + 1) for i in range(num_nodes)]
         self.delay_applied = self.delay_s == 0
         self._procs: list[subprocess.Popen[Any]] = []
+        self._old_sigterm: Any = None  # the SIGTERM handler while a with-block holds it
 
     @staticmethod
     def _check_cpus(cpus: Sequence[Sequence[int]] | None, n: int) -> list[list[int]] | None:
@@ -417,11 +419,31 @@ class VirtualCluster:
         cleanup(self.prefix)
 
     def __enter__(self) -> VirtualCluster:
-        return self.up()
+        """Build the cluster. In the main thread, where SIGTERM still has its default
+        action, it raises SystemExit for the block's duration instead: a script killed
+        with ``kill`` or ``timeout`` unwinds the ``with`` and tears the namespaces down
+        (the default action ends the process on the spot and leaves them behind)."""
+        self._old_sigterm = None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+            self._old_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        try:
+            return self.up()
+        except BaseException:
+            self._restore_sigterm()
+            raise
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.down()
+        try:
+            self.down()
+        finally:
+            self._restore_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
 
     def _check_delay(self) -> None:
         if self.delay_s == 0:
@@ -531,6 +553,10 @@ def find_node(address_or_index: str, prefix: str = DEFAULT_PREFIX) -> tuple[str,
     known = {ns: _namespace_address(ns) for ns in live}
     raise LookupError(f"no live virtual node {address_or_index!r} with prefix {prefix!r} "
                       f"(live: {known or 'none'}); start one with `vcluster.py up`")
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
 
 
 # -- command line -----------------------------------------------------------------------------

@@ -260,3 +260,67 @@ def test_cli_run_tears_down_on_sigterm(need_vcluster: None) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 128 + signal.SIGTERM
     assert live_names() == set()
+
+
+LIBRARY_USER = """
+import sys, time
+sys.path.insert(0, {tools!r})
+from vcluster import VirtualCluster
+with VirtualCluster(2, delay=None, prefix={prefix!r}, subnet={subnet!r}) as vc:
+    vc.run(1, ["sleep", "60"])
+    print("up", flush=True)
+    time.sleep(60)
+"""
+
+
+@vc_mark
+def test_with_block_tears_down_on_sigterm(need_vcluster: None) -> None:
+    """A script using the cluster as a context manager (the benchmarks do), killed with
+    SIGTERM (``kill``, ``timeout``), leaves no namespace behind."""
+    script = LIBRARY_USER.format(tools=str(Path(vcluster.__file__).resolve().parent),
+                                 prefix=PREFIX, subnet=SUBNET)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        assert f"{PREFIX}-br" in live_names()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert live_names() == set()
+
+
+def test_with_block_restores_the_sigterm_handler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside the block SIGTERM raises SystemExit; outside it has its old action again,
+    after the block and when building fails. (No namespaces: up and down are stubbed.)"""
+    seen = []
+    monkeypatch.setattr(VirtualCluster, "down", lambda self: None)
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in a plain script
+    try:
+        monkeypatch.setattr(VirtualCluster, "up", lambda self: self)
+        with cluster():
+            seen.append(signal.getsignal(signal.SIGTERM))
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+        def fail(self: VirtualCluster) -> VirtualCluster:
+            seen.append(signal.getsignal(signal.SIGTERM))
+            raise VirtualClusterUnavailable("no namespaces here")
+
+        monkeypatch.setattr(VirtualCluster, "up", fail)
+        with pytest.raises(VirtualClusterUnavailable), cluster():
+            pass
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        # a handler the caller installed is left alone
+        def mine(signum: int, frame: object) -> None:
+            pass
+
+        signal.signal(signal.SIGTERM, mine)
+        monkeypatch.setattr(VirtualCluster, "up", lambda self: self)
+        with cluster():
+            seen.append(signal.getsignal(signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert seen[:2] == [vcluster._exit_on_sigterm] * 2
+    assert seen[2] is mine
