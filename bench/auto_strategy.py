@@ -402,8 +402,10 @@ class AutoWorker(Worker):
     def confirm(self, z: Any, variants: list[Variant], every: list[Any], same: dict[str, str],
                 steps: int, warmup: int, data: Any, phase: Phase) -> dict[str, Any]:
         """Re-measure Auto (and Auto_fp16, Auto_profile) against the best built-in it is
-        judged by, when slower in the main run: the pair alone, interleaved, as many steps
-        again (Auto as the built-in whose strategy it chose, when it chose one's). The best
+        judged by, when slower in the main run: the pair alone, interleaved, at least as
+        many steps again and more while within ``--confirm-s`` (at most
+        ``--confirm-max-steps``), with a 90% bootstrap interval of the ratio (Auto as the
+        built-in whose strategy it chose, when it chose one's). The best
         of eight built-ins measured once is the minimum of eight noisy medians -- biased low
         when several lie within the noise (at 4 workers on 2 cores a median of 30 DLRM steps
         moves by about 3%) -- so the pick is confirmed on fresh steps, as a selection is
@@ -856,6 +858,10 @@ METHOD = {
     "same_as": "a builder whose strategy equals an earlier one's is measured once",
     "settle": "each timed step of a variant follows --settle untimed steps of it (the "
               "first step after another variant's pays for that one's after-effects)",
+    "confirm": "where Auto measured slower than the best built-in it is judged by, the "
+               "pair alone, interleaved, on fresh steps: at least the case's step count, "
+               "then more while within --confirm-s seconds (at most --confirm-max-steps); "
+               "ratio_ci90: a 90% bootstrap interval of the ratio of medians",
     "optimizer": "SGD",
 }
 
