@@ -122,6 +122,7 @@ def destroy_process_group() -> None:
     """Stop this module and destroy the process group (at exit: before interpreter teardown,
     which gloo's threads do not survive)."""
     reset()
+    process_group.release_holders()  # the runtime's handles too, or the group outlives this
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.errors import DistributedError, StrategyError
+from stratagem.process_group import hold
 from stratagem.runtime.plan import Plan
 from stratagem.runtime.stats import CommStats
 
@@ -20,22 +21,35 @@ class Comm:
     """One process group whose collectives are counted in a :class:`CommStats`."""
 
     def __init__(self, group: dist.ProcessGroup, backend: str, stats: CommStats) -> None:
-        self.group = group
+        self.group: dist.ProcessGroup | None = group
         self.backend = backend
         self.stats = stats
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.root = dist.get_global_rank(group, 0)
+        hold(self)  # the handle goes at exit, before the group is destroyed
+
+    def release_groups(self) -> None:
+        """Drop the group's handle (at exit: :func:`stratagem.process_group.hold`)."""
+        self.group = None
+
+    def _group(self) -> dist.ProcessGroup:
+        if self.group is None:
+            raise DistributedError(
+                f"the {self.backend} communicator was released at interpreter exit",
+                fix="run collectives before the script ends, not from atexit handlers "
+                    "registered before stratagem's")
+        return self.group
 
     def all_reduce(self, tensor: torch.Tensor) -> dist.Work:
         """Async sum; the caller pre-scales so that the sum is the average."""
         self.stats.record(tensor.numel() * tensor.element_size(), self.world_size)
-        return dist.all_reduce(tensor, group=self.group, async_op=True)
+        return dist.all_reduce(tensor, group=self._group(), async_op=True)
 
     def broadcast(self, tensor: torch.Tensor) -> dist.Work:
         """Async broadcast from the group's rank 0."""
         self.stats.record(tensor.numel() * tensor.element_size(), self.world_size, "broadcast")
-        return dist.broadcast(tensor, src=self.root, group=self.group, async_op=True)
+        return dist.broadcast(tensor, src=self.root, group=self._group(), async_op=True)
 
     def wait(self, work: dist.Work) -> None:
         t0 = time.perf_counter()
