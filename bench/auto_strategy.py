@@ -426,6 +426,8 @@ class AutoWorker(Worker):
                 pairs.append((auto, measured, best))
         if not pairs:
             return {}
+        from stratagem.planner.trial import over_budget
+
         names = sorted({n for _, *pair in pairs for n in pair})
         self.log(f"{z.name}: confirming {[(a, b) for _, a, b in pairs]} on at least {steps} "
                  f"fresh steps (up to {self.args.confirm_s:g} s)")
@@ -433,7 +435,7 @@ class AutoWorker(Worker):
         t0 = time.perf_counter()
         done = 0
         while done < steps or (done < self.args.confirm_max_steps
-                               and not _rank0_over(t0, self.args.confirm_s)):
+                               and not over_budget(t0, self.args.confirm_s)):
             step = warmup + steps + done
             batches = data.batches(step)
             for v in step_order([live[n] for n in names], self.args.seed, step):
@@ -442,6 +444,8 @@ class AutoWorker(Worker):
             done += 1
         fresh = _gather_json({n: live[n].times[start[n]:] for n in names}, self.world)
         out: dict[str, Any] = {"steps": done, "pairs": []}
+        if self.rank != 0:  # the record is rank 0's (and the bootstrap intervals take time)
+            return out
         for auto, measured, best in pairs:
             job = {n: job_steps([fresh[r][n] for r in range(self.world)])
                    for n in (measured, best)}
@@ -533,17 +537,6 @@ def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "prediction_error_median": round(statistics.median(errs), 4) if errs else None,
         "prediction_error_max": round(max(errs), 4) if errs else None,
     }
-
-
-def _rank0_over(started: float, budget_s: float) -> bool:
-    """Rank 0's clock says ``budget_s`` has passed since ``started`` (the same answer on
-    every rank: the pairs' steps are collective)."""
-    import torch
-    import torch.distributed as dist
-
-    flag = torch.tensor([int(time.perf_counter() - started > budget_s)])
-    dist.broadcast(flag, 0)
-    return bool(flag.item())
 
 
 def ratio_interval(a: list[float], b: list[float], resamples: int = 2000,

@@ -390,8 +390,9 @@ def run_trial(model: nn.Module, strategy: Strategy, choice: Choice, sample_input
     return r.median(), r.spread(), len(r.times)
 
 
-def _over(started: float, budget_s: float) -> bool:
-    """Rank 0's clock says the budget is spent (the same answer on every rank)."""
+def over_budget(started: float, budget_s: float) -> bool:
+    """Rank 0's clock says ``budget_s`` has passed since ``started`` (the same answer on
+    every rank: collective)."""
     flag = torch.tensor([int(time.perf_counter() - started > budget_s)])
     dist.broadcast(flag, 0)
     return bool(flag.item())
@@ -407,7 +408,7 @@ def _interleaved(model: nn.Module, strategies: list[Strategy], steps: list[int],
         for s in strategies:
             runners.append(_Runner(model, s, choice))
         for rnd in range(WARMUP + max(steps)):
-            if rnd > WARMUP and _over(started, budget_s):
+            if rnd > WARMUP and over_budget(started, budget_s):
                 break
             n = len(runners)
             for j in range(n):
@@ -436,7 +437,7 @@ def _measure(plan: list[dict[str, Any]], strategies: list[Strategy], model: nn.M
                             sample_input, loss_fn, started, budget_s)
     out: list[Timing] = []
     for i, (entry, s) in enumerate(zip(plan, strategies, strict=True)):
-        if i > 0 and _over(started, budget_s):
+        if i > 0 and over_budget(started, budget_s):
             out.append((None, 0.0, 0))
             continue
         out.append(run_trial(model, s, choice, sample_input, loss_fn, entry["steps"]))
