@@ -599,6 +599,50 @@ def repeat_errors(case: dict[str, Any]) -> list[float]:
     return errs
 
 
+AUTOS = ("Auto", AUTO_FP16, AUTO_PROFILE)
+
+
+def run_to_run(earlier: dict[str, Any], later: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every strategy measured in two runs' cases (the same case key and variant, measured
+    in its own right in both, not ``= name``; not Auto's, whose strategy may differ from
+    run to run): its median step in each, how far the
+    earlier measurement lies from the later one, ``|earlier - later| / later`` -- the error
+    of a prediction that matched the earlier run exactly, judged as the later run judges
+    the model -- and the model's own prediction error in the later run."""
+    rows = []
+    for key, case in later.items():
+        before = earlier.get(key)
+        if before is None:
+            continue
+        for name, v in case.get("variants", {}).items():
+            u = before.get("variants", {}).get(name) or {}
+            a, b = u.get("median_step_s"), v.get("median_step_s")
+            if not a or not b or "same_as" in v or "same_as" in u or name in AUTOS:
+                continue
+            rows.append({"case": key, "group": f"{case['nodes']} nodes {case['link']}",
+                         "variant": name, "earlier_s": a, "later_s": b,
+                         "difference": abs(a - b) / b,
+                         "prediction_error": v.get("prediction_error")})
+    return rows
+
+
+def run_to_run_markdown(rows: list[dict[str, Any]]) -> str:
+    """Per (nodes, link) and over all: how many strategies, the run-to-run difference's
+    median and worst and how many above 0.30, beside the model's prediction errors."""
+    groups = list(dict.fromkeys(r["group"] for r in rows)) + ["all"]
+    lines = ["| group | strategies | run to run: median | worst | > 0.30 |"
+             " prediction error: median | worst | > 0.30 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for g in groups:
+        rs = [r for r in rows if g in ("all", r["group"])]
+        diff = [r["difference"] for r in rs]
+        pred = [r["prediction_error"] for r in rs if r["prediction_error"] is not None]
+        cells = [f"{_r(statistics.median(x))} | {_r(max(x))} | {sum(e > 0.30 for e in x)}"
+                 if x else "– | – | –" for x in (diff, pred)]
+        lines.append(f"| {g} | {len(rs)} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def confirmed_ratio(case: dict[str, Any], auto: str, key: str) -> float | None:
     """``auto``'s ratio to the best built-in it is judged by: re-measured on fresh steps
     where the case confirmed it (:meth:`AutoWorker.confirm`), else the main run's."""
@@ -900,6 +944,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--summary", action="store_true", help="print a markdown table of --out")
+    p.add_argument("--against", metavar="EARLIER_JSON",
+                   help="with --summary: compare --out's measurements with an earlier run's")
     p.add_argument("--models", nargs="+", choices=MODEL_NAMES, default=list(MODEL_NAMES))
     p.add_argument("--builders", nargs="+",
                    help="only these variants (builder names, AllReduce_fp16, HybridRef); "
@@ -944,7 +990,12 @@ def main() -> int:
         worker(args)
         return 0
     if args.summary:
-        print(summary_markdown(json.loads(Path(args.out).read_text())))
+        later = json.loads(Path(args.out).read_text())
+        print(summary_markdown(later))
+        if args.against:
+            earlier = json.loads(Path(args.against).read_text())
+            print("\n" + run_to_run_markdown(run_to_run(earlier.get("cases", {}),
+                                                        later.get("cases", {}))))
         return 0
     return driver(args)
 

@@ -244,3 +244,28 @@ def test_ratio_interval_brackets_the_ratio_of_medians() -> None:
     slow = [10 * s for s in steps]
     assert auto_strategy.ratio_interval(slow, steps)[0] > 9
     assert auto_strategy.ratio_interval(slow, steps) == auto_strategy.ratio_interval(slow, steps)
+
+
+def test_run_to_run_compares_strategies_measured_in_both_runs() -> None:
+    def case(nodes: int, link: str, **variants: Any) -> dict[str, Any]:
+        return {"nodes": nodes, "link": link, "variants": variants}
+
+    earlier = {"a": case(2, "1gbit", PS={"median_step_s": 0.014},
+                         AllReduce={"median_step_s": 0.020},
+                         Parallax={"same_as": "AllReduce"},
+                         Auto={"median_step_s": 0.010},
+                         Auto_fp16={"median_step_s": 0.020}),
+               "gone": case(4, "1gbit", PS={"median_step_s": 1.0})}
+    later = {"a": case(2, "1gbit", PS={"median_step_s": 0.010, "prediction_error": 0.5},
+                       AllReduce={"median_step_s": 0.025, "prediction_error": 0.1},
+                       Parallax={"median_step_s": 0.020},  # '=' in the earlier run
+                       Auto={"same_as": "PS"},  # '=' in the later one
+                       Auto_fp16={"median_step_s": 0.010},  # Auto's: may differ
+                       DDP={"median_step_s": 0.010}),  # not in the earlier run
+             "new": case(4, "10gbit", PS={"median_step_s": 1.0})}
+    rows = auto_strategy.run_to_run(earlier, later)
+    assert [(r["variant"], round(r["difference"], 6)) for r in rows] == [("PS", 0.4),
+                                                                        ("AllReduce", 0.2)]
+    table = auto_strategy.run_to_run_markdown(rows)
+    assert "| 2 nodes 1gbit | 2 | 0.30 | 0.40 | 1 | 0.30 | 0.50 | 1 |" in table
+    assert "| all | 2 |" in table
