@@ -555,15 +555,12 @@ def ratio_interval(a: list[float], b: list[float], resamples: int = 2000,
 def refined_errors(case: dict[str, Any]) -> list[float]:
     """Prediction errors of the built-in variants (and HybridRef) after the low-shot
     refinement (``planner.fit`` of Auto's trial steps in this case: a factor for the
-    predicted CPU part, one for the wire part), leave-one-out: a variant's own trial, if
-    it had one, is left out of the fit that rescales it."""
+    predicted CPU part, one for the wire part, one for the sparse pulls), leave-one-out:
+    a variant's own trial, if it had one, is left out of the fit that rescales it."""
     from stratagem.planner.trial import Trial, fit
 
     info = (case.get("planner") or {}).get("Auto") or {}
-    trials = [Trial(t["name"], t["predicted_s"], t["measured_s"], t.get("note", ""),
-                    t.get("spread_s", 0.0), t.get("family", ""), t.get("cpu_s", 0.0),
-                    t.get("wire_s", 0.0))
-              for t in info.get("trials", [])]
+    trials = [Trial.from_dict(t) for t in info.get("trials", [])]
     if not trials:
         return []
     errs = []
@@ -576,7 +573,8 @@ def refined_errors(case: dict[str, Any]) -> list[float]:
         cpu = parts.get("compute_s", pred) + parts.get("overhead_s", 0.0)
         wire = parts.get("exposed_comm_s", 0.0)
         r = fit([t for t in trials if t.name != name])
-        errs.append(abs((r.seconds(cpu, wire) if r else pred) - meas) / meas)
+        refined = r.seconds(cpu, wire, parts.get("sparse_pull", 0.0)) if r else pred
+        errs.append(abs(refined - meas) / meas)
     return errs
 
 

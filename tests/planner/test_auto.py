@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import replace
 
 import _spawn
 import planner_workers as pw
@@ -28,6 +29,7 @@ from stratagem.planner.trial import (
     fit,
     prefer_all_reduce,
     prefer_named,
+    pull_factor,
     raced,
     second_look,
     shortlist,
@@ -166,6 +168,8 @@ def test_autodist_with_auto_agrees_across_ranks_and_explains(tmp_path) -> None: 
     trials = [r["json"]["trials"] for r in results]
     assert trials[0] == trials[1] and len(trials[0]) >= 2
     assert all(t["measured_s"] > 0 for t in trials[0])
+    # each step's forward timed apart (the pulls' own rounds: the refinement's pull factor)
+    assert all(0 < t["measured_forward_s"] <= t["measured_s"] for t in trials[0])
     assert "trial steps" in results[0]["explain"]
     # a cost model rigged to rank AllReduce of a 25 MB embedding first is corrected
     rigged = [r["rigged"] for r in results]
@@ -243,7 +247,6 @@ def test_second_look_races_what_the_refined_model_puts_level_with_the_winner() -
     candidate predicted at 0.0105 s refines to 0.021 s, within 1.3 of the winner's
     measured 0.020 s; one at 0.014 s (0.028 s) is not; one with the winner's strategy under
     another name (Parallax = AllReduce without embeddings) is not raced again."""
-    from dataclasses import replace
 
     from stratagem.planner.cost_model import StepCost
     from stratagem.planner.search import Candidate
@@ -291,6 +294,39 @@ def test_trials_fit_separate_factors_for_cpu_and_wire() -> None:
     assert r.seconds(0.01, 0.09) == pytest.approx(truth, rel=0.02)
     common = statistics.median(t.measured_s / t.predicted_s for t in trials)
     assert common * 0.1 > 1.3 * truth
+
+
+def test_trials_price_sparse_pulls_by_their_timed_forward() -> None:
+    # Steps made by a known rule: CPU 1.2x as modelled, the pull rounds 0.5x (the probe
+    # read its chain slow), the rest of the wire 1.0x; each PS trial's forward is its
+    # compute (as calibrated, 2 ms) plus its pulls as they ran.
+    def ps(name: str, cpu: float, wire: float, pull: float) -> Trial:
+        return Trial(name, cpu + wire, 1.2 * cpu + (wire - pull) + 0.5 * pull,
+                     cpu_s=cpu, wire_s=wire, forward_s=0.002, pull_s=pull,
+                     measured_forward_s=0.002 + 0.5 * pull)
+
+    trials = [ps("PS", 0.002, 0.010, 0.004), ps("Parallax", 0.004, 0.006, 0.002),
+              _trial("AllReduce", 0.003, 0.050, 0.003 * 1.2 + 0.050)]
+    assert pull_factor(trials) == pytest.approx(0.5)
+    r = fit(trials)
+    assert r is not None and r.pull == pytest.approx(0.5)
+    assert (r.cpu, r.wire) == pytest.approx((1.2, 1.0), rel=0.03)
+    # an untried PS strategy with 8 ms of pulls: priced at half of them; the two-factor
+    # fit (no pull factor) misprices it by more than a fifth
+    truth = 1.2 * 0.002 + 0.004 + 0.5 * 0.008
+    assert r.seconds(0.002, 0.012, 0.008) == pytest.approx(truth, rel=0.03)
+    old = fit([replace(t, pull_s=0.0, measured_forward_s=None) for t in trials])
+    assert old is not None and old.pull == 1.0
+    assert abs(old.seconds(0.002, 0.012) - truth) > truth / 5
+    # trials without a timed forward or without pulls leave the factor at 1
+    assert pull_factor([_trial("a", 0.01, 0.01, 0.02)]) == 1.0
+    assert pull_factor([replace(trials[0], measured_forward_s=None)]) == 1.0
+    # bounded like the others
+    slow = replace(trials[0], measured_forward_s=1.0)
+    assert pull_factor([slow]) == FACTOR_RANGE[1]
+    # the JSON round trip keeps every field (the benchmark refits from it)
+    assert Trial.from_dict(trials[0].to_dict()) == trials[0]
+    assert Trial.from_dict({"name": "x", "predicted_s": 0.1}) == Trial("x", 0.1, None)
 
 
 def test_trials_fit_falls_back_to_its_priors() -> None:

@@ -101,11 +101,28 @@ class Trial:
     """The prediction's compute and overheads (:func:`split`)..."""
     wire_s: float = 0.0
     """...and its exposed communication; both 0: not known, all of it counts as CPU."""
+    forward_s: float = 0.0
+    """The prediction's forward compute (:func:`pulls`)..."""
+    pull_s: float = 0.0
+    """...and its sparse rows' pull rounds in the forward (part of ``wire_s``)."""
+    measured_forward_s: float | None = None
+    """Median seconds of the trial steps' forward (the slowest rank's): with the pulls'
+    own rounds in it, what the sparse exchange costs in this model's step."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "predicted_s": self.predicted_s,
                 "measured_s": self.measured_s, "spread_s": self.spread_s, "note": self.note,
-                "family": self.family, "cpu_s": self.cpu_s, "wire_s": self.wire_s}
+                "family": self.family, "cpu_s": self.cpu_s, "wire_s": self.wire_s,
+                "forward_s": self.forward_s, "pull_s": self.pull_s,
+                "measured_forward_s": self.measured_forward_s}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trial:
+        """The inverse of :meth:`to_dict` (keys it lacks take their defaults)."""
+        return cls(d["name"], d["predicted_s"], d.get("measured_s"), d.get("note", ""),
+                   d.get("spread_s", 0.0), d.get("family", ""), d.get("cpu_s", 0.0),
+                   d.get("wire_s", 0.0), d.get("forward_s", 0.0), d.get("pull_s", 0.0),
+                   d.get("measured_forward_s"))
 
 
 ALL_REDUCE, SERVERS = "all-reduce", "parameter servers"
@@ -133,7 +150,8 @@ as fast as they say is not believed; ten times slower is (a heavily shared machi
 @dataclass(frozen=True)
 class Refinement:
     """Low-shot refinement of the cost model, fitted on the trial steps:
-    ``measured ~ cpu * (compute + overheads) + wire * exposed communication``.
+    ``measured ~ cpu * (compute + overheads) + wire * (exposed communication - pulls)
+    + pull * pulls``, ``pulls`` being the sparse rows' pull rounds in the forward.
 
     The two parts err differently: CPU work slows down when cores are shared (four workers
     on two cores, a busy host), wire time when the link is not the bottleneck the model
@@ -144,17 +162,25 @@ class Refinement:
     cpu: float = 1.0
     wire: float = 1.0
     trials: int = 0
+    pull: float = 1.0
+    """Measured pull rounds over predicted: the trials' forward less the calibrated
+    forward, over the predicted pulls (the median over trials with pulls; 1: none). The
+    link probe times a chain of synthetic rounds, one sample of waits that are bimodal
+    on this machine: at 2 nodes and 10 Gbit/s it read a round at 1.5-3.4 ms from run to
+    run, while wide & deep's eight rounds in the step took 10.8-14.9 ms in six runs."""
 
-    def seconds(self, cpu_s: float, wire_s: float) -> float:
-        """Refined seconds of a step predicted as ``cpu_s`` + ``wire_s``."""
-        return self.cpu * cpu_s + self.wire * wire_s
+    def seconds(self, cpu_s: float, wire_s: float, pull_s: float = 0.0) -> float:
+        """Refined seconds of a step predicted as ``cpu_s`` + ``wire_s``, of which
+        ``pull_s`` the sparse pulls."""
+        return self.cpu * cpu_s + self.wire * (wire_s - pull_s) + self.pull * pull_s
 
     def of(self, cost: StepCost) -> float:
         """Refined seconds of a predicted step."""
-        return self.seconds(*split(cost))
+        return self.seconds(*split(cost), pulls(cost)[1])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cpu": self.cpu, "wire": self.wire, "trials": self.trials}
+        return {"cpu": self.cpu, "wire": self.wire, "pull": self.pull,
+                "trials": self.trials}
 
 
 def split(cost: StepCost) -> tuple[float, float]:
@@ -162,27 +188,45 @@ def split(cost: StepCost) -> tuple[float, float]:
     return cost.compute_s + cost.overhead_s, cost.exposed_comm_s
 
 
+def pulls(cost: StepCost) -> tuple[float, float]:
+    """(forward compute, the sparse pulls' rounds in the forward) of a predicted step."""
+    return cost.parts.get("forward", 0.0), cost.parts.get("sparse_pull", 0.0)
+
+
+def pull_factor(trials: tuple[Trial, ...] | list[Trial]) -> float:
+    """Measured over predicted pull rounds: per trial that pulls rows in its forward and
+    timed it, (measured forward - predicted forward compute) / predicted pulls; their
+    median, within ``FACTOR_RANGE`` (1.0: no such trial)."""
+    ratios = [(t.measured_forward_s - t.forward_s) / t.pull_s for t in trials
+              if t.measured_forward_s is not None and t.measured_s and t.pull_s > 0]
+    if not ratios:
+        return 1.0
+    return min(FACTOR_RANGE[1], max(FACTOR_RANGE[0], statistics.median(ratios)))
+
+
 def fit(trials: tuple[Trial, ...] | list[Trial]) -> Refinement | None:
     """The :class:`Refinement` that best explains the trials that ran (least squares in
     relative error, ridge towards the priors, see ``RIDGE``; each factor kept in
     ``FACTOR_RANGE``); None when no trial ran."""
-    rows = []
+    pull = pull_factor(trials)
+    rows = []  # (cpu, wire less pulls, measured less the pulls' refined seconds, measured)
     for t in trials:
         if t.measured_s and t.predicted_s > 0:
             c, w = (t.cpu_s, t.wire_s) if t.cpu_s + t.wire_s > 0 else (t.predicted_s, 0.0)
-            rows.append((c, w, t.measured_s))
+            p = min(t.pull_s, w)  # the pulls, priced by their own factor, out of the fit
+            rows.append((c, w - p, t.measured_s - pull * p, t.measured_s))
     if not rows:
         return None
-    common = statistics.median(y / (c + w) for c, w, y in rows)
-    # minimise sum(((a c + b w - y) / y)^2) + RIDGE ((a - common)^2 + (b - 1)^2)
+    common = statistics.median(r / (c + w) if c + w > 0 else 1.0 for c, w, r, _ in rows)
+    # minimise sum(((a c + b w - r) / y)^2) + RIDGE ((a - common)^2 + (b - 1)^2)
     saa = sab = sbb = ra = rb = 0.0
-    for c, w, y in rows:
-        c, w = c / y, w / y
+    for c, w, r, y in rows:
+        c, w, r = c / y, w / y, r / y
         saa += c * c
         sab += c * w
         sbb += w * w
-        ra += c
-        rb += w
+        ra += c * r
+        rb += w * r
     saa += RIDGE
     sbb += RIDGE
     ra += RIDGE * common
@@ -200,7 +244,7 @@ def fit(trials: tuple[Trial, ...] | list[Trial]) -> Refinement | None:
     elif clip(b) != b:
         b = clip(b)
         a = (ra - sab * b) / saa
-    return Refinement(cpu=clip(a), wire=clip(b), trials=len(rows))
+    return Refinement(cpu=clip(a), wire=clip(b), trials=len(rows), pull=pull)
 
 
 def refined_s(cost: StepCost, refinement: Refinement | None) -> float:
@@ -339,6 +383,7 @@ class _Runner:
                             servers=server_devices(choice.spec))
         self.dm = DistributedModel(replica, plan, optimizer=self.opt)
         self.times: list[float] = []
+        self.forwards: list[float] = []
         self.steps = 0
 
     def step(self, sample_input: Any, loss_fn: Callable[[Any], torch.Tensor]) -> None:
@@ -349,13 +394,16 @@ class _Runner:
         dist.barrier()
         t = time.perf_counter()
         self.opt.zero_grad()
-        loss_fn(call_model(self.dm, sample_input)).backward()
+        loss = loss_fn(call_model(self.dm, sample_input))
+        forward = time.perf_counter() - t
+        loss.backward()
         self.opt.step()
         self.dm.wait_for_values()
-        elapsed = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - t, forward], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if self.steps >= WARMUP:
-            self.times.append(float(elapsed))
+            self.times.append(float(elapsed[0]))
+            self.forwards.append(float(elapsed[1]))
         self.steps += 1
 
     def close(self) -> None:
@@ -366,28 +414,33 @@ class _Runner:
     def median(self) -> float | None:
         return statistics.median(self.times) if self.times else None
 
+    def timing(self) -> Timing:
+        return (self.median(), self.spread(), len(self.times),
+                statistics.median(self.forwards) if self.forwards else None)
+
     def spread(self) -> float:
         """Median absolute deviation of the timed steps."""
         m = self.median()
         return statistics.median(abs(t - m) for t in self.times) if m is not None else 0.0
 
 
-Timing = tuple[float | None, float, int]
-"""(median, median absolute deviation, count) of a candidate's timed steps."""
+Timing = tuple[float | None, float, int, float | None]
+"""(median, median absolute deviation, count, median forward) of a candidate's timed
+steps."""
 
 
 def run_trial(model: nn.Module, strategy: Strategy, choice: Choice, sample_input: Any,
               loss_fn: Callable[[Any], torch.Tensor], steps: int = STEPS) -> Timing:
-    """(median, median absolute deviation, count) of ``steps`` training steps (after
-    ``WARMUP``) of a copy of ``model`` under ``strategy``, each the slowest rank's
-    (collective)."""
+    """(median, median absolute deviation, count, median forward) of ``steps`` training
+    steps (after ``WARMUP``) of a copy of ``model`` under ``strategy``, each the slowest
+    rank's (collective)."""
     r = _Runner(model, strategy, choice)
     try:
         for _ in range(WARMUP + steps):
             r.step(sample_input, loss_fn)
     finally:
         r.close()
-    return r.median(), r.spread(), len(r.times)
+    return r.timing()
 
 
 def over_budget(started: float, budget_s: float) -> bool:
@@ -418,7 +471,7 @@ def _interleaved(model: nn.Module, strategies: list[Strategy], steps: list[int],
     finally:
         for r in runners:
             r.close()
-    return [(r.median(), r.spread(), len(r.times)) for r in runners]
+    return [r.timing() for r in runners]
 
 
 def _interleave(plan: list[dict[str, Any]], model: nn.Module) -> bool:
@@ -438,7 +491,7 @@ def _measure(plan: list[dict[str, Any]], strategies: list[Strategy], model: nn.M
     out: list[Timing] = []
     for i, (entry, s) in enumerate(zip(plan, strategies, strict=True)):
         if i > 0 and over_budget(started, budget_s):
-            out.append((None, 0.0, 0))
+            out.append((None, 0.0, 0, None))
             continue
         out.append(run_trial(model, s, choice, sample_input, loss_fn, entry["steps"]))
     return out
@@ -446,7 +499,7 @@ def _measure(plan: list[dict[str, Any]], strategies: list[Strategy], model: nn.M
 
 def _entry(c: Candidate, steps: int) -> dict[str, Any]:
     return {"name": c.name, "predicted_s": c.cost.total_s, "steps": steps,
-            "split": split(c.cost), "strategy": c.strategy.to_dict()}
+            "split": split(c.cost), "pulls": pulls(c.cost), "strategy": c.strategy.to_dict()}
 
 
 def _first_plan(choice: Choice, k: int, steps: int, budget_s: float) -> list[dict[str, Any]]:
@@ -524,8 +577,9 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
                   strategies: list[Strategy], note: str = "") -> list[Trial]:
         return [Trial(e["name"], e["predicted_s"], m,
                       note if m is not None else "not run: trial budget spent", spread,
-                      family(s), *e["split"])
-                for e, (m, spread, _), s in zip(entries, timings, strategies, strict=True)]
+                      family(s), *e["split"], *e["pulls"], fwd)
+                for e, (m, spread, _, fwd), s in zip(entries, timings, strategies,
+                                                     strict=True)]
 
     strategies = strategies_of(plan)
     timings = _measure(plan, strategies, model, choice, sample_input, loss_fn, started,
@@ -551,10 +605,10 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
         timings2 = _measure(race, raced_strategies, model, choice, sample_input, loss_fn,
                             started, budget_s)
         trials += trials_of(race, timings2, raced_strategies, RACED)
-        medians = [m for m, _, _ in timings2]
+        medians = [m for m, *_ in timings2]
         won = _pick(prefer_all_reduce(
-            prefer_named(raced(medians, [s for _, s, _ in timings2],
-                               [n for _, _, n in timings2]),
+            prefer_named(raced(medians, [s for _, s, *_ in timings2],
+                               [n for _, _, n, _ in timings2]),
                          [e["name"] for e in race], medians),
             [family(s) for s in raced_strategies], medians))
         entry, strategy = race[won], raced_strategies[won]
