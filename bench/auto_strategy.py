@@ -603,10 +603,10 @@ AUTOS = ("Auto", AUTO_FP16, AUTO_PROFILE)
 def run_to_run(earlier: dict[str, Any], later: dict[str, Any]) -> list[dict[str, Any]]:
     """Every strategy measured in two runs' cases (the same case key and variant, measured
     in its own right in both, not ``= name``; not Auto's, whose strategy may differ from
-    run to run): its median step in each, how far the
-    earlier measurement lies from the later one, ``|earlier - later| / later`` -- the error
-    of a prediction that matched the earlier run exactly, judged as the later run judges
-    the model -- and the model's own prediction error in the later run."""
+    run to run): its median step in each, how far the earlier measurement lies from the
+    later one, ``|earlier - later| / later`` -- the error of a prediction that matched the
+    earlier run exactly, judged as the later run judges the model -- and the model's own
+    prediction error in the later run."""
     rows = []
     for key, case in later.items():
         before = earlier.get(key)
@@ -984,6 +984,8 @@ def main() -> int:
     p.add_argument("--commit", default="unknown", help=argparse.SUPPRESS)
     p.add_argument("--pinning", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.against and not args.summary:
+        p.error("--against compares two runs' results: use it with --summary")
     if args.worker:
         worker(args)
         return 0
