@@ -316,11 +316,16 @@ def test_trials_price_sparse_pulls_by_their_timed_forward() -> None:
     truth = 1.2 * 0.002 + 0.004 + 0.5 * 0.008
     assert r.seconds(0.002, 0.012, 0.008) == pytest.approx(truth, rel=0.03)
     old = fit([replace(t, pull_s=0.0, measured_forward_s=None) for t in trials])
-    assert old is not None and old.pull == 1.0
+    assert old is not None and old.pull is None
     assert abs(old.seconds(0.002, 0.012) - truth) > truth / 5
-    # trials without a timed forward or without pulls leave the factor at 1
-    assert pull_factor([_trial("a", 0.01, 0.01, 0.02)]) == 1.0
-    assert pull_factor([replace(trials[0], measured_forward_s=None)]) == 1.0
+    # no trial timed pulls (none had any, or none timed its forward): the pulls go with
+    # the rest of the wire, as in the two-factor fit
+    assert pull_factor([_trial("a", 0.01, 0.01, 0.02)]) is None
+    untimed = [replace(t, measured_forward_s=None) for t in trials]
+    assert pull_factor(untimed) is None
+    two = fit(untimed)
+    assert two is not None and two.pull is None
+    assert two.seconds(0.002, 0.012, 0.008) == pytest.approx(two.seconds(0.002, 0.012))
     # bounded like the others
     slow = replace(trials[0], measured_forward_s=1.0)
     assert pull_factor([slow]) == FACTOR_RANGE[1]

@@ -176,7 +176,7 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
             lines.append(_cut("the trials rescale the model: compute and overheads "
                               f"x{refinement.cpu:.2f}, exposed communication "
                               f"x{refinement.wire:.2f}", WIDTH))
-            if refinement.pull != 1.0:
+            if refinement.pull is not None:
                 lines.append(_cut(f"  but the sparse rows' pulls x{refinement.pull:.2f} "
                                   "(the trials' forward, timed)", WIDTH))
     alts = choice.candidates[1:1 + alternatives]

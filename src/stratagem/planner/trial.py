@@ -162,9 +162,10 @@ class Refinement:
     cpu: float = 1.0
     wire: float = 1.0
     trials: int = 0
-    pull: float = 1.0
+    pull: float | None = None
     """Measured pull rounds over predicted: the trials' forward less the calibrated
-    forward, over the predicted pulls (the median over trials with pulls; 1: none). The
+    forward, over the predicted pulls (the median over trials with pulls; None: no trial
+    timed any, and the pulls go with the rest of the wire). The
     link probe times a chain of synthetic rounds, one sample of waits that are bimodal
     on this machine: at 2 nodes and 10 Gbit/s it read a round at 1.5-3.4 ms from run to
     run, while wide & deep's eight rounds in the step took 10.8-14.9 ms in six runs."""
@@ -172,7 +173,8 @@ class Refinement:
     def seconds(self, cpu_s: float, wire_s: float, pull_s: float = 0.0) -> float:
         """Refined seconds of a step predicted as ``cpu_s`` + ``wire_s``, of which
         ``pull_s`` the sparse pulls."""
-        return self.cpu * cpu_s + self.wire * (wire_s - pull_s) + self.pull * pull_s
+        pull = self.wire if self.pull is None else self.pull
+        return self.cpu * cpu_s + self.wire * (wire_s - pull_s) + pull * pull_s
 
     def of(self, cost: StepCost) -> float:
         """Refined seconds of a predicted step."""
@@ -193,14 +195,14 @@ def pulls(cost: StepCost) -> tuple[float, float]:
     return cost.parts.get("forward", 0.0), cost.parts.get("sparse_pull", 0.0)
 
 
-def pull_factor(trials: tuple[Trial, ...] | list[Trial]) -> float:
+def pull_factor(trials: tuple[Trial, ...] | list[Trial]) -> float | None:
     """Measured over predicted pull rounds: per trial that pulls rows in its forward and
     timed it, (measured forward - predicted forward compute) / predicted pulls; their
-    median, within ``FACTOR_RANGE`` (1.0: no such trial)."""
+    median, within ``FACTOR_RANGE`` (None: no such trial)."""
     ratios = [(t.measured_forward_s - t.forward_s) / t.pull_s for t in trials
               if t.measured_forward_s is not None and t.measured_s and t.pull_s > 0]
     if not ratios:
-        return 1.0
+        return None
     return min(FACTOR_RANGE[1], max(FACTOR_RANGE[0], statistics.median(ratios)))
 
 
@@ -213,8 +215,9 @@ def fit(trials: tuple[Trial, ...] | list[Trial]) -> Refinement | None:
     for t in trials:
         if t.measured_s and t.predicted_s > 0:
             c, w = (t.cpu_s, t.wire_s) if t.cpu_s + t.wire_s > 0 else (t.predicted_s, 0.0)
-            p = min(t.pull_s, w)  # the pulls, priced by their own factor, out of the fit
-            rows.append((c, w - p, t.measured_s - pull * p, t.measured_s))
+            # the pulls, priced by their own factor, out of the fit (where one was timed)
+            p = min(t.pull_s, w) if pull is not None else 0.0
+            rows.append((c, w - p, t.measured_s - (pull or 0.0) * p, t.measured_s))
     if not rows:
         return None
     common = statistics.median(r / (c + w) if c + w > 0 else 1.0 for c, w, r, _ in rows)
