@@ -151,6 +151,10 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     messages = 0
     ar_bytes = 0
     tensors = sum(len(g.members) for g in plan.groups)
+    # a slice of a parameter is copied back into its gradient after the wait (a whole
+    # parameter's gradient is a view of its group's buffer)
+    sliced_bytes = sum(m.numel * _itemsize(g.dtype) for g in plan.groups for m in g.members
+                       if not m.whole)
     for g in plan.groups:
         wire, work, flows, fixed = group_cost(g, links, replicas, cal)
         moving = max(0.0, wire - fixed)
@@ -276,14 +280,16 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     # The runtime's own work per tensor (hook, copy in and back) and per group.
     # (a dense PS bucket's machinery -- buffer, posting its sends -- is priced as a group's)
     groups = len(plan.groups) + (len(ps.buckets) if ps is not None else 0)
-    runtime_s = tensors * cal.tensor_s + groups * cal.group_s + scan_s
+    write_back_s = sliced_bytes / (cal.update_bps or cal.copy_bps)
+    runtime_s = tensors * cal.tensor_s + groups * cal.group_s + scan_s + write_back_s
     overhead = (messages - in_collectives) * links.message_cpu_s + runtime_s
     parts = {"forward": cal.forward_s, "backward": cal.backward_s, "update": update_s,
              "backward_tail": backward_tail, "contention": contention_s,
              "ps_pull": pull_s, "sparse_pull": fwd_pull_s,
              "sparse_push": sparse_push_s, "refresh": refresh_s,
              "compressor_work": work_s, "messages": float(messages),
-             "runtime": runtime_s, "tensors": float(tensors), "row_scan": scan_s}
+             "runtime": runtime_s, "tensors": float(tensors), "row_scan": scan_s,
+             "write_back": write_back_s}
     return StepCost(compute_s=compute, exposed_comm_s=exposed_comm, overhead_s=overhead,
                     link_bytes=links.flow_bytes(all_flows), parts=parts,
                     slots=tuple(slots))

@@ -143,13 +143,14 @@ class _MemberRT:
             vals = vals.narrow(self.plan.axis, start, length)
         self.view.zero_().index_add_(0, rows, vals.to(self.view.dtype), alpha=factor)
 
-    def write_back(self) -> None:
-        """Copy the averaged slice into ``param.grad`` (unless it already is the buffer)."""
+    def write_back(self, dense: Callable[[nn.Parameter], torch.Tensor]) -> None:
+        """Copy the averaged slice into ``param.grad`` (unless it already is the buffer);
+        where it has no dense gradient, ``dense(param)`` gives one to write into."""
         if self.as_grad:
             return
         grad = self.param.grad
         if grad is None or grad.is_sparse:
-            grad = torch.zeros_like(self.param, memory_format=torch.preserve_format)
+            grad = dense(self.param)
             self.param.grad = grad
         if self.plan.whole:
             grad.copy_(self.view)
@@ -218,6 +219,16 @@ class AllReduceReducer:
         for g in self.groups:
             for m in g.members:
                 self._entries.setdefault(id(m.param), []).append((g, m))
+        # A dense gradient per sliced parameter that has none (a sparse one's parts), kept
+        # from step to step: a fresh 64 MB tensor each step cost DLRM's PartitionedAR more
+        # than its all-reduce (page faults). Zeroed unless the parts cover every element.
+        sliced: dict[str, int] = {}
+        for g in self.groups:
+            for m in g.members:
+                if not m.as_grad:
+                    sliced[m.plan.param] = sliced.get(m.plan.param, 0) + m.plan.numel
+        self._covered = {n: total == params[n].numel() for n, total in sliced.items()}
+        self._dense: dict[str, torch.Tensor] = {}
         self.require_sync = True
         self.grad_weight = 1.0
         self.before_wait: Callable[[], Callable[[], None] | None] | None = None
@@ -307,12 +318,24 @@ class AllReduceReducer:
                     fn("reduced", g.plan, g.buffer, self.loss_scale)
             for g in self.groups:
                 for m in g.members:
-                    m.write_back()
+                    m.write_back(self._dense_grad)
             if finish_extra is not None:
                 finish_extra()
             self.stats.steps += 1
         finally:
             self._reset()
+
+    def _dense_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The kept dense gradient of ``param`` (see ``__init__``), ready to be written."""
+        name = self._entries[id(param)][0][1].plan.param
+        kept = self._dense.get(name)
+        if (kept is None or kept.shape != param.shape or kept.dtype != param.dtype
+                or kept.device != param.device):
+            kept = torch.zeros_like(param, memory_format=torch.preserve_format)
+            self._dense[name] = kept
+        elif not self._covered[name]:
+            kept.zero_()
+        return kept
 
     def _reset(self) -> None:
         self._queued = False
