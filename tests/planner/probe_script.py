@@ -14,4 +14,5 @@ ad = sg.AutoDist(verbose=False)
 links, probe = measured_links(ad.resource_spec)
 if ad.rank == 0:
     Path(sys.argv[1]).write_text(json.dumps({"probe": probe.to_dict() if probe else None,
-                                             "nic_bps": list(links.nic_bps)}))
+                                             "nic_bps": list(links.nic_bps),
+                                             "machine_bps": links.machine_bps}))

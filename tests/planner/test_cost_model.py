@@ -287,6 +287,36 @@ def test_measured_links_replace_the_spec_only_where_they_differ() -> None:
     assert base.measured(probe(10 * nominal), spec).nic_bps == (10 * nominal,) * 2
 
 
+def test_one_link_alone_faster_than_the_ring_bounds_the_links_together() -> None:
+    """Four nodes sharing one host's cores: one link alone at its nominal rate N, every
+    node at once (the ring's bus rate) at N/2 each. A ring keeps the bus rate; three
+    workers pushing into one node move at one link's rate; all pairs at once share the
+    host's 4 x N/2."""
+    from dataclasses import replace
+
+    from stratagem.planner.probe import LinkProbe
+
+    s = spec(4)
+    base = links(s)
+    N = base.nic_bps[0]
+    probe = LinkProbe(world=4, collective_s=4e-4, bus_bps=N / 2, message_s=3e-4,
+                      seconds=0.5, nominal_bps=N, link_bps=0.98 * N)
+    m = base.measured(probe, s)
+    assert m.nic_bps == base.nic_bps and m.machine_bps == pytest.approx(4 * N / 2)
+    devs, B = s.replicas, 60e6
+    assert m.transfer_time(ring_flows(devs, B)) == pytest.approx(1.5 * B / (N / 2))
+    incast = [(d, devs[0], B) for d in devs[1:]]
+    assert m.transfer_time(incast) == pytest.approx(3 * B / N * (1 + 2 * m.incast_penalty))
+    pairs = [(a, b, B / 3) for a in devs for b in devs if a != b]
+    assert m.transfer_time(pairs) == pytest.approx(4 * B / (2 * N))
+    # a slow link alone is every link's rate; the ring at its rate adds no bound
+    slow = base.measured(replace(probe, link_bps=N / 2), s)
+    assert slow.nic_bps == (N / 2,) * 4 and slow.machine_bps == 0.0
+    # not timed: the bus rate is every link's, as before
+    old = base.measured(replace(probe, link_bps=0.0), s)
+    assert old.nic_bps == (N / 2,) * 4 and old.machine_bps == 0.0
+
+
 def test_runtime_cost_per_tensor_and_group_is_an_overhead() -> None:
     s = spec(2)
     strat = Strategy(node_config=(NodeConfig("emb", AllReduceSynchronizer(group=0)),

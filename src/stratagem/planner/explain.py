@@ -146,8 +146,10 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
         lines += _table(rows, [30, 9, 9, 8, 7], {1, 2, 3, 4})
     if choice.link_probe is not None:
         p = choice.link_probe
+        alone = (f", one link alone {p.link_bps * 8 / 1e9:.2f}" if p.link_bps else "")
         lines += ["", _cut(f"links measured ({p.seconds:.2f} s): {p.bus_bps * 8 / 1e9:.2f} "
-                           f"Gbit/s (spec {p.nominal_bps * 8 / 1e9:.2f})", WIDTH),
+                           f"Gbit/s all at once{alone} (spec "
+                           f"{p.nominal_bps * 8 / 1e9:.2f})", WIDTH),
                   _cut(f"  fixed costs: collective {p.collective_s * 1e6:.0f} us"
                        + (f" (a group's {p.group_fixed_s * 1e6:.0f} us)"
                           if p.group_fixed_s else "")

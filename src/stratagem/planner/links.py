@@ -97,6 +97,13 @@ class LinkModel:
     its own time (``probe._interference``); at 1 Gbit/s the wire bounds it and the CPU
     waits. 0: not measured."""
 
+    machine_bps: float = 0.0
+    """Measured bytes/s that every inter-node transfer together moves (the sum of the
+    nodes' egress; 0: no such bound). Where the nodes share one host's cores, moving bytes
+    is CPU work that the links share: at 4 nodes on 2 cores and 10 Gbit/s one link alone
+    carried 1.1 GB/s, every node sending at once 0.61-0.66 GB/s each; a parameter server
+    pulling 102 MB out of one node ran at the first rate, a ring at the second."""
+
     def size_factor(self, nbytes: float) -> float:
         """How much longer a ring all-reduce of ``nbytes`` takes than the small buffers'
         rate says: 1 up to ``SMALL_BYTES``, ``1 / big_rate`` from ``BIG_BYTES``, log-linear
@@ -146,10 +153,14 @@ class LinkModel:
         the point-to-point message cost as the PS message cost, a chained all-to-all's as
         the sparse exchange's per collective, a chained pull round's as an embedding
         call's, the rest of that sparse step as a step's push (each with its cost per row),
-        half-precision all-reduces' rates over fp32's, and the bus bandwidth as
-        every inter-node link's rate (one node: the intra-node rate) where it differs from
-        the nominal one: lower by more than ``MEASURED_DIFFERS``, or higher by more than
-        ``MEASURED_FASTER`` times."""
+        half-precision all-reduces' rates over fp32's, and the rates: where the probe
+        timed one link alone (``link_bps``), that is every inter-node link's rate where it
+        differs from the nominal one (lower by more than ``MEASURED_DIFFERS``, or higher
+        by more than ``MEASURED_FASTER`` times), and a bus bandwidth lower than the link's
+        by more than ``MEASURED_DIFFERS`` bounds all links together (``machine_bps``: the
+        ring's bytes over the nodes at that rate); else (one node, or not timed) the bus
+        bandwidth is every link's rate (one node: the intra-node rate) where it differs
+        from the nominal one so."""
         n = max(probe.world, 2)
         out = replace(self, latency_s=probe.collective_s / (2 * (n - 1)),
                       message_cpu_s=probe.message_s,
@@ -160,9 +171,18 @@ class LinkModel:
                       big_rate=probe.big_rate, interference=probe.interference,
                       half_rates=tuple((c, r) for c, r in (("fp16", probe.fp16_rate),
                                                            ("bf16", probe.bf16_rate)) if r > 0))
-        if (probe.bus_bps < (1 - MEASURED_DIFFERS) * probe.nominal_bps
-                or probe.bus_bps > MEASURED_FASTER * probe.nominal_bps):
-            if len(spec.nodes) > 1:
+        multi = len(spec.nodes) > 1
+        link = probe.link_bps
+        if multi and link > 0:
+            if _differs(link, probe.nominal_bps):
+                out = replace(out, nic_bps=tuple(link for _ in self.nic_bps))
+            if probe.bus_bps < (1 - MEASURED_DIFFERS) * min(out.nic_bps):
+                devices = list(spec.replicas)
+                crossing = sum(1 for a, b, _ in ring_flows(devices, 1.0)
+                               if not out.same_node(a, b))
+                out = replace(out, machine_bps=probe.bus_bps * crossing)
+        elif _differs(probe.bus_bps, probe.nominal_bps):
+            if multi:
                 out = replace(out, nic_bps=tuple(probe.bus_bps for _ in self.nic_bps))
             else:
                 out = replace(out, intra_bps=probe.bus_bps)
@@ -191,6 +211,8 @@ class LinkModel:
             ingress[b] += nbytes
             senders[b].add(a)
         worst = max(intra.values(), default=0.0) / self.intra_bps
+        if self.machine_bps > 0:
+            worst = max(worst, sum(egress) / self.machine_bps)
         for i in range(n):
             incast = 1.0 + self.incast_penalty * max(0, len(senders[i]) - 1)
             worst = max(worst, egress[i] / self.nic_bps[i],
@@ -213,6 +235,13 @@ class LinkModel:
             out[tx] = out.get(tx, 0.0) + nbytes
             out[rx] = out.get(rx, 0.0) + nbytes
         return out
+
+
+def _differs(measured: float, nominal: float) -> bool:
+    """Whether a measured rate replaces the nominal one: lower by more than
+    ``MEASURED_DIFFERS``, or higher by more than ``MEASURED_FASTER`` times."""
+    return (measured < (1 - MEASURED_DIFFERS) * nominal
+            or measured > MEASURED_FASTER * nominal)
 
 
 def ring_flows(devices: list[str], nbytes: float) -> list[tuple[str, str, float]]:

@@ -12,7 +12,9 @@ Two measurements, both seconds long at most:
   see it. A one-element all-reduce repeated gives the fixed cost of one collective; all-
   reduces of a few sizes give the effective bus bandwidth (the slope), and one of 64 MiB,
   where it fits the budget, the rate of buffers past the caches; a one-element
-  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message; small
+  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message; one
+  transfer from rank 0 to another node while the rest wait, the rate of one link alone
+  (where every node shares the host's cores, above the all-reduces' rate); small
   all-reduces queued back to back, as the reducer launches its groups, the fixed cost of
   one all-reduce group (:data:`QUEUED`); tiny
   all-to-alls back to back the cost of one in a chain (the sparse rows' exchange is such a
@@ -70,6 +72,12 @@ SPARSE_REPEATS = 9
 """Repeats of the sparse step (:func:`_sparse_step`), a median of each part: at 2 nodes and
 10 Gbit/s a third of the steps' rest took 3-5 ms instead of 0.6-0.9 (a peer late from
 its forward), so a median of 5 read either from run to run (0.8-3.9 ms)."""
+LINK_S = 0.05
+LINK_MIB = 16.0
+"""One link alone (:func:`_one_link`) moves what takes ``LINK_S`` at the all-reduces' bus
+rate (the smallest rank's), at most ``LINK_MIB`` (1 MiB at least)..."""
+LINK_REPEATS = 3
+"""...this many times after a warm-up (0.2 s)."""
 QUEUED = 8
 QUEUED_KIB = 64
 """All-reduces of this many KiB launched back to back, ``QUEUED`` at a time, as the
@@ -157,6 +165,9 @@ class LinkProbe:
     interference: float = 0.0
     """Share of an overlapped all-reduce's time a compute loop beside it loses
     (:func:`_interference`; 0: none, or not measured)."""
+    link_bps: float = 0.0
+    """Bytes/s of one link alone: rank 0 sending to a rank on another node while the
+    others wait (:func:`_one_link`; 0: one node, or not measured)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "collective_s": self.collective_s,
@@ -166,7 +177,8 @@ class LinkProbe:
                 "push_row_s": self.push_row_s, "big_rate": self.big_rate,
                 "fp16_rate": self.fp16_rate, "bf16_rate": self.bf16_rate,
                 "group_fixed_s": self.group_fixed_s, "interference": self.interference,
-                "seconds": self.seconds, "nominal_bps": self.nominal_bps}
+                "link_bps": self.link_bps, "seconds": self.seconds,
+                "nominal_bps": self.nominal_bps}
 
 
 class _DoneWork:
@@ -354,6 +366,38 @@ def _ping_pong(repeats: int) -> float:
             dist.send(t, 0)
         times.append((time.perf_counter() - s) / 2)
     return statistics.median(times) if rank == 0 else 0.0
+
+
+def _one_link(peer: int | None, nbytes: int, repeats: int) -> float:
+    """Bytes/s of ``nbytes`` sent from rank 0 to ``peer`` (a rank on another node) while
+    every other rank waits, the receipt acknowledged by one element (median of
+    ``repeats`` after a warm-up; measured on rank 0, 0 elsewhere or without a peer). Every
+    node moving bytes at once is what the all-reduces measure; on one host whose cores all
+    the nodes share, one link alone runs faster: at 4 nodes on 2 cores and 10 Gbit/s,
+    1.1 GB/s against 0.61-0.66 GB/s each with every node sending."""
+    rank = dist.get_rank()
+    if peer is None:
+        return 0.0
+    buf, ack = torch.zeros(nbytes // 4), torch.zeros(1)
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        s = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, peer)
+            dist.recv(ack, peer)
+        elif rank == peer:
+            dist.recv(buf, 0)
+            dist.send(ack, 0)
+        if i:
+            times.append(time.perf_counter() - s)
+    return nbytes / max(statistics.median(times), 1e-9) if rank == 0 else 0.0
+
+
+def _peer(spec: ResourceSpec) -> int | None:
+    """The first rank on another node than rank 0's (ranks follow ``spec.replicas``)."""
+    nodes = [d.split(":")[0] for d in spec.replicas]
+    return next((r for r, n in enumerate(nodes) if n != nodes[0]), None)
 
 
 def _queued_allreduce(repeats: int) -> float:
@@ -551,11 +595,14 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     chained = _chained_all_to_all(CHAIN, CHAIN_REPEATS)
     sp = _sparse_steps(CHAIN, SPARSE_REPEATS, bus)
     interference = _interference(fixed, bus, ring)
+    link_bytes = int(_agreed(min(LINK_MIB * 2 ** 20, max(2 ** 20, bus * LINK_S)))) // 4 * 4
+    link = _one_link(_peer(spec), link_bytes, LINK_REPEATS)
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
                             sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,
-                            big_rate, group_fixed, interference], dtype=torch.float64)
+                            big_rate, group_fixed, interference, link * world],
+                           dtype=torch.float64)
     dist.all_reduce(figures)
-    figures /= world  # the ranks' mean (the message: rank 0's measure)
+    figures /= world  # the ranks' mean (the message and the one link: rank 0's measure)
     probe = LinkProbe(world=world, collective_s=float(figures[0]), bus_bps=float(figures[1]),
                       message_s=float(figures[2]), seconds=time.perf_counter() - started,
                       nominal_bps=nominal, all_to_all_s=float(figures[3]),
@@ -563,7 +610,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
                       sparse_push_s=float(figures[6]), push_row_s=float(figures[7]),
                       fp16_rate=float(figures[8]), bf16_rate=float(figures[9]),
                       big_rate=float(figures[10]), group_fixed_s=float(figures[11]),
-                      interference=float(figures[12]))
+                      interference=float(figures[12]), link_bps=float(figures[13]))
     if use_cache:
         _LINKS[key] = probe
     return probe
