@@ -280,3 +280,25 @@ def rows_strategy() -> Any:
         NodeConfig("out.bias", partitioner=Partitioner((2,)), part_config=(
             NodeConfig("out.bias/part_0", rows(W0)),
             NodeConfig("out.bias/part_1", rows(W1))))))
+
+
+def pooled_calibration_case(rank: int, world: int) -> dict[str, Any]:
+    """Calibrate together, rank 1's passes timed 3x slower than rank 0's (a rank
+    disturbed while it timed): every rank gets the median over all ranks' passes."""
+    import importlib
+
+    c = importlib.import_module("stratagem.planner.calibrate")
+    real = c._one_pass
+    slow = 3.0 if rank == 1 else 1.0
+
+    def one(*args: Any, **kwargs: Any) -> tuple:
+        _, _, ready, layer, touched = real(*args, **kwargs)
+        return 0.01 * slow, 0.02 * slow, ready, layer, touched
+
+    c._one_pass = one
+    try:
+        model = make("dense")
+        cal = c.calibrate(model, batch("dense", 0)[0][0], together=True, use_cache=False)
+    finally:
+        c._one_pass = real
+    return {"forward_s": cal.forward_s, "backward_s": cal.backward_s}

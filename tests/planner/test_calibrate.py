@@ -84,3 +84,46 @@ def test_estimate_from_the_profile() -> None:
     assert cal.access_of("emb.weight").rows_touched == 16
     assert cal.grad_ready_s["fc2.weight"] < cal.grad_ready_s["emb.weight"]
     assert estimate(profile, 16) == cal  # deterministic: every rank plans alike
+
+
+def test_a_disturbed_pass_adds_passes_and_the_median_ignores_it(monkeypatch) -> None:
+    """Passes timing (forward, backward) 10+20 ms, one of them 40+80 ms: the passes
+    disagree, so calibration times more of them (up to ``MORE_STEPS`` more) and reads the
+    undisturbed ones; steady passes stop at ``STEPS``."""
+    import importlib
+
+    c = importlib.import_module("stratagem.planner.calibrate")  # the module
+    real = c._one_pass
+    seen: list[int] = []
+
+    def fake(times: list[tuple[float, float]]):
+        def one(model, sample, loss_fn, params, timed):  # noqa: ANN001, ANN202
+            _, _, ready, layer, touched = real(model, sample, loss_fn, params, timed)
+            f, b = times[len(seen)] if len(seen) < len(times) else (0.01, 0.02)
+            seen.append(1)
+            return f, b, ready, layer, touched
+        return one
+
+    model = pw.make("dense")
+    x = pw.batch("dense", 0)[0][0]
+    warm = (1.0, 1.0)
+    monkeypatch.setattr(c, "_one_pass", fake([warm, (0.04, 0.08), (0.01, 0.02)]))
+    cal = calibrate(model, x, use_cache=False)
+    half = 1  # then one pass on half the batch (how touched rows grow)
+    assert len(seen) == 1 + c.STEPS + c.MORE_STEPS + half
+    assert (cal.forward_s, cal.backward_s) == (0.01, 0.02)
+    seen.clear()
+    monkeypatch.setattr(c, "_one_pass", fake([warm, (0.011, 0.021), (0.01, 0.02)]))
+    cal = calibrate(model, x, use_cache=False)
+    assert len(seen) == 1 + c.STEPS + half and (cal.forward_s, cal.backward_s) == (0.01, 0.02)
+
+
+def test_ranks_calibrating_together_share_the_median_of_all_passes(tmp_path) -> None:
+    import _spawn
+
+    results = _spawn.run(pw.pooled_calibration_case, 2, tmp_path, {},
+                         _spawn.Setup(args=(2,), local_rank=True, init_group=True))
+    # three passes each: 10+20 ms on rank 0, 30+60 on rank 1; the median of the six
+    # (the upper middle one) is rank 1's, on both ranks
+    for r in results:
+        assert (r["forward_s"], r["backward_s"]) == (0.03, 0.06), r

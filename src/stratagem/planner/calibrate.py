@@ -30,6 +30,12 @@ from stratagem.planner.probe import runtime_costs
 
 WARMUP = 1
 STEPS = 3
+MORE_STEPS = 4
+"""Passes added, one at a time, while the timed passes disagree (``STEADY``)..."""
+STEADY = 1.25
+"""...: the slowest pass's forward and backward over the fastest's, on any rank. A median
+of three passes read a CNN's forward and backward at 55 and 66 ms on 4 nodes sharing 2
+cores, where other runs read 27-36 and 37-44 and its training steps' forward took 32."""
 SPARSE_DENSITY = 0.5
 """A parameter whose gradient touches fewer than this share of its rows is row-sparse."""
 
@@ -306,6 +312,28 @@ def _median(values: list[float]) -> float:
     return s[len(s) // 2] if s else 0.0
 
 
+def _agreed_max(value: float, together: bool) -> float:
+    """The largest of the ranks' ``value``s (``together``), else this rank's."""
+    if not together:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _pooled(fw: list[float], bw: list[float], together: bool) -> tuple[float, float]:
+    """Median forward and backward seconds over every rank's timed passes (``together``:
+    each rank timed as many), else over this rank's: a rank disturbed while it timed its
+    passes does not set its own plan apart, and every rank plans from the same compute."""
+    if not together:
+        return _median(fw), _median(bw)
+    mine = torch.tensor([fw, bw], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return (_median([float(x) for t in every for x in t[0]]),
+            _median([float(x) for t in every for x in t[1]]))
+
+
 def _cached_everywhere(key: tuple, together: bool) -> bool:
     """Whether ``key`` is cached here and, ``together``, on every rank (else all measure
     again, so that their passes stay in step)."""
@@ -326,7 +354,9 @@ def calibrate(model: nn.Module, sample_input: Any, *,
     ``together`` (every worker of the default process group calls it at once): each pass
     starts after a barrier, so that compute is timed as training runs it, every worker
     computing at the same time -- four workers sharing two cores computed a DLRM forward
-    2.5x slower in their steps than each had alone.
+    2.5x slower in their steps than each had alone. The forward and backward times are
+    then the medians over every rank's passes, the same on every rank. Passes are added
+    (``MORE_STEPS`` at most) while the slowest and fastest differ by more than ``STEADY``.
 
     The model's parameters and gradients are left as they were (values are not updated;
     gradients are cleared)."""
@@ -345,16 +375,25 @@ def calibrate(model: nn.Module, sample_input: Any, *,
     fw, bw, ready_all, layer_all = [], [], [], []
     hooks, ids = _lookups(model, names)
     try:
-        for i in range(WARMUP + steps):
+        i = 0
+        while True:
             ids.clear()
             sync()
             f, b, ready, layer, touched = _one_pass(model, sample_input, loss_fn, params,
                                                     timed=i >= WARMUP)
-            if i >= WARMUP:
-                fw.append(f)
-                bw.append(b)
-                ready_all.append(ready)
-                layer_all.append(layer)
+            i += 1
+            if i <= WARMUP:
+                continue
+            fw.append(f)
+            bw.append(b)
+            ready_all.append(ready)
+            layer_all.append(layer)
+            if len(fw) < steps:
+                continue
+            totals = [x + y for x, y in zip(fw, bw, strict=True)]
+            spread = max(totals) / max(min(totals), 1e-12)
+            if len(fw) >= steps + MORE_STEPS or _agreed_max(spread, together) <= STEADY:
+                break
         lookups = {n: torch.cat(v) for n, v in ids.items()}  # the last pass's
         calls = {n: len(v) for n, v in ids.items()}
         for h in hooks:
@@ -391,11 +430,15 @@ def calibrate(model: nn.Module, sample_input: Any, *,
                                   overlap=overlap, hot_share=hot, calls=calls.get(n, 1)))
     copy_bps, flops = machine_rates()
     tensor_s, group_s = runtime_costs()
-    ready = {n: _median([r[n] for r in ready_all if n in r]) for n in params
+    forward_s, backward_s = _pooled(fw, bw, together)
+    # this rank's timeline, stretched to the pooled times
+    f_scale = forward_s / _median(fw) if _median(fw) > 0 else 1.0
+    b_scale = backward_s / _median(bw) if _median(bw) > 0 else 1.0
+    ready = {n: b_scale * _median([r[n] for r in ready_all if n in r]) for n in params
              if any(n in r for r in ready_all)}
-    layers = {m: _median([lay.get(m, 0.0) for lay in layer_all]) for m in layer_all[0]} \
-        if layer_all else {}
-    cal = Calibration(batch_size=batch, forward_s=_median(fw), backward_s=_median(bw),
+    layers = {m: f_scale * _median([lay.get(m, 0.0) for lay in layer_all])
+              for m in layer_all[0]} if layer_all else {}
+    cal = Calibration(batch_size=batch, forward_s=forward_s, backward_s=backward_s,
                       optimizer_s=opt_s, grad_ready_s=ready, layer_forward_s=layers,
                       access=tuple(access), copy_bps=copy_bps, flops=flops, measured=True,
                       seconds=time.perf_counter() - started, tensor_s=tensor_s,
