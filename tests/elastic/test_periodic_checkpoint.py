@@ -20,7 +20,7 @@ from torch.utils.data import TensorDataset
 
 import stratagem as sg
 from stratagem import env
-from stratagem.checkpoint import CheckpointDir
+from stratagem.checkpoint import CheckpointDir, job_store
 from stratagem.elastic import (
     background_save,
     boundary,
@@ -29,6 +29,7 @@ from stratagem.elastic import (
     register_state,
     wait_for_checkpoint,
 )
+from stratagem.elastic.context import current_job
 from stratagem.elastic.state import ObjectState, load_state
 from stratagem.errors import CheckpointError
 
@@ -192,6 +193,7 @@ def test_a_background_save_holds_its_steps_state_while_training_goes_on(
 KILLED_WRITER = """
 import os, signal, torch
 from stratagem.elastic import background_save, exit_point, job_context
+from stratagem.elastic.context import current_job
 from stratagem.elastic.state import ObjectState, load_state
 
 def die_in_second_write(tmp, rank):  # files written, not yet committed
@@ -254,10 +256,15 @@ def _two_ranks(rank: int) -> dict:
         wait_for_checkpoint()
         os.environ[env.PG_TIMEOUT] = "2"  # rank 0 waits for rank 1's part at most 2 s
         exit_point(step=True)
+        late = f"{current_job().saving.key}/1"  # rank 1's part, set after rank 0 gave up
         try:
             wait_for_checkpoint()
         except CheckpointError as exc:
             out["error"] = exc.render()
+        store = job_store()
+        torch.distributed.barrier()  # rank 1 has set it now
+        if rank == 0:
+            out["late_key_set"] = store.check([late])
         release.set()
         exit_point(step=True)
         try:
@@ -266,6 +273,8 @@ def _two_ranks(rank: int) -> dict:
             out["failed"] = exc.render()
         newest = CheckpointDir(os.environ[env.CHECKPOINT_DIR]).latest_good()
         out["newest"] = newest.name if newest else None
+        if rank == 0:  # the next save deleted it: failed saves do not grow the store
+            out["late_key_left"] = store.check([late])
     return out
 
 
@@ -277,6 +286,7 @@ def test_ranks_report_their_parts_to_rank_0_through_the_store(
     assert "rank 1 did not finish writing its part within 2 s" in results[0]["error"]
     for failed in (results[0]["failed"], results[1]["failed"]):  # rank 0: from rank 1's report
         assert "rank 1 could not write its part: OSError: disk full" in failed
+    assert results[0]["late_key_set"] and not results[0]["late_key_left"]
     assert results[0]["newest"] == "ckpt-00000001"  # the first save, both ranks' parts
     first = job_state / "ckpt-00000001"
     meta = json.loads((first / "meta.json").read_text())

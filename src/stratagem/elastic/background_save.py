@@ -52,6 +52,11 @@ POLL_S = 0.01  # rank 0 polls (store.wait would hold the store client's lock mea
 # tests: called by the writer with (tmp dir, rank) after its files are written, before it
 # publishes them (a slow or killed writer)
 before_publish: Callable[[Path, int], None] | None = None
+_stale: list[str] = []
+"""Rank 0: keys of earlier saves that other ranks may have set after rank 0 stopped
+reading (it gave up on a late rank, another failed first, or its own write failed). The
+next save deletes them once every rank has entered it, so that each of its writers has
+published or failed by then: a job whose saves keep failing does not grow the store."""
 
 
 def cpu_copy(value: Any) -> Any:
@@ -120,6 +125,8 @@ class BackgroundSave:
             problem = f"rank {self.rank} could not write its part: {type(exc).__name__}: {exc}"
             self._fail(problem[:500])
             self._publish({"error": problem[:500]})  # rank 0 stops waiting and names it
+            if self.rank == 0 and self.store is not None:  # it reads no part this time
+                _stale.extend(f"{self.key}/{r}" for r in range(1, self.world))
             return
         if self.rank != 0:
             self._publish({"sha256": sums})
@@ -188,6 +195,7 @@ class BackgroundSave:
             for r in results:  # only tidying the store
                 with contextlib.suppress(Exception):
                     self.store.delete_key(keys[r])
+            _stale.extend(keys[r] for r in keys if r not in results)  # set later, if ever
         sums: dict[str, str] = {}
         for r in sorted(results):
             part = results[r].get("sha256") if isinstance(results[r], dict) else None
@@ -219,6 +227,8 @@ def start(series: ckpt.CheckpointDir, files: dict[str, Any],
         series.remove_unfinished()
     nonce = secrets.randbits(62)
     seq, nonce = ckpt.reduce_ints([series.next_number(), nonce], dist.ReduceOp.MAX)
+    if rank == 0:  # every rank is here: their earlier writers have published or failed
+        _tidy(ckpt.job_store())
     save = BackgroundSave(series, seq, nonce, files, {"seq": seq, **meta})
     if not _at_exit:  # also when the process leaves through os._exit after atexit
         atexit.register(_finish_at_exit)  # (stratagem.launch.worker does)
@@ -228,6 +238,16 @@ def start(series: ckpt.CheckpointDir, files: dict[str, Any],
 
 
 _at_exit: list[bool] = []
+
+
+def _tidy(store: Any) -> None:
+    """Delete the earlier saves' keys that rank 0 never read (see ``_stale``)."""
+    keys, _stale[:] = list(_stale), []
+    if store is None:
+        return
+    for key in keys:
+        with contextlib.suppress(Exception):  # only tidying the store
+            store.delete_key(key)
 
 
 def _finish_at_exit() -> None:
