@@ -26,7 +26,7 @@ from torch import nn
 
 from stratagem.analysis.profile import AccessStats, ModelProfile, analyze
 from stratagem.errors import StratagemError
-from stratagem.planner.probe import runtime_costs
+from stratagem.planner.probe import agreed, runtime_costs
 
 WARMUP = 1
 STEPS = 3
@@ -312,15 +312,6 @@ def _median(values: list[float]) -> float:
     return s[len(s) // 2] if s else 0.0
 
 
-def _agreed_max(value: float, together: bool) -> float:
-    """The largest of the ranks' ``value``s (``together``), else this rank's."""
-    if not together:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _pooled(fw: list[float], bw: list[float], together: bool) -> tuple[float, float]:
     """Median forward and backward seconds over every rank's timed passes (``together``:
     each rank timed as many), else over this rank's: a rank disturbed while it timed its
@@ -392,7 +383,9 @@ def calibrate(model: nn.Module, sample_input: Any, *,
                 continue
             totals = [x + y for x, y in zip(fw, bw, strict=True)]
             spread = max(totals) / max(min(totals), 1e-12)
-            if len(fw) >= steps + MORE_STEPS or _agreed_max(spread, together) <= STEADY:
+            if together:  # every rank adds a pass, or none
+                spread = agreed(spread, dist.ReduceOp.MAX)
+            if len(fw) >= steps + MORE_STEPS or spread <= STEADY:
                 break
         lookups = {n: torch.cat(v) for n, v in ids.items()}  # the last pass's
         calls = {n: len(v) for n, v in ids.items()}
@@ -432,8 +425,9 @@ def calibrate(model: nn.Module, sample_input: Any, *,
     tensor_s, group_s = runtime_costs()
     forward_s, backward_s = _pooled(fw, bw, together)
     # this rank's timeline, stretched to the pooled times
-    f_scale = forward_s / _median(fw) if _median(fw) > 0 else 1.0
-    b_scale = backward_s / _median(bw) if _median(bw) > 0 else 1.0
+    own_f, own_b = _median(fw), _median(bw)
+    f_scale = forward_s / own_f if own_f > 0 else 1.0
+    b_scale = backward_s / own_b if own_b > 0 else 1.0
     ready = {n: b_scale * _median([r[n] for r in ready_all if n in r]) for n in params
              if any(n in r for r in ready_all)}
     layers = {m: f_scale * _median([lay.get(m, 0.0) for lay in layer_all])

@@ -265,11 +265,11 @@ def _timed_allreduce(t: torch.Tensor, repeats: int) -> list[float]:
     return out
 
 
-def _agreed(value: float) -> float:
-    """The smallest of the ranks' ``value``s, on every rank: each decides alike (whether
-    a size fits, how large to make it)."""
+def agreed(value: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MIN) -> float:
+    """The ranks' ``value``s reduced by ``op`` (the smallest by default), on every rank:
+    each decides alike (whether a size fits, how large to make it)."""
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=op)
     return float(t.item())
 
 
@@ -278,7 +278,7 @@ def _big_rate(fixed: float, bus_bps: float, ring: float, budget_s: float) -> flo
     median); 0 when 4 of them at ``bus_bps`` would not fit in ``budget_s`` (every rank
     takes the same decision)."""
     nbytes = int(BIG_MIB * 2 ** 20)
-    if not _agreed(float(4 * (ring * nbytes / bus_bps + fixed) <= budget_s)):
+    if not agreed(float(4 * (ring * nbytes / bus_bps + fixed) <= budget_s)):
         return 0.0
     t = torch.zeros(nbytes // 4)
     _timed_allreduce(t, 1)
@@ -292,13 +292,13 @@ def _half_rates(fixed: float, budget_s: float, ring_bps: float) -> tuple[float, 
     they would not fit after all (every rank takes the same decision)."""
     fits = int(ring_bps * budget_s / 24)
     # each rank measured its own rate
-    nbytes = int(_agreed(max(2 ** 16, min(int(HALF_MIB * 2 ** 20), fits)))) // 4 * 4
+    nbytes = int(agreed(max(2 ** 16, min(int(HALF_MIB * 2 ** 20), fits)))) // 4 * 4
     tensors = {dt: torch.zeros(nbytes // torch.empty((), dtype=dt).element_size(), dtype=dt)
                for dt in (torch.float32, torch.float16, torch.bfloat16)}
     t = time.perf_counter()
     for x in tensors.values():  # warm-up; its time tells whether the repeats fit
         dist.all_reduce(x)
-    if not _agreed(float(6 * (time.perf_counter() - t) <= budget_s)):
+    if not agreed(float(6 * (time.perf_counter() - t) <= budget_s)):
         return 0.0, 0.0
     took = {dt: max(statistics.median(_timed_allreduce(x, 5)) - fixed, 1e-9)
             for dt, x in tensors.items()}
@@ -315,7 +315,7 @@ def _interference(fixed: float, bus_bps: float, ring: float, repeats: int = 3) -
     loop waits for it (about 1). Medians over ``repeats`` rounds of (loop alone,
     all-reduce alone, both at once)."""
     lo, hi = (int(m * 2 ** 20) for m in INTERFERE_MIB)
-    nbytes = int(_agreed(min(hi, max(lo, bus_bps * INTERFERE_S / ring)))) // 4 * 4
+    nbytes = int(agreed(min(hi, max(lo, bus_bps * INTERFERE_S / ring)))) // 4 * 4
     buf = torch.zeros(nbytes // 4)
     a, b = torch.randn(WORK_N, WORK_N), torch.randn(WORK_N, WORK_N)
 
@@ -328,7 +328,7 @@ def _interference(fixed: float, bus_bps: float, ring: float, repeats: int = 3) -
     dist.all_reduce(buf)  # warm-up
     per = work(16) / 16
     ring_s = ring * nbytes / bus_bps + fixed
-    n = max(4, int(_agreed(ring_s / max(per, 1e-7))))
+    n = max(4, int(agreed(ring_s / max(per, 1e-7))))
     alone, comm, under = [], [], []
     for _ in range(repeats):
         dist.barrier()
@@ -569,7 +569,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
         nbytes = int(mib * 2 ** 20)
         cost = 4 * (ring * nbytes / rate + fixed)  # warm-up + 3 repeats
         go = not xs or time.perf_counter() - started + cost <= PROBE_BUDGET_S * 0.8
-        if not _agreed(float(go)):
+        if not agreed(float(go)):
             break
         t = torch.zeros(nbytes // 4)
         _timed_allreduce(t, 1)
@@ -595,7 +595,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     chained = _chained_all_to_all(CHAIN, CHAIN_REPEATS)
     sp = _sparse_steps(CHAIN, SPARSE_REPEATS, bus)
     interference = _interference(fixed, bus, ring)
-    link_bytes = int(_agreed(min(LINK_MIB * 2 ** 20, max(2 ** 20, bus * LINK_S)))) // 4 * 4
+    link_bytes = int(agreed(min(LINK_MIB * 2 ** 20, max(2 ** 20, bus * LINK_S)))) // 4 * 4
     link = _one_link(_peer(spec), link_bytes, LINK_REPEATS)
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
                             sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,

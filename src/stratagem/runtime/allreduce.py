@@ -143,14 +143,14 @@ class _MemberRT:
             vals = vals.narrow(self.plan.axis, start, length)
         self.view.zero_().index_add_(0, rows, vals.to(self.view.dtype), alpha=factor)
 
-    def write_back(self, dense: Callable[[nn.Parameter], torch.Tensor]) -> None:
+    def write_back(self, dense: Callable[[str, nn.Parameter], torch.Tensor]) -> None:
         """Copy the averaged slice into ``param.grad`` (unless it already is the buffer);
-        where it has no dense gradient, ``dense(param)`` gives one to write into."""
+        where it has no dense gradient, ``dense(name, param)`` gives one to write into."""
         if self.as_grad:
             return
         grad = self.param.grad
         if grad is None or grad.is_sparse:
-            grad = dense(self.param)
+            grad = dense(self.plan.param, self.param)
             self.param.grad = grad
         if self.plan.whole:
             grad.copy_(self.view)
@@ -325,9 +325,8 @@ class AllReduceReducer:
         finally:
             self._reset()
 
-    def _dense_grad(self, param: nn.Parameter) -> torch.Tensor:
+    def _dense_grad(self, name: str, param: nn.Parameter) -> torch.Tensor:
         """The kept dense gradient of ``param`` (see ``__init__``), ready to be written."""
-        name = self._entries[id(param)][0][1].plan.param
         kept = self._dense.get(name)
         if (kept is None or kept.shape != param.shape or kept.dtype != param.dtype
                 or kept.device != param.device):
