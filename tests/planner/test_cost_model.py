@@ -451,3 +451,18 @@ def test_interference_share_known_answers() -> None:
     assert interference_share(0.050, 0.050, 0.075) == pytest.approx(0.5)
     assert interference_share(0.050, 0.050, 0.049) == 0.0  # faster beside it: noise
     assert interference_share(0.050, 0.020, 0.090) == 1.0  # they took turns, and more
+
+
+def test_steady_part_of_bimodal_waits() -> None:
+    from stratagem.planner.probe import TRIM, _steady
+
+    # a third of the passes waited for a late peer: a step pays that a third of the time
+    # (a median reads one mode or the other from run to run); one descheduled pass and
+    # one unusually quick one do not count
+    fast, slow = 0.7e-3, 4.0e-3
+    times = [fast] * 5 + [slow] * 3 + [0.1e-3, 50e-3]
+    assert TRIM == 2
+    kept = sorted(times)[2:-2]  # 0.7 x4, 4.0 x2
+    assert _steady(times) == pytest.approx(sum(kept) / len(kept))
+    assert fast < _steady(times) < slow
+    assert _steady([3e-3, 1e-3]) == pytest.approx(2e-3)  # too few to trim: all of them

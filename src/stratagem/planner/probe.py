@@ -69,9 +69,12 @@ four workers on two cores one all-to-all after a barrier took 0.5 ms, four in a 
 (each waits for every peer to be scheduled again), and the rows' exchange is such a chain."""
 CHAIN_REPEATS = 5
 SPARSE_REPEATS = 9
-"""Repeats of the sparse step (:func:`_sparse_step`), a median of each part: at 2 nodes and
-10 Gbit/s a third of the steps' rest took 3-5 ms instead of 0.6-0.9 (a peer late from
-its forward), so a median of 5 read either from run to run (0.8-3.9 ms)."""
+"""Repeats of the sparse step (:func:`_sparse_step`), a trimmed mean of each part
+(:func:`_steady`): at 2 nodes and 10 Gbit/s a third of the steps' rest took 3-5 ms instead
+of 0.6-0.9 (a peer late from its forward), so a median read either mode from run to run
+(0.8-3.9 ms), where a training step pays each mode as often as it comes."""
+TRIM = 2
+"""Repeats dropped at each end before :func:`_steady` averages the rest."""
 LINK_S = 0.05
 LINK_MIB = 16.0
 """One link alone (:func:`_one_link`) moves what takes ``LINK_S`` at the all-reduces' bus
@@ -85,9 +88,15 @@ runtime's reducer launches its groups during backward: the fixed cost of a group
 one-element all-reduce understates it. Four workers on two cores at 10 Gbit/s: 0.5 ms for
 one element, 6-8 ms for 1 KiB to 256 KiB (each ring hop waits for the next process to
 be scheduled), 6 ms each queued; many_small's step grew by 7 ms per group."""
-ROUND_ROWS = (32, 512)
+ROUND_ROWS = (32, 4096)
 """Rows one worker asks of each other worker in a timed pull round (16 floats each): a
-few (the fixed cost of a round and a push), then many (the cost per row)."""
+few (the fixed cost of a round and a push), then many (the cost per row). The many must
+cost well over the rounds' noise: at 2 nodes and 10 Gbit/s 512 rows added 0.1-0.2 ms to
+a round that varied by 1-2 ms, and the slope read 0.4-3.3 us a row from run to run (the
+wide-and-deep model's pull mispriced by 10 ms); 4096 rows read 0.08-0.21 us. Fewer on a
+slow link, where each row's wire time adds to the signal: as many as take
+``ROUND_WIRE_S`` on the link (4 nodes at 1 Gbit/s: about 1100), 4 times the few at least."""
+ROUND_WIRE_S = 0.002
 ROW_BYTES = 16 * 4 + 8  # a probe row and its id
 INTERFERE_S = 0.05
 """Seconds (at the measured rate) of the all-reduce run under a compute loop of about its
@@ -274,15 +283,16 @@ def agreed(value: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MIN) -> flo
 
 
 def _big_rate(fixed: float, bus_bps: float, ring: float, budget_s: float) -> float:
-    """Bus bytes/s of one ``BIG_MIB`` all-reduce over ``bus_bps`` (warm-up and 2 timed,
-    median); 0 when 4 of them at ``bus_bps`` would not fit in ``budget_s`` (every rank
-    takes the same decision)."""
+    """Bus bytes/s of one ``BIG_MIB`` all-reduce over ``bus_bps`` (warm-up and 3 timed,
+    median: of 2, one disturbed pass read 4 nodes at 10 Gbit/s at 0.56 against 0.81-1.02
+    and priced DLRM's all-reduce 39% slow); 0 when 4 of them at ``bus_bps`` would not fit
+    in ``budget_s`` (every rank takes the same decision)."""
     nbytes = int(BIG_MIB * 2 ** 20)
     if not agreed(float(4 * (ring * nbytes / bus_bps + fixed) <= budget_s)):
         return 0.0
     t = torch.zeros(nbytes // 4)
     _timed_allreduce(t, 1)
-    took = max(statistics.median(_timed_allreduce(t, 2)) - fixed, 1e-9)
+    took = max(statistics.median(_timed_allreduce(t, 3)) - fixed, 1e-9)
     return ring * nbytes / took / bus_bps
 
 
@@ -507,15 +517,28 @@ def _sparse_step(chain: int, repeats: int, rows: int) -> tuple[float, float, int
         rest()
         rounds.append((t - s) / chain)
         rests.append(time.perf_counter() - t)
-    return statistics.median(rounds), statistics.median(rests), pushed
+    return _steady(rounds), _steady(rests), pushed
+
+
+def _steady(times: list[float]) -> float:
+    """Mean of ``times`` less the ``TRIM`` shortest and longest (all of them when that
+    would leave none): what a part costs a step on average when its waits are bimodal,
+    without the rare pass a peer was descheduled through."""
+    xs = sorted(times)
+    if len(xs) > 2 * TRIM:
+        xs = xs[TRIM:len(xs) - TRIM]
+    return statistics.fmean(xs)
 
 
 def _sparse_steps(chain: int, repeats: int, bus_bps: float) -> SparseSteps:
     """:func:`_sparse_step` with few rows and with many: the fixed costs and the slopes
     per row, less the slopes' wire time at ``bus_bps`` (the cost model prices the bytes
     on the links apart)."""
-    few, many = ROUND_ROWS
-    return fit_sparse(dist.get_world_size(), ROW_BYTES / bus_bps,
+    world = dist.get_world_size()
+    few = ROUND_ROWS[0]
+    many = int(agreed(min(ROUND_ROWS[1], max(
+        4 * few, bus_bps * ROUND_WIRE_S / (ROW_BYTES * (world - 1))))))
+    return fit_sparse(world, ROW_BYTES / bus_bps,
                       (few, *_sparse_step(chain, repeats, few)),
                       (many, *_sparse_step(chain, repeats, many)))
 
