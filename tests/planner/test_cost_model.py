@@ -391,6 +391,34 @@ def test_a_dense_bucket_push_and_pull_each_cost_a_measured_hop() -> None:
     assert ring == pytest.approx(6e-3, rel=1e-3)
 
 
+def test_dense_values_hop_waits_out_the_sparse_push_but_not_their_bytes() -> None:
+    """The owners post a dense bucket's updated values before they wait for the sparse
+    rows' push (runtime/ps/engine.py, ``_update``): the values' hop overlaps that wait;
+    their bytes on the link are exposed whatever the push takes."""
+    s = spec(2)
+    w0, w1 = s.replicas
+    rows = NodeConfig("emb", partitioner=Partitioner((2, 1)), part_config=(
+        NodeConfig("emb/part_0", PSSynchronizer(reduction_destination=w0)),
+        NodeConfig("emb/part_1", PSSynchronizer(reduction_destination=w1))))
+    strat = Strategy(node_config=(rows, NodeConfig("fc", PSSynchronizer(
+        reduction_destination=w0)))).with_replicas(s.replicas)
+    prof = _profile().with_access([AccessStats("emb", 1000, 100.0, overlap=1.0)])
+    wire = 1e6 / GBIT_BYTES  # fc's 1 MB of values, from w0 to w1
+    hop = 2e-3  # a ring's 4 ms group cost over its 2 hops
+
+    def pull(push_s: float) -> float:
+        lk = links(s, latency_s=0.0, message_cpu_s=0.0, group_fixed_s=4e-3,
+                   all_to_all_s=1e-4, pull_round_s=1e-3, sparse_push_s=push_s)
+        cost = predict(strat, prof, s, _cal(), lk)
+        assert cost.parts["sparse_push"] >= push_s
+        return cost.parts["ps_pull"]
+
+    assert pull(9e-3) == pytest.approx(wire)  # the hop hides in a long push
+    short = pull(0.5e-3)  # a short push hides part of it
+    assert short == pytest.approx(wire + hop - (0.5e-3 + 50 * (500 + 0) / GBIT_BYTES), rel=1e-6)
+    assert wire < short < wire + hop
+
+
 def test_measured_interference_adds_its_share_of_the_overlapped_transfers() -> None:
     """fc's all-reduce (8 ms at 1 Gbit/s) runs from 5 to 13 ms, inside backward (20 ms);
     emb's starts when backward ends. With half of an overlapped transfer's byte-moving

@@ -8,7 +8,9 @@ exactly what the runtime would execute:
 - **all-reduce groups**, in the plan's launch order, each ready when its last gradient is,
   taking ``ring_allreduce_time`` of its (compressed) bytes plus the compressor's own work;
 - **dense PS buckets**: pushed to their owner as they are ready (per-owner load, incast),
-  the updated values pulled back after the update (exposed: the next forward waits);
+  the updated values pulled back after the update (exposed: the next forward waits;
+  with sparse pieces, the values' hop waits out the rows' push, as the owners post the
+  values first, but not their bytes);
   the push and the pull each cost a hop (:meth:`LinkModel.hop_s`: a ring's measured
   group cost per hop, the all-reduce groups' own fixed cost being the whole ring's);
 - **sparse PS pieces**: rows a worker touches (``AccessStats``) spread over the owners by
@@ -193,7 +195,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             events.append((_ready(cal, [p.param for p in pieces]), f"push bucket {b.id}",
                            moving + hop, moving))
         all_flows += push_flows_all + pull_flows
-        pull_s = links.transfer_time(pull_flows) + (hop if pull_flows else 0.0)
+        pull_wire_s = links.transfer_time(pull_flows)
+        pull_s = pull_wire_s + (hop if pull_flows else 0.0)
         # Sparse pieces: rows per worker, by owner.
         fwd_flows: list[tuple[str, str, float]] = []
         push_flows: list[tuple[str, str, float]] = []
@@ -254,6 +257,9 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             sparse_push_s += (links.sparse_push_s or lat * (SPARSE_COLLECTIVES_PUSH + closing)
                               ) + links.push_row_s * pushed
             refresh_s += lat * (SPARSE_COLLECTIVES_REFRESH if replicated else 0)
+            # the owners post the dense values before they wait for the sparse rows'
+            # push: the values' hop waits that out; their bytes still take the link
+            pull_s = max(pull_wire_s, pull_s - sparse_push_s)
         all_flows += fwd_flows + push_flows + ref_flows
 
     events.sort(key=lambda e: e[0])  # the link takes them as they become ready
