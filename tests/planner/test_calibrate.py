@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+import math
+
 import planner_workers as pw
 import torch
 from torch import nn
@@ -90,7 +93,6 @@ def test_a_disturbed_pass_adds_passes_and_the_median_ignores_it(monkeypatch) -> 
     """Passes timing (forward, backward) 10+20 ms, one of them 40+80 ms: the passes
     disagree, so calibration times more of them (up to ``MORE_STEPS`` more) and reads the
     undisturbed ones; steady passes stop at ``STEPS``."""
-    import importlib
 
     c = importlib.import_module("stratagem.planner.calibrate")  # the module
     real = c._one_pass
@@ -116,6 +118,32 @@ def test_a_disturbed_pass_adds_passes_and_the_median_ignores_it(monkeypatch) -> 
     monkeypatch.setattr(c, "_one_pass", fake([warm, (0.011, 0.021), (0.01, 0.02)]))
     cal = calibrate(model, x, use_cache=False)
     assert len(seen) == 1 + c.STEPS + half and (cal.forward_s, cal.backward_s) == (0.01, 0.02)
+
+
+def test_short_passes_fill_a_minimum_window_so_a_disturbed_start_is_outvoted(
+        monkeypatch) -> None:
+    """Passes of 1+2 ms whose first three timed ones were disturbed (2+4 ms, level with
+    each other): three passes would read the disturbance; calibration times as many as
+    fill ``MIN_TIMED_S`` (counted from the first) and reads the undisturbed passes."""
+    c = importlib.import_module("stratagem.planner.calibrate")
+    real = c._one_pass
+    seen: list[int] = []
+    slow, fast = (0.002, 0.004), (0.001, 0.002)
+    times = [(1.0, 1.0), slow, slow, slow]  # the warm-up, then the disturbed three
+
+    def one(model, sample, loss_fn, params, timed):  # noqa: ANN001, ANN202
+        _, _, ready, layer, touched = real(model, sample, loss_fn, params, timed)
+        f, b = times[len(seen)] if len(seen) < len(times) else fast
+        seen.append(1)
+        return f, b, ready, layer, touched
+
+    monkeypatch.setattr(c, "_one_pass", one)
+    cal = calibrate(pw.make("dense"), pw.batch("dense", 0)[0][0], use_cache=False)
+    need = math.ceil(c.MIN_TIMED_S / sum(slow))
+    assert c.STEPS < need <= c.MAX_PASSES
+    # the warm-up, the window, MORE_STEPS (fast and slow passes disagree), half the batch
+    assert len(seen) == 1 + need + c.MORE_STEPS + 1
+    assert (cal.forward_s, cal.backward_s) == fast
 
 
 def test_ranks_calibrating_together_share_the_median_of_all_passes(tmp_path) -> None:

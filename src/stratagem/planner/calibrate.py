@@ -36,6 +36,12 @@ STEADY = 1.25
 """...: the slowest pass's forward and backward over the fastest's, on any rank. A median
 of three passes read a CNN's forward and backward at 55 and 66 ms on 4 nodes sharing 2
 cores, where other runs read 27-36 and 37-44 and its training steps' forward took 32."""
+MIN_TIMED_S = 0.05
+MAX_PASSES = 30
+"""Short passes are repeated until ``MIN_TIMED_S`` of them are timed (at most
+``MAX_PASSES``): three of DLRM's 2 ms passes are a 6 ms window that one disturbance covers
+whole, and once read its forward + backward at 1.24 + 1.95 ms at 2 nodes, against
+0.50-0.68 + 0.96-1.05 in every other run and its training steps' 0.7 ms forward."""
 SPARSE_DENSITY = 0.5
 """A parameter whose gradient touches fewer than this share of its rows is row-sparse."""
 
@@ -307,6 +313,14 @@ def _update_pass(params: dict[str, nn.Parameter], now: Callable[[], float] = tim
     return now() - t, nbytes
 
 
+def _passes_for(pass_s: float, steps: int, together: bool) -> int:
+    """Timed passes to take when the first took ``pass_s``: ``steps``, or as many as fill
+    ``MIN_TIMED_S`` (at most ``MAX_PASSES``); ``together``, the most any rank needs (every
+    rank takes as many)."""
+    n = max(steps, min(MAX_PASSES, math.ceil(MIN_TIMED_S / max(pass_s, 1e-9))))
+    return int(agreed(float(n), dist.ReduceOp.MAX)) if together else n
+
+
 def _median(values: list[float]) -> float:
     s = sorted(values)
     return s[len(s) // 2] if s else 0.0
@@ -346,8 +360,9 @@ def calibrate(model: nn.Module, sample_input: Any, *,
     starts after a barrier, so that compute is timed as training runs it, every worker
     computing at the same time -- four workers sharing two cores computed a DLRM forward
     2.5x slower in their steps than each had alone. The forward and backward times are
-    then the medians over every rank's passes, the same on every rank. Passes are added
-    (``MORE_STEPS`` at most) while the slowest and fastest differ by more than ``STEADY``.
+    then the medians over every rank's passes, the same on every rank. Short passes are
+    repeated to fill ``MIN_TIMED_S``, and passes are added (``MORE_STEPS`` at most) while
+    the slowest and fastest differ by more than ``STEADY``.
 
     The model's parameters and gradients are left as they were (values are not updated;
     gradients are cleared)."""
@@ -365,6 +380,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
     model.train()
     fw, bw, ready_all, layer_all = [], [], [], []
     hooks, ids = _lookups(model, names)
+    need = steps
     try:
         i = 0
         while True:
@@ -379,13 +395,15 @@ def calibrate(model: nn.Module, sample_input: Any, *,
             bw.append(b)
             ready_all.append(ready)
             layer_all.append(layer)
-            if len(fw) < steps:
+            if len(fw) == 1:
+                need = _passes_for(f + b, steps, together)
+            if len(fw) < need:
                 continue
             totals = [x + y for x, y in zip(fw, bw, strict=True)]
             spread = max(totals) / max(min(totals), 1e-12)
             if together:  # every rank adds a pass, or none
                 spread = agreed(spread, dist.ReduceOp.MAX)
-            if len(fw) >= steps + MORE_STEPS or spread <= STEADY:
+            if len(fw) >= need + MORE_STEPS or spread <= STEADY:
                 break
         lookups = {n: torch.cat(v) for n, v in ids.items()}  # the last pass's
         calls = {n: len(v) for n, v in ids.items()}
