@@ -59,5 +59,7 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     # never cost less): under the full suite's load it read 0.76 ms against a chained
     # all-to-all's 0.88, so it is bounded, not ranked
     assert 0 < probe["sparse_push_s"] < 0.05
+    # the closing round, timed apart (a round that asks nothing)
+    assert 0 < probe["closing_s"] < 0.05
     # the link, not the CPU, bounds this ring: half-precision bytes move at its rate too
     assert 0.6 < probe["fp16_rate"] < 1.4 and 0.6 < probe["bf16_rate"] < 1.4, probe

@@ -16,7 +16,8 @@ exactly what the runtime would execute:
 - **sparse PS pieces**: rows a worker touches (``AccessStats``) spread over the owners by
   their share of the rows; pulled in the forward (on-demand pieces: a pull round per
   embedding call, ``AccessStats.calls``) or refreshed after the update to every worker
-  (``local_replication``: the union of the workers' rows); pushed after backward; each
+  (``local_replication``: the union of the workers' rows); pushed after backward and after
+  the forward's closing round, which runs in the background from the end of forward; each
   message costs main-thread CPU, or, where the link probe measured a chained all-to-all,
   each of the exchange's collectives costs that, a pull round what the probe's chained
   rounds cost, and the push what the rest of the probe's sparse step cost, both with
@@ -166,7 +167,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         work_s += work
         ar_bytes += g.nbytes
 
-    pull_s = refresh_s = fwd_pull_s = sparse_push_s = scan_s = 0.0
+    pull_s = refresh_s = fwd_pull_s = sparse_push_s = scan_s = closing_s = 0.0
     in_collectives = 0  # messages priced inside the measured all-to-alls, not one by one
     owned_bytes = [0.0] * (ps.size if ps else 0)
     if ps is not None:
@@ -254,7 +255,12 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         refresh_s = links.transfer_time(ref_flows) if ref_flows else 0.0
         if ps.sparse:
             fwd_pull_s += round_s * calls + links.pull_row_s * asked
-            sparse_push_s += (links.sparse_push_s or lat * (SPARSE_COLLECTIVES_PUSH + closing)
+            # the closing round: started in the background as forward ends, done before
+            # the push (below: it runs from the start of backward); a probe that did not
+            # time it apart counted it in its push
+            if closing:
+                closing_s = links.closing_s or (0.0 if links.sparse_push_s else lat)
+            sparse_push_s += (links.sparse_push_s or lat * SPARSE_COLLECTIVES_PUSH
                               ) + links.push_row_s * pushed
             refresh_s += lat * (SPARSE_COLLECTIVES_REFRESH if replicated else 0)
             # the owners post the dense values before they wait for the sparse rows'
@@ -269,9 +275,9 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     contention_s = links.interference * sum(
         overlapped([s], cal.backward_s) * (m / d if d > 0 else 0.0)
         for s, (_, _, d, m) in zip(slots, events, strict=True))
-    if ps is not None and ps.sparse:  # after backward: nothing of it overlaps
+    if ps is not None and ps.sparse:  # after backward (and the closing round)
         end = max((s.end_s for s in slots), default=0.0)
-        start = max(end, cal.backward_s)
+        start = max(end, cal.backward_s, closing_s)
         slots.append(Slot("sparse push", cal.backward_s, start, start + sparse_push_s))
     backward_tail = exposed(slots, cal.backward_s)
     # The local update touches what this worker updates: all-reduced values and its shards;
@@ -292,7 +298,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     parts = {"forward": cal.forward_s, "backward": cal.backward_s, "update": update_s,
              "backward_tail": backward_tail, "contention": contention_s,
              "ps_pull": pull_s, "sparse_pull": fwd_pull_s,
-             "sparse_push": sparse_push_s, "refresh": refresh_s,
+             "sparse_push": sparse_push_s, "closing_round": closing_s,
+             "refresh": refresh_s,
              "compressor_work": work_s, "messages": float(messages),
              "runtime": runtime_s, "tensors": float(tensors), "row_scan": scan_s,
              "write_back": write_back_s}

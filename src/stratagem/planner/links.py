@@ -72,8 +72,11 @@ class LinkModel:
     embedding call's: two all-to-alls and the work between them); 0: not measured, priced
     as its two all-to-alls."""
     sparse_push_s: float = 0.0
-    """Measured seconds of the rest of such a sparse step (closing round, push, the
-    owners' sparse update); 0: not measured, priced as its three all-to-alls."""
+    """Measured seconds of the rest of such a sparse step after its closing round (push,
+    the owners' sparse update); 0: not measured, priced as its two all-to-alls."""
+    closing_s: float = 0.0
+    """Measured seconds of the closing pull round (run in the background during backward);
+    0: not measured, priced as one all-to-all."""
     pull_row_s: float = 0.0
     """Measured seconds per row a worker asks for in a pull round, beyond its wire time."""
     push_row_s: float = 0.0
@@ -165,7 +168,8 @@ class LinkModel:
         out = replace(self, latency_s=probe.collective_s / (2 * (n - 1)),
                       message_cpu_s=probe.message_s,
                       all_to_all_s=probe.all_to_all_s, pull_round_s=probe.pull_round_s,
-                      sparse_push_s=probe.sparse_push_s, pull_row_s=probe.pull_row_s,
+                      sparse_push_s=probe.sparse_push_s, closing_s=probe.closing_s,
+                      pull_row_s=probe.pull_row_s,
                       push_row_s=probe.push_row_s,
                       group_fixed_s=probe.group_fixed_s,
                       big_rate=probe.big_rate, interference=probe.interference,

@@ -20,11 +20,12 @@ Two measurements, both seconds long at most:
   all-to-alls back to back the cost of one in a chain (the sparse rows' exchange is such a
   chain: ids, rows, counts, each waiting for the last); the runtime's own sparse exchange
   (:func:`_sparse_steps`), with few rows and with many, gives a pull round's cost (an
-  embedding call of a parameter-server table) and the rest of a sparse step's (push and
-  owner update), each fixed and per row; one size all-reduced again as fp16 and as bf16
-  gives how much faster or slower half-precision bytes move (gloo sums fp16 elementwise
-  in software: on loopback an fp16 all-reduce of half the bytes took 1.2x an fp32 one's
-  time, a bf16 one 0.6x, so on a CPU-bound link fp16 compression saves nothing); an
+  embedding call of a parameter-server table), the closing round's, and the rest of a
+  sparse step's (push and owner update), each fixed and per row; one size all-reduced
+  again as fp16 and as bf16 gives how much faster or slower half-precision bytes move
+  (gloo sums fp16 elementwise in software: on loopback an fp16 all-reduce of half the
+  bytes took 1.2x an fp32 one's time, a bf16 one 0.6x, so on a CPU-bound link fp16
+  compression saves nothing); an
   all-reduce run beside a compute loop gives how much of its time the compute loses
   (:func:`_interference`: on a fast link moving bytes is CPU work, not hidden by overlap). Every
   number is averaged over the ranks with an all-reduce, so every rank plans with the same
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -154,8 +155,11 @@ class LinkProbe:
     """One on-demand pull round of the runtime's sparse exchange, in a chain of them
     (small rows; 0: not measured)."""
     sparse_push_s: float = 0.0
-    """The rest of that sparse step: its closing round, the gradient rows pushed to their
-    owners, the owners' sparse update (0: not measured)."""
+    """The rest of that sparse step after its closing round: the gradient rows pushed to
+    their owners, the owners' sparse update (0: not measured)."""
+    closing_s: float = 0.0
+    """The closing pull round of that sparse step (the runtime runs it in the background
+    while backward computes; 0: not measured)."""
     pull_row_s: float = 0.0
     """A pull round's seconds per row a worker asks for (the serving side's included; the
     rows' wire time not)."""
@@ -182,7 +186,8 @@ class LinkProbe:
         return {"world": self.world, "collective_s": self.collective_s,
                 "bus_bps": self.bus_bps, "message_s": self.message_s,
                 "all_to_all_s": self.all_to_all_s, "pull_round_s": self.pull_round_s,
-                "sparse_push_s": self.sparse_push_s, "pull_row_s": self.pull_row_s,
+                "sparse_push_s": self.sparse_push_s, "closing_s": self.closing_s,
+                "pull_row_s": self.pull_row_s,
                 "push_row_s": self.push_row_s, "big_rate": self.big_rate,
                 "fp16_rate": self.fp16_rate, "bf16_rate": self.bf16_rate,
                 "group_fixed_s": self.group_fixed_s, "interference": self.interference,
@@ -447,26 +452,30 @@ def _chained_all_to_all(chain: int, repeats: int) -> float:
 @dataclass(frozen=True)
 class SparseSteps:
     """The runtime's sparse exchange as measured: a pull round's fixed seconds and its
-    seconds per row asked, the rest of the step's (push, update) fixed and per row."""
+    seconds per row asked, the push and update's fixed and per row, the closing round's."""
 
     round_s: float
     round_row_s: float
     push_s: float
     push_row_s: float
+    closing_s: float = 0.0
 
 
-def _sparse_step(chain: int, repeats: int, rows: int) -> tuple[float, float, int]:
+def _sparse_step(chain: int, repeats: int, rows: int
+                 ) -> tuple[float, float, int, float]:
     """(seconds of one on-demand pull round among ``chain`` chained ones, seconds of the
-    rest of the step, rows this worker pushed) of the runtime's own
+    rest of the step after its closing round, rows this worker pushed, seconds of the
+    closing round) of the runtime's own
     :class:`~stratagem.runtime.ps.sparse.SparseExchange` over the default group, every
     worker owning a piece of one table and asking ``rows`` rows of every other per round.
 
     A round is what an embedding call of a parameter-server table costs in the forward:
     ids made unique and split by owner, counts and rows exchanged, the peers' ids served,
     the rows written. Two tiny all-to-alls chained cost less: each all-to-all of a round
-    waits for every peer to finish its own work before it. The rest of the step: the
-    closing round, the gradient rows stashed and pushed to their owners, the owner's
-    sparse gradient built and applied."""
+    waits for every peer to finish its own work before it. The closing round is timed
+    apart: the runtime runs it in the background while backward computes (``PSEngine.
+    after_forward``). The rest of the step: the gradient rows stashed and pushed to their
+    owners, the owner's sparse gradient built and applied."""
     from stratagem.runtime.ps.plan import PSPiece
     from stratagem.runtime.ps.sparse import SparseExchange
     from stratagem.runtime.stats import CommStats
@@ -497,9 +506,11 @@ def _sparse_step(chain: int, repeats: int, rows: int) -> tuple[float, float, int
                 i, uniq[(uniq >= p.row_start) & (uniq < p.row_start + p.rows)])
                 for i, p in enumerate(pieces)})
 
-    def rest() -> None:
-        while not sx.pull_round(None):  # the closing round
+    def closing() -> None:
+        while not sx.pull_round(None):
             pass
+
+    def rest() -> None:
         sx.stash_grad(pieces, touched, grad)
         sx.push()
         if sx.attach_grads():  # the update: plain SGD, the least an optimizer does
@@ -507,17 +518,21 @@ def _sparse_step(chain: int, repeats: int, rows: int) -> tuple[float, float, int
         sx.clear()
 
     forward()  # warm-up (and each round's agreed capacity)
+    closing()
     rest()
-    rounds, rests = [], []
+    rounds, closings, rests = [], [], []
     for _ in range(repeats):
         dist.barrier()
         s = time.perf_counter()
         forward()
         t = time.perf_counter()
+        closing()
+        c = time.perf_counter()
         rest()
         rounds.append((t - s) / chain)
-        rests.append(time.perf_counter() - t)
-    return _steady(rounds), _steady(rests), pushed
+        closings.append(c - t)
+        rests.append(time.perf_counter() - c)
+    return _steady(rounds), _steady(rests), pushed, _steady(closings)
 
 
 def _steady(times: list[float]) -> float:
@@ -538,9 +553,11 @@ def _sparse_steps(chain: int, repeats: int, bus_bps: float) -> SparseSteps:
     few = ROUND_ROWS[0]
     many = int(agreed(min(ROUND_ROWS[1], max(
         4 * few, bus_bps * ROUND_WIRE_S / (ROW_BYTES * (world - 1))))))
-    return fit_sparse(world, ROW_BYTES / bus_bps,
-                      (few, *_sparse_step(chain, repeats, few)),
-                      (many, *_sparse_step(chain, repeats, many)))
+    *at_few, closing_few = _sparse_step(chain, repeats, few)
+    *at_many, closing_many = _sparse_step(chain, repeats, many)
+    fit = fit_sparse(world, ROW_BYTES / bus_bps, (few, *at_few), (many, *at_many))
+    # the closing round asks nothing in either: two readings of one cost
+    return replace(fit, closing_s=(closing_few + closing_many) / 2)
 
 
 def fit_sparse(world: int, wire: float, few: tuple[int, float, float, int],
@@ -622,7 +639,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     link = _one_link(_peer(spec), link_bytes, LINK_REPEATS)
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
                             sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,
-                            big_rate, group_fixed, interference, link * world],
+                            big_rate, group_fixed, interference, link * world, sp.closing_s],
                            dtype=torch.float64)
     dist.all_reduce(figures)
     figures /= world  # the ranks' mean (the message and the one link: rank 0's measure)
@@ -633,7 +650,8 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
                       sparse_push_s=float(figures[6]), push_row_s=float(figures[7]),
                       fp16_rate=float(figures[8]), bf16_rate=float(figures[9]),
                       big_rate=float(figures[10]), group_fixed_s=float(figures[11]),
-                      interference=float(figures[12]), link_bps=float(figures[13]))
+                      interference=float(figures[12]), link_bps=float(figures[13]),
+                      closing_s=float(figures[14]))
     if use_cache:
         _LINKS[key] = probe
     return probe
