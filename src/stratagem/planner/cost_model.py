@@ -20,8 +20,8 @@ exactly what the runtime would execute:
   the forward's closing round, which runs in the background from the end of forward; each
   message costs main-thread CPU, or, where the link probe measured a chained all-to-all,
   each of the exchange's collectives costs that, a pull round what the probe's chained
-  rounds cost, and the push what the rest of the probe's sparse step cost, both with
-  the probe's cost per row;
+  rounds cost, the closing round what the probe's cost, and the push what the rest of
+  the probe's sparse step cost, the rounds and the push with the probe's cost per row;
 - **overlap**: transfers queue on one link in launch order (``timeline.schedule``);
   whatever ends after backward is exposed communication; of the time spent moving bytes
   during backward, the measured share the compute loses (``LinkModel.interference``) is
