@@ -302,3 +302,23 @@ def pooled_calibration_case(rank: int, world: int) -> dict[str, Any]:
     finally:
         c._one_pass = real
     return {"forward_s": cal.forward_s, "backward_s": cal.backward_s}
+
+
+def pooled_runtime_costs_case(rank: int, world: int) -> dict[str, Any]:
+    """The reducer's timed backwards as a quiet rank reads them (a 1 ms plain backward,
+    20 us more per tensor, 10 us more per group), on the last rank with the plain ones
+    read 4.352 ms slow (alone, it would price a tensor at 3 us): pooled, every rank
+    gets the quiet ranks' costs."""
+    import importlib
+
+    p = importlib.import_module("stratagem.planner.probe")
+    plain, n, groups = 1e-3, p.TENSORS, p.TENSORS // 4
+    one = plain + n * 20e-6
+    slow_plain = plain + n * 17e-6 if rank == world - 1 else plain
+    p._RUNTIME.clear()
+    p._RUNTIME.update({0: [slow_plain] * p.RUNTIME_REPEATS, 1: [one] * p.RUNTIME_REPEATS,
+                       groups: [one + (groups - 1) * 10e-6] * p.RUNTIME_REPEATS})
+    alone = p.runtime_costs()
+    pooled = p.runtime_costs(together=True)
+    p._RUNTIME.clear()
+    return {"alone": alone, "pooled": pooled}

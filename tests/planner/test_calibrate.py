@@ -6,6 +6,7 @@ import importlib
 import math
 
 import planner_workers as pw
+import pytest
 import torch
 from torch import nn
 
@@ -155,3 +156,14 @@ def test_ranks_calibrating_together_share_the_median_of_all_passes(tmp_path) -> 
     # (the upper middle one) is rank 1's, on both ranks
     for r in results:
         assert (r["forward_s"], r["backward_s"]) == (0.03, 0.06), r
+
+
+def test_ranks_calibrating_together_pool_the_runtime_cost_readings(tmp_path) -> None:
+    import _spawn
+
+    results = _spawn.run(pw.pooled_runtime_costs_case, 3, tmp_path, {},
+                         _spawn.Setup(args=(3,), local_rank=True, init_group=True))
+    for rank, r in enumerate(results):
+        disturbed = rank == len(results) - 1
+        assert r["alone"][0] == pytest.approx(3e-6 if disturbed else 20e-6), r
+        assert r["pooled"] == pytest.approx((20e-6, 10e-6)), r

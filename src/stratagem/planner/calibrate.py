@@ -440,7 +440,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
         access.append(AccessStats(name=n, rows=rows, rows_touched=float(full),
                                   overlap=overlap, hot_share=hot, calls=calls.get(n, 1)))
     copy_bps, flops = machine_rates()
-    tensor_s, group_s = runtime_costs()
+    tensor_s, group_s = runtime_costs(together)
     forward_s, backward_s = _pooled(fw, bw, together)
     # this rank's timeline, stretched to the pooled times
     own_f, own_b = _median(fw), _median(bw)

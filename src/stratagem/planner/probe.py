@@ -2,9 +2,9 @@
 
 Two measurements, both seconds long at most:
 
-- :func:`runtime_costs` (one process, no process group): the runtime's own cost per
-  all-reduce *tensor* (the gradient hook, the copy into the group buffer and back) and per
-  *group* (buffer handling and launch), timed by running the real
+- :func:`runtime_costs` (one process, or pooled over every worker at once): the
+  runtime's own cost per all-reduce *tensor* (the gradient hook, the copy into the group
+  buffer and back) and per *group* (buffer handling and launch), timed by running the real
   :class:`~stratagem.runtime.allreduce.AllReduceReducer` over many small parameters with a
   collective that completes at once. Small steps of models with hundreds of tensors are
   dominated by these.
@@ -133,7 +133,7 @@ class _WorldGroup:
     def wait(self, work: Any, what: str = "") -> None:
         work.wait()
 
-_RUNTIME: dict[str, float] = {}
+_RUNTIME: dict[int, list[float]] = {}  # runtime_costs' timed backwards, by group count
 _LINKS: dict[tuple, LinkProbe] = {}
 
 
@@ -224,11 +224,34 @@ def _time_backward(model: nn.Module, x: torch.Tensor, repeats: int) -> float:
     return statistics.median(times)
 
 
-def runtime_costs(repeats: int = 7) -> tuple[float, float]:
+RUNTIME_REPEATS = 7  # rounds of runtime_costs' three backwards
+
+
+def runtime_costs(together: bool = False) -> tuple[float, float]:
     """(seconds per all-reduced tensor, seconds per all-reduce group) of the runtime's
-    reducer on this process, beyond the collective itself; measured once (~0.2 s)."""
+    reducer, beyond the collective itself: medians of this process's timed backwards
+    (measured once, ~0.2 s) or, ``together`` (every worker of the default process group
+    calls it at once), of every rank's. Pooled, a rank whose rounds were disturbed is
+    outvoted: one rank alone once read the cost per tensor at 3.4 us against 17-20 us in
+    every other run, and priced many_small's partitioned PS 45% fast."""
+    samples = _runtime_samples()
+    if together:
+        mine = torch.tensor([samples[g] for g in sorted(samples)], dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        samples = {g: [float(x) for t in every for x in t[i]]
+                   for i, g in enumerate(sorted(samples))}
+    plain, one, many = (statistics.median(samples[g]) for g in sorted(samples))
+    many_groups = max(samples)
+    return max(0.0, one - plain) / TENSORS, max(0.0, many - one) / (many_groups - 1)
+
+
+def _runtime_samples() -> dict[int, list[float]]:
+    """Seconds of a backward over ``TENSORS`` small parameters without the reducer (0),
+    with it in one group (1) and in ``TENSORS // 4`` groups, ``RUNTIME_REPEATS`` of each
+    in rounds (load that comes and goes hits all three alike); cached per process."""
     if _RUNTIME:
-        return _RUNTIME["tensor"], _RUNTIME["group"]
+        return _RUNTIME
     from stratagem.analysis.profile import analyze
     from stratagem.runtime.allreduce import AllReduceReducer
     from stratagem.runtime.stats import CommStats
@@ -249,25 +272,18 @@ def runtime_costs(repeats: int = 7) -> tuple[float, float]:
         return AllReduceReducer(plan, params, {g.backend: _NullComm() for g in plan.groups},
                                 CommStats())
 
-    # Rounds of (plain, one group, many groups), medians of each: load that comes and
-    # goes hits all three alike.
-    many_groups = TENSORS // 4
-    samples: dict[int, list[float]] = {0: [], 1: [], many_groups: []}
+    samples: dict[int, list[float]] = {0: [], 1: [], TENSORS // 4: []}
     _time_backward(model, x, 1)  # warm-up
-    for _ in range(repeats):
+    for _ in range(RUNTIME_REPEATS):
         samples[0].append(_time_backward(model, x, 1))
-        for groups in (1, many_groups):
+        for groups in (1, TENSORS // 4):
             r = reducer(groups)
             try:
                 samples[groups].append(_time_backward(model, x, 2))
             finally:
                 r.remove_hooks()
-    plain = statistics.median(samples[0])
-    one, many = statistics.median(samples[1]), statistics.median(samples[many_groups])
-    tensor_s = max(0.0, one - plain) / TENSORS
-    group_s = max(0.0, many - one) / (many_groups - 1)
-    _RUNTIME.update(tensor=tensor_s, group=group_s)
-    return tensor_s, group_s
+    _RUNTIME.update(samples)
+    return _RUNTIME
 
 
 def _timed_allreduce(t: torch.Tensor, repeats: int) -> list[float]:
