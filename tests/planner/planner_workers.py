@@ -308,7 +308,7 @@ def pooled_runtime_costs_case(rank: int, world: int) -> dict[str, Any]:
     """The reducer's timed backwards as a quiet rank reads them (a 1 ms plain backward,
     20 us more per tensor, 10 us more per group), on the last rank with the plain ones
     read 4.352 ms slow (alone, it would price a tensor at 3 us): pooled, every rank
-    gets the quiet ranks' costs."""
+    gets the quiet ranks' costs; the machine rates likewise."""
     import importlib
 
     p = importlib.import_module("stratagem.planner.probe")
@@ -321,4 +321,12 @@ def pooled_runtime_costs_case(rank: int, world: int) -> dict[str, Any]:
     alone = p.runtime_costs()
     pooled = p.runtime_costs(together=True)
     p._RUNTIME.clear()
-    return {"alone": alone, "pooled": pooled}
+    # the machine rates likewise: the last rank's copies read 4x fast
+    c = importlib.import_module("stratagem.planner.calibrate")
+    c._RATES.clear()
+    c._RATES.update({"copy": [(96e9 if rank == world - 1 else 24e9)] * c.RATE_REPEATS,
+                     "flops": [1e11] * c.RATE_REPEATS, "scan": [4e9] * c.RATE_REPEATS})
+    rates = {"alone": c.machine_rates(), "pooled": c.machine_rates(together=True),
+             "scan": c.scan_rate(together=True)}
+    c._RATES.clear()
+    return {"alone": alone, "pooled": pooled, "rates": rates}

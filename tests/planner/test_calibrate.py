@@ -158,7 +158,7 @@ def test_ranks_calibrating_together_share_the_median_of_all_passes(tmp_path) -> 
         assert (r["forward_s"], r["backward_s"]) == (0.03, 0.06), r
 
 
-def test_ranks_calibrating_together_pool_the_runtime_cost_readings(tmp_path) -> None:
+def test_ranks_calibrating_together_pool_the_runtime_and_machine_rate_readings(tmp_path) -> None:
     import _spawn
 
     results = _spawn.run(pw.pooled_runtime_costs_case, 3, tmp_path, {},
@@ -167,3 +167,5 @@ def test_ranks_calibrating_together_pool_the_runtime_cost_readings(tmp_path) -> 
         disturbed = rank == len(results) - 1
         assert r["alone"][0] == pytest.approx(3e-6 if disturbed else 20e-6), r
         assert r["pooled"] == pytest.approx((20e-6, 10e-6)), r
+        assert r["rates"]["alone"][0] == (96e9 if disturbed else 24e9), r
+        assert r["rates"]["pooled"] == (24e9, 1e11) and r["rates"]["scan"] == 4e9, r

@@ -107,10 +107,14 @@ INTERFERE_MIB = (0.25, 16.0)
 """Bounds of that all-reduce's size."""
 WORK_N = 128
 """The compute loop's matrices (``WORK_N`` square, fp32 matmuls: backward's kind of work)."""
-HALF_MIB = 4.0
+HALF_MIB = 8.0
 """The size (MiB) all-reduced again in fp16 and bf16, the same bytes in each dtype (less
 where it would not fit in the budget below at the measured rate; the ratio moves with the
-size: on loopback fp16's was 0.3-0.5 at 1 MiB, 0.6 at 4 MiB, 0.9 at 16 MiB)..."""
+size: on loopback fp16's was 0.3-0.5 at 1 MiB, 0.6 at 4 MiB, 0.9 at 16 MiB; at 2 nodes
+and 10 Gbit/s 0.52-0.74 from 4 to 64 MiB, where 5 of each dtype timed one after the other
+had once read 0.98 at 4 MiB and priced hybrid's fp16 ring 35% fast)..."""
+HALF_ROUNDS = 5
+"""Rounds of one fp32, one fp16 and one bf16 all-reduce; the medians of each give the rates."""
 HALF_BUDGET_S = 0.5
 """...within what is left of ``PROBE_BUDGET_S``, or at least this long."""
 
@@ -235,13 +239,8 @@ def runtime_costs(together: bool = False) -> tuple[float, float]:
     outvoted: one rank alone once read the cost per tensor at 3.4 us against 17-20 us in
     every other run, and priced many_small's partitioned PS 45% fast."""
     samples = _runtime_samples()
-    if together:
-        mine = torch.tensor([samples[g] for g in sorted(samples)], dtype=torch.float64)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        samples = {g: [float(x) for t in every for x in t[i]]
-                   for i, g in enumerate(sorted(samples))}
-    plain, one, many = (statistics.median(samples[g]) for g in sorted(samples))
+    plain, one, many = (statistics.median(gathered(samples[g]) if together else samples[g])
+                        for g in sorted(samples))
     many_groups = max(samples)
     return max(0.0, one - plain) / TENSORS, max(0.0, many - one) / (many_groups - 1)
 
@@ -303,6 +302,15 @@ def agreed(value: float, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MIN) -> flo
     return float(t.item())
 
 
+def gathered(values: list[float]) -> list[float]:
+    """Every rank's ``values`` (as many on each rank), concatenated, on every rank: for
+    medians over all ranks' samples, where one disturbed rank is outvoted."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [float(x) for t in every for x in t]
+
+
 def _big_rate(fixed: float, bus_bps: float, ring: float, budget_s: float) -> float:
     """Bus bytes/s of one ``BIG_MIB`` all-reduce over ``bus_bps`` (warm-up and 3 timed,
     median: of 2, one disturbed pass read 4 nodes at 10 Gbit/s at 0.56 against 0.81-1.02
@@ -331,8 +339,11 @@ def _half_rates(fixed: float, budget_s: float, ring_bps: float) -> tuple[float, 
         dist.all_reduce(x)
     if not agreed(float(6 * (time.perf_counter() - t) <= budget_s)):
         return 0.0, 0.0
-    took = {dt: max(statistics.median(_timed_allreduce(x, 5)) - fixed, 1e-9)
-            for dt, x in tensors.items()}
+    samples: dict[torch.dtype, list[float]] = {dt: [] for dt in tensors}
+    for _ in range(HALF_ROUNDS):  # in rounds: load that comes and goes hits each alike
+        for dt, x in tensors.items():
+            samples[dt] += _timed_allreduce(x, 1)
+    took = {dt: max(statistics.median(ts) - fixed, 1e-9) for dt, ts in samples.items()}
     return (took[torch.float32] / took[torch.float16],
             took[torch.float32] / took[torch.bfloat16])
 
