@@ -316,17 +316,23 @@ def pooled_runtime_costs_case(rank: int, world: int) -> dict[str, Any]:
     one = plain + n * 20e-6
     slow_plain = plain + n * 17e-6 if rank == world - 1 else plain
     p._RUNTIME.clear()
-    p._RUNTIME.update({0: [slow_plain] * p.RUNTIME_REPEATS, 1: [one] * p.RUNTIME_REPEATS,
-                       groups: [one + (groups - 1) * 10e-6] * p.RUNTIME_REPEATS})
+    samples = {0: [slow_plain] * p.RUNTIME_REPEATS, 1: [one] * p.RUNTIME_REPEATS,
+               groups: [one + (groups - 1) * 10e-6] * p.RUNTIME_REPEATS}
+    p._RUNTIME.update({False: samples, True: samples})
     alone = p.runtime_costs()
     pooled = p.runtime_costs(together=True)
+    # measured afresh where one rank lacks the readings: every rank times at once
+    if rank == 0:
+        del p._RUNTIME[True]
+    measured = p.runtime_costs(together=True)
     p._RUNTIME.clear()
     # the machine rates likewise: the last rank's copies read 4x fast
     c = importlib.import_module("stratagem.planner.calibrate")
     c._RATES.clear()
-    c._RATES.update({"copy": [(96e9 if rank == world - 1 else 24e9)] * c.RATE_REPEATS,
-                     "flops": [1e11] * c.RATE_REPEATS, "scan": [4e9] * c.RATE_REPEATS})
+    rates = {"copy": [(96e9 if rank == world - 1 else 24e9)] * c.RATE_REPEATS,
+             "flops": [1e11] * c.RATE_REPEATS, "scan": [4e9] * c.RATE_REPEATS}
+    c._RATES.update({False: rates, True: rates})
     rates = {"alone": c.machine_rates(), "pooled": c.machine_rates(together=True),
              "scan": c.scan_rate(together=True)}
     c._RATES.clear()
-    return {"alone": alone, "pooled": pooled, "rates": rates}
+    return {"alone": alone, "pooled": pooled, "rates": rates, "measured": measured}

@@ -167,5 +167,6 @@ def test_ranks_calibrating_together_pool_the_runtime_and_machine_rate_readings(t
         disturbed = rank == len(results) - 1
         assert r["alone"][0] == pytest.approx(3e-6 if disturbed else 20e-6), r
         assert r["pooled"] == pytest.approx((20e-6, 10e-6)), r
+        assert r["measured"] == results[0]["measured"] and r["measured"] != r["pooled"], r
         assert r["rates"]["alone"][0] == (96e9 if disturbed else 24e9), r
         assert r["rates"]["pooled"] == (24e9, 1e11) and r["rates"]["scan"] == 4e9, r

@@ -26,7 +26,7 @@ from torch import nn
 
 from stratagem.analysis.profile import AccessStats, ModelProfile, analyze
 from stratagem.errors import StratagemError
-from stratagem.planner.probe import agreed, gathered, runtime_costs
+from stratagem.planner.probe import agreed, gathered, measured_once, runtime_costs
 
 WARMUP = 1
 STEPS = 3
@@ -46,7 +46,7 @@ SPARSE_DENSITY = 0.5
 """A parameter whose gradient touches fewer than this share of its rows is row-sparse."""
 
 _CACHE: dict[tuple, Calibration] = {}
-_RATES: dict[str, list[float]] = {}  # machine rates' timed runs, by name
+_RATES: dict[bool, dict[str, list[float]]] = {}  # machine rates' runs: by together, name
 
 
 @dataclass(frozen=True)
@@ -105,8 +105,9 @@ RATE_REPEATS = 5  # timed runs of each machine rate, per process
 def machine_rates(together: bool = False) -> tuple[float, float]:
     """(copy bytes/s, matmul FLOP/s): medians of this process's timed runs (measured once,
     a few ms) or, ``together`` (every worker of the default process group calls it at
-    once), of every rank's. One process's three copies once read 96 GB/s against 24 GB/s
-    in the next run and priced fp16's casts 4x cheap."""
+    once), of every rank's, timed at once (:func:`~stratagem.planner.probe.measured_once`).
+    One process's three copies once read 96 GB/s against 24 GB/s in the next run and
+    priced fp16's casts 4x cheap."""
     return _rate("copy", together), _rate("flops", together)
 
 
@@ -117,15 +118,13 @@ def scan_rate(together: bool = False) -> float:
 
 
 def _rate(name: str, together: bool) -> float:
-    samples = _rate_samples()[name]
+    samples = measured_once(_RATES, together, _time_rates)[name]
     return _median(gathered(samples) if together else samples)
 
 
-def _rate_samples() -> dict[str, list[float]]:
+def _time_rates(sync: Callable[[], Any]) -> dict[str, list[float]]:
     """Timed runs of a 16 MiB fp32-to-fp16 copy, a 256x256 matmul and a row scan of a
-    16 MiB gradient, ``RATE_REPEATS`` rounds of each (cached per process)."""
-    if _RATES:
-        return _RATES
+    16 MiB gradient, ``RATE_REPEATS`` rounds of each, ``sync`` before each."""
     x = torch.empty(2 ** 22)  # 16 MiB
     y = torch.empty(2 ** 22, dtype=torch.float16)
     a = torch.randn(256, 256)
@@ -138,11 +137,11 @@ def _rate_samples() -> dict[str, list[float]]:
     samples: dict[str, list[float]] = {k: [] for k in work}
     for _ in range(RATE_REPEATS):
         for k, (run, amount) in work.items():
+            sync()
             t = time.perf_counter()
             run()
             samples[k].append(amount / max(time.perf_counter() - t, 1e-9))
-    _RATES.update(samples)
-    return _RATES
+    return samples
 
 
 def signature(model: nn.Module) -> tuple:

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,8 @@ from stratagem.planner.links import GBIT_BYTES, LINK_EFFICIENCY
 from stratagem.resource import ResourceSpec
 from stratagem.runtime.plan import compile_plan
 from stratagem.strategy.schema import AllReduceSynchronizer, NodeConfig, Strategy
+
+T = TypeVar("T")
 
 PROBE_BUDGET_S = 2.0
 """The link probe's bound (all sizes and repeats together, at the rate measured so far)."""
@@ -137,7 +140,8 @@ class _WorldGroup:
     def wait(self, work: Any, what: str = "") -> None:
         work.wait()
 
-_RUNTIME: dict[int, list[float]] = {}  # runtime_costs' timed backwards, by group count
+_RUNTIME: dict[bool, dict[int, list[float]]] = {}
+"""runtime_costs' timed backwards: by ``together``, then by group count."""
 _LINKS: dict[tuple, LinkProbe] = {}
 
 
@@ -216,12 +220,14 @@ class _NullComm:
         work.wait()
 
 
-def _time_backward(model: nn.Module, x: torch.Tensor, repeats: int) -> float:
+def _time_backward(model: nn.Module, x: torch.Tensor, repeats: int,
+                   sync: Callable[[], Any] = lambda: None) -> float:
     times = []
     for _ in range(repeats):
         for p in model.parameters():
             p.grad = None
         loss = model(x).sum()
+        sync()
         t = time.perf_counter()
         loss.backward()
         times.append(time.perf_counter() - t)
@@ -235,22 +241,27 @@ def runtime_costs(together: bool = False) -> tuple[float, float]:
     """(seconds per all-reduced tensor, seconds per all-reduce group) of the runtime's
     reducer, beyond the collective itself: medians of this process's timed backwards
     (measured once, ~0.2 s) or, ``together`` (every worker of the default process group
-    calls it at once), of every rank's. Pooled, a rank whose rounds were disturbed is
-    outvoted: one rank alone once read the cost per tensor at 3.4 us against 17-20 us in
-    every other run, and priced many_small's partitioned PS 45% fast."""
-    samples = _runtime_samples()
+    calls it at once), of every rank's, each backward timed by every rank at once as
+    training runs them. Ranks sharing cores that each timed at their own pace read 3-20 us
+    a tensor at 4 nodes on 2 cores (the partitioned PS of many_small priced up to 45%
+    fast); 17-20 us was the reading that priced it right."""
+    samples = _runtime_samples(together)
     plain, one, many = (statistics.median(gathered(samples[g]) if together else samples[g])
                         for g in sorted(samples))
     many_groups = max(samples)
     return max(0.0, one - plain) / TENSORS, max(0.0, many - one) / (many_groups - 1)
 
 
-def _runtime_samples() -> dict[int, list[float]]:
+def _runtime_samples(together: bool) -> dict[int, list[float]]:
     """Seconds of a backward over ``TENSORS`` small parameters without the reducer (0),
     with it in one group (1) and in ``TENSORS // 4`` groups, ``RUNTIME_REPEATS`` of each
-    in rounds (load that comes and goes hits all three alike); cached per process."""
-    if _RUNTIME:
-        return _RUNTIME
+    in rounds (load that comes and goes hits all three alike); ``together``: every rank
+    starts each backward at once (a barrier). Cached per process and mode (``together``:
+    reused only where every rank has it, else every rank measures again)."""
+    return measured_once(_RUNTIME, together, _time_runtime)
+
+
+def _time_runtime(sync: Callable[[], Any]) -> dict[int, list[float]]:
     from stratagem.analysis.profile import analyze
     from stratagem.runtime.allreduce import AllReduceReducer
     from stratagem.runtime.stats import CommStats
@@ -272,17 +283,31 @@ def _runtime_samples() -> dict[int, list[float]]:
                                 CommStats())
 
     samples: dict[int, list[float]] = {0: [], 1: [], TENSORS // 4: []}
-    _time_backward(model, x, 1)  # warm-up
+    _time_backward(model, x, 1, sync)  # warm-up
     for _ in range(RUNTIME_REPEATS):
-        samples[0].append(_time_backward(model, x, 1))
+        samples[0].append(_time_backward(model, x, 1, sync))
         for groups in (1, TENSORS // 4):
             r = reducer(groups)
             try:
-                samples[groups].append(_time_backward(model, x, 2))
+                samples[groups].append(_time_backward(model, x, 2, sync))
             finally:
                 r.remove_hooks()
-    _RUNTIME.update(samples)
-    return _RUNTIME
+    return samples
+
+
+def measured_once(cache: dict[bool, T], together: bool,
+                  measure: Callable[[Callable[[], Any]], T]) -> T:
+    """``cache[together]``, else ``measure(sync)`` stored there. ``together`` (every
+    worker of the default process group calls it at once): ``sync`` is a barrier, to call
+    before each timed run so that every rank runs it at once, as training runs its steps
+    (ranks sharing cores that each time at their own pace read them 2-5x apart), and the
+    cache is reused only where every rank has it (else all measure again, in step)."""
+    have = together in cache
+    if together:
+        have = bool(agreed(float(have)))
+    if not have:
+        cache[together] = measure(dist.barrier if together else (lambda: None))
+    return cache[together]
 
 
 def _timed_allreduce(t: torch.Tensor, repeats: int) -> list[float]:
