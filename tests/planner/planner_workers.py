@@ -336,3 +336,20 @@ def pooled_runtime_costs_case(rank: int, world: int) -> dict[str, Any]:
              "scan": c.scan_rate(together=True)}
     c._RATES.clear()
     return {"alone": alone, "pooled": pooled, "rates": rates, "measured": measured}
+
+
+def shared_core_calibration_case(rank: int, world: int) -> dict[str, Any]:
+    """Calibrate together with every rank pinned to one core (one thread each), on passes
+    long enough to span many time slices: what a CPU second costs in wall time."""
+    import os
+
+    import stratagem.planner.probe as p
+    from stratagem.planner.calibrate import calibrate
+
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+    cal = calibrate(model, torch.randn(256, 512), together=True, use_cache=False)
+    return {"share": cal.cpu_share, "tensor_s": cal.tensor_s,
+            "cpu_tensor_s": p.runtime_costs(together=True)[0]}

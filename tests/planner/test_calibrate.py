@@ -170,3 +170,16 @@ def test_ranks_calibrating_together_pool_the_runtime_and_machine_rate_readings(t
         assert r["measured"] == results[0]["measured"] and r["measured"] != r["pooled"], r
         assert r["rates"]["alone"][0] == (96e9 if disturbed else 24e9), r
         assert r["rates"]["pooled"] == (24e9, 1e11) and r["rates"]["scan"] == 4e9, r
+
+
+def test_ranks_sharing_one_core_price_the_runtimes_cpu_work_at_the_wall_time_it_takes(
+        tmp_path) -> None:
+    import _spawn
+
+    results = _spawn.run(pw.shared_core_calibration_case, 2, tmp_path, {},
+                         _spawn.Setup(args=(2,), local_rank=True, init_group=True))
+    # two ranks on one core: each CPU second of compute takes about two in wall time
+    for r in results:
+        assert r == results[0], results
+        assert 1.5 <= r["share"] <= 4.0, r
+        assert r["tensor_s"] == pytest.approx(r["share"] * r["cpu_tensor_s"]), r

@@ -71,6 +71,10 @@ class Calibration:
     scan_bps: float = 4e9
     """Bytes/s of finding a dense gradient's non-zero rows (what the runtime does for a
     parameter sent as rows though declared dense)."""
+    cpu_share: float = 1.0
+    """Wall seconds per CPU second of a rank's compute while every rank computes (the
+    median over the timed passes; 1 at least, and on a GPU): 2 where two ranks share
+    each core. ``tensor_s`` and ``group_s`` are CPU seconds scaled by it."""
     update_bps: float = 0.0
     """Parameter bytes/s of an SGD-sized update pass over the parameters (0: not known;
     ``optimizer_s`` then covers the whole model). A strategy's update and the densifying
@@ -96,7 +100,7 @@ class Calibration:
                 "copy_bps": self.copy_bps, "flops": self.flops,
                 "tensor_s": self.tensor_s, "group_s": self.group_s,
                 "scan_bps": self.scan_bps, "update_bps": self.update_bps,
-                "access": [a.to_dict() for a in self.access]}
+                "cpu_share": self.cpu_share, "access": [a.to_dict() for a in self.access]}
 
 
 RATE_REPEATS = 5  # timed runs of each machine rate, per process
@@ -389,6 +393,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
     was_training = model.training
     model.train()
     fw, bw, ready_all, layer_all = [], [], [], []
+    shares: list[float] = []  # each timed pass's wall seconds per CPU second
     hooks, ids = _lookups(model, names)
     need = steps
     try:
@@ -396,11 +401,14 @@ def calibrate(model: nn.Module, sample_input: Any, *,
         while True:
             ids.clear()
             sync()
+            wall, cpu = time.perf_counter(), time.process_time()
             f, b, ready, layer, touched = _one_pass(model, sample_input, loss_fn, params,
                                                     timed=i >= WARMUP)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             i += 1
             if i <= WARMUP:
                 continue
+            shares.append(wall / max(cpu, 1e-9))
             fw.append(f)
             bw.append(b)
             ready_all.append(ready)
@@ -450,7 +458,11 @@ def calibrate(model: nn.Module, sample_input: Any, *,
         access.append(AccessStats(name=n, rows=rows, rows_touched=float(full),
                                   overlap=overlap, hot_share=hot, calls=calls.get(n, 1)))
     copy_bps, flops = machine_rates(together)
-    tensor_s, group_s = runtime_costs(together)
+    # the runtime's per-tensor work is CPU work: it costs what the CPU second of compute
+    # costs in wall time while every rank computes
+    share = max(1.0, _median(gathered(shares) if together else shares)) \
+        if all(p.device.type == "cpu" for p in params.values()) else 1.0
+    tensor_s, group_s = (share * x for x in runtime_costs(together))
     forward_s, backward_s = _pooled(fw, bw, together)
     # this rank's timeline, stretched to the pooled times
     own_f, own_b = _median(fw), _median(bw)
@@ -465,7 +477,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
                       access=tuple(access), copy_bps=copy_bps, flops=flops, measured=True,
                       seconds=time.perf_counter() - started, tensor_s=tensor_s,
                       group_s=group_s, scan_bps=scan_rate(together),
-                      update_bps=update_bps)
+                      update_bps=update_bps, cpu_share=share)
     if use_cache:
         _CACHE[key] = cal
     return cal

@@ -228,9 +228,9 @@ def _time_backward(model: nn.Module, x: torch.Tensor, repeats: int,
             p.grad = None
         loss = model(x).sum()
         sync()
-        t = time.perf_counter()
+        t = time.process_time()
         loss.backward()
-        times.append(time.perf_counter() - t)
+        times.append(time.process_time() - t)
     return statistics.median(times)
 
 
@@ -238,13 +238,13 @@ RUNTIME_REPEATS = 7  # rounds of runtime_costs' three backwards
 
 
 def runtime_costs(together: bool = False) -> tuple[float, float]:
-    """(seconds per all-reduced tensor, seconds per all-reduce group) of the runtime's
-    reducer, beyond the collective itself: medians of this process's timed backwards
-    (measured once, ~0.2 s) or, ``together`` (every worker of the default process group
-    calls it at once), of every rank's, each backward timed by every rank at once as
-    training runs them. Ranks sharing cores that each timed at their own pace read 3-20 us
-    a tensor at 4 nodes on 2 cores (the partitioned PS of many_small priced up to 45%
-    fast); 17-20 us was the reading that priced it right."""
+    """(CPU seconds per all-reduced tensor, CPU seconds per all-reduce group) of the
+    runtime's reducer, beyond the collective itself: medians of this process's timed
+    backwards (measured once, ~0.2 s) or, ``together`` (every worker of the default process
+    group calls it at once), of every rank's. CPU time, not wall time: ranks sharing cores
+    read 3-20 us a tensor in wall time at 4 nodes on 2 cores (the time slices a short
+    backward happened to get), and priced many_small's partitioned PS up to 45% fast;
+    calibration scales it by what a CPU second costs while every rank computes."""
     samples = _runtime_samples(together)
     plain, one, many = (statistics.median(gathered(samples[g]) if together else samples[g])
                         for g in sorted(samples))
