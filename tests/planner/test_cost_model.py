@@ -353,6 +353,30 @@ def test_runtime_cost_per_tensor_and_group_is_an_overhead() -> None:
     assert paid.parts["tensors"] == 2 and paid.compute_s == free.compute_s
 
 
+def test_the_busiest_owners_work_per_dense_piece_is_an_overhead() -> None:
+    s = spec(2)
+    w0, w1 = s.replicas
+    prof = ModelProfile(params=tuple(ParamInfo(n, (100, 10), "float32", 1000, 4000)
+                                     for n in ("a", "b", "c")))
+    cal = {n: 0.01 for n in ("a", "b", "c")}
+    strat = Strategy(node_config=(
+        NodeConfig("a", PSSynchronizer(reduction_destination=w0)),
+        NodeConfig("b", PSSynchronizer(reduction_destination=w0)),
+        NodeConfig("c", PSSynchronizer(reduction_destination=w1)))).with_replicas(s.replicas)
+    lm = links(s, latency_s=0.0)
+    free = predict(strat, prof, s, _cal(grad_ready_s=cal), lm)
+    paid = predict(strat, prof, s, _cal(grad_ready_s=cal, piece_s=1e-3), lm)
+    # the first worker owns two of the three pieces: the values wait for its two updates
+    assert paid.overhead_s - free.overhead_s == pytest.approx(2 * 1e-3)
+    assert paid.parts["owner_pieces"] == pytest.approx(2e-3)
+
+
+def test_owner_piece_cost_is_measured_and_small() -> None:
+    from stratagem.planner.probe import owner_piece_cost
+
+    assert 0 < owner_piece_cost() < 5e-3
+
+
 def test_runtime_costs_are_measured_and_small() -> None:
     from stratagem.planner.probe import runtime_costs
 

@@ -26,7 +26,13 @@ from torch import nn
 
 from stratagem.analysis.profile import AccessStats, ModelProfile, analyze
 from stratagem.errors import StratagemError
-from stratagem.planner.probe import agreed, gathered, measured_once, runtime_costs
+from stratagem.planner.probe import (
+    agreed,
+    gathered,
+    measured_once,
+    owner_piece_cost,
+    runtime_costs,
+)
 
 WARMUP = 1
 STEPS = 3
@@ -71,10 +77,13 @@ class Calibration:
     scan_bps: float = 4e9
     """Bytes/s of finding a dense gradient's non-zero rows (what the runtime does for a
     parameter sent as rows though declared dense)."""
+    piece_s: float = 0.0
+    """An owner's own seconds per dense PS piece it owns (the shard's gradient, update,
+    clearing, value out), beyond the bytes."""
     cpu_share: float = 1.0
     """Wall seconds per CPU second of a rank's compute while every rank computes (the
     median over the timed passes; 1 at least, and on a GPU): 2 where two ranks share
-    each core. ``tensor_s`` and ``group_s`` are CPU seconds scaled by it."""
+    each core. ``tensor_s``, ``group_s`` and ``piece_s`` are CPU seconds scaled by it."""
     update_bps: float = 0.0
     """Parameter bytes/s of an SGD-sized update pass over the parameters (0: not known;
     ``optimizer_s`` then covers the whole model). A strategy's update and the densifying
@@ -100,7 +109,8 @@ class Calibration:
                 "copy_bps": self.copy_bps, "flops": self.flops,
                 "tensor_s": self.tensor_s, "group_s": self.group_s,
                 "scan_bps": self.scan_bps, "update_bps": self.update_bps,
-                "cpu_share": self.cpu_share, "access": [a.to_dict() for a in self.access]}
+                "cpu_share": self.cpu_share, "piece_s": self.piece_s,
+                "access": [a.to_dict() for a in self.access]}
 
 
 RATE_REPEATS = 5  # timed runs of each machine rate, per process
@@ -463,6 +473,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
     share = max(1.0, _median(gathered(shares) if together else shares)) \
         if all(p.device.type == "cpu" for p in params.values()) else 1.0
     tensor_s, group_s = (share * x for x in runtime_costs(together))
+    piece_s = share * owner_piece_cost(together)
     forward_s, backward_s = _pooled(fw, bw, together)
     # this rank's timeline, stretched to the pooled times
     own_f, own_b = _median(fw), _median(bw)
@@ -477,7 +488,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
                       access=tuple(access), copy_bps=copy_bps, flops=flops, measured=True,
                       seconds=time.perf_counter() - started, tensor_s=tensor_s,
                       group_s=group_s, scan_bps=scan_rate(together),
-                      update_bps=update_bps, cpu_share=share)
+                      update_bps=update_bps, cpu_share=share, piece_s=piece_s)
     if use_cache:
         _CACHE[key] = cal
     return cal
@@ -487,6 +498,7 @@ NOMINAL_COPY_BPS = 2e9
 NOMINAL_FLOPS = 1e10
 NOMINAL_TENSOR_S = 40e-6
 NOMINAL_GROUP_S = 20e-6
+NOMINAL_PIECE_S = 60e-6
 NOMINAL_SCAN_BPS = 4e9
 """Rates of :func:`estimate`: fixed, so that every rank plans the same strategy from the
 same profile (a 2-core CPU's order of magnitude; calibration measures the real ones)."""
@@ -517,6 +529,7 @@ def estimate(profile: ModelProfile, batch_size: int) -> Calibration:
                        optimizer_s=profile.total_bytes / copy_bps, grad_ready_s=ready,
                        access=access, copy_bps=copy_bps, flops=flops, measured=False,
                        tensor_s=NOMINAL_TENSOR_S, group_s=NOMINAL_GROUP_S,
+                       piece_s=NOMINAL_PIECE_S,
                        scan_bps=NOMINAL_SCAN_BPS, update_bps=copy_bps)
 
 

@@ -170,6 +170,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     pull_s = refresh_s = fwd_pull_s = sparse_push_s = scan_s = closing_s = 0.0
     in_collectives = 0  # messages priced inside the measured all-to-alls, not one by one
     owned_bytes = [0.0] * (ps.size if ps else 0)
+    owned_pieces = [0] * (ps.size if ps else 0)  # dense pieces each owner updates
     if ps is not None:
         # Dense buckets: push as ready (launch order), pull values after the update.
         # Buckets of different owners travel at the same time on different links: the
@@ -188,6 +189,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             messages += 2 * len(flows)  # per worker: one push and one pull per remote owner
             tensors += len(pieces)
             owned_bytes[b.owner] += nbytes
+            owned_pieces[b.owner] += len(pieces)
         push_total = links.transfer_time(push_flows_all)
         dense_bytes = sum(n for *_, n in buckets) or 1
         hop = links.hop_s(W)  # a bucket's push, and the values' pull, each one hop
@@ -293,7 +295,10 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     # (a dense PS bucket's machinery -- buffer, posting its sends -- is priced as a group's)
     groups = len(plan.groups) + (len(ps.buckets) if ps is not None else 0)
     write_back_s = sliced_bytes / (cal.update_bps or cal.copy_bps)
-    runtime_s = tensors * cal.tensor_s + groups * cal.group_s + scan_s + write_back_s
+    # the busiest owner's work per piece it owns holds back the values every worker pulls
+    owner_s = max(owned_pieces, default=0) * cal.piece_s
+    runtime_s = (tensors * cal.tensor_s + groups * cal.group_s + owner_s + scan_s
+                 + write_back_s)
     overhead = (messages - in_collectives) * links.message_cpu_s + runtime_s
     parts = {"forward": cal.forward_s, "backward": cal.backward_s, "update": update_s,
              "backward_tail": backward_tail, "contention": contention_s,
@@ -302,7 +307,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
              "refresh": refresh_s,
              "compressor_work": work_s, "messages": float(messages),
              "runtime": runtime_s, "tensors": float(tensors), "row_scan": scan_s,
-             "write_back": write_back_s}
+             "write_back": write_back_s, "owner_pieces": owner_s}
     return StepCost(compute_s=compute, exposed_comm_s=exposed_comm, overhead_s=overhead,
                     link_bytes=links.flow_bytes(all_flows), parts=parts,
                     slots=tuple(slots))

@@ -140,6 +140,7 @@ class _WorldGroup:
     def wait(self, work: Any, what: str = "") -> None:
         work.wait()
 
+_OWNER: dict[bool, list[float]] = {}  # owner_piece_cost's timed rounds, by together
 _RUNTIME: dict[bool, dict[int, list[float]]] = {}
 """runtime_costs' timed backwards: by ``together``, then by group count."""
 _LINKS: dict[tuple, LinkProbe] = {}
@@ -293,6 +294,62 @@ def _time_runtime(sync: Callable[[], Any]) -> dict[int, list[float]]:
             finally:
                 r.remove_hooks()
     return samples
+
+
+class _OwnGroup:
+    """A PS group of one member (the owner itself): its values go to no one."""
+
+    members = (0,)
+
+
+def owner_piece_cost(together: bool = False) -> float:
+    """CPU seconds an owner spends each step per dense PS piece it owns, beyond its bytes:
+    giving the piece's shard its summed gradient, the optimizer's update of it, clearing
+    it and copying its value out for the pull (the runtime's ``DenseBucket`` and
+    ``ShardOptimizer``, SGD, over ``TENSORS`` small pieces of one bucket this process
+    owns). Median of ``RUNTIME_REPEATS`` rounds (every rank's, ``together``). Priced per
+    owned piece, not per byte: a partitioned PS of many small tensors gives each owner a
+    piece of every parameter (many_small: 482 on each of 4 owners)."""
+    samples = measured_once(_OWNER, together, _time_owner)
+    return statistics.median(gathered(samples) if together else samples)
+
+
+def _time_owner(sync: Callable[[], Any]) -> list[float]:
+    from stratagem.runtime.ps.dense import DenseBucket
+    from stratagem.runtime.ps.optim import ShardOptimizer
+    from stratagem.runtime.ps.plan import PSBucket, PSPiece
+    from stratagem.runtime.stats import CommStats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(TENSORS)])
+    params = dict(model.named_parameters())
+    pieces, offset = [], 0
+    for i, (name, param) in enumerate(params.items()):
+        pieces.append(PSPiece(id=i, param=name, index=i, shape=tuple(param.shape),
+                              dtype="float32", owner=0, destination="probe", bucket=0,
+                              offset=offset))
+        offset += param.numel()
+    plan = PSBucket(id=0, owner=0, dtype="float32", pieces=tuple(range(len(pieces))),
+                    numel=offset)
+    bucket = DenseBucket(plan, pieces, params, _OwnGroup(), 0, 1,  # type: ignore[arg-type]
+                         torch.device("cpu"), CommStats())
+    shards = {pc.id: params[pc.param].detach().clone() for pc in pieces}
+    opt = ShardOptimizer([torch.optim.SGD(model.parameters(), lr=0.0)],
+                         [(shards[pc.id], 0, 0, False, pc.param) for pc in pieces])
+
+    def owner_step() -> float:
+        assert bucket.acc is not None
+        bucket.acc.fill_(1.0)  # every piece pushed (its presence slot set)
+        sync()
+        t = time.process_time()
+        bucket.attach_grads(shards)
+        opt.step(sparse=False)
+        bucket.clear_grads(shards)
+        bucket.post_values(shards)
+        return (time.process_time() - t) / len(pieces)
+
+    owner_step()  # warm-up
+    return [owner_step() for _ in range(RUNTIME_REPEATS)]
 
 
 def measured_once(cache: dict[bool, T], together: bool,
