@@ -353,3 +353,30 @@ def shared_core_calibration_case(rank: int, world: int) -> dict[str, Any]:
     cal = calibrate(model, torch.randn(256, 512), together=True, use_cache=False)
     return {"share": cal.cpu_share, "tensor_s": cal.tensor_s,
             "cpu_tensor_s": p.runtime_costs(together=True)[0]}
+
+
+def suspect_bus_case(rank: int, world: int, readings: list[float]) -> dict[str, Any]:
+    """Probe 2 nodes specified at 10 Gbit/s over loopback, the bus-rate fits replaced by
+    ``readings`` in turn: how many fits ran and the bus rate the probe kept."""
+    import importlib
+
+    from stratagem.resource import ResourceSpec
+
+    p = importlib.import_module("stratagem.planner.probe")
+    spec = ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.0.0.{i + 1}", "chief": i == 0, "workers": 1,
+         "network_bandwidth": 10.0, "cpus": [0]} for i in range(world)]})
+    fits = iter(readings)
+    calls = []
+
+    def fit(*_: Any) -> tuple[float, int]:
+        calls.append(1)
+        return next(fits), 1  # one size: no 64 MiB follow-up
+
+    real, p._bus_rate = p._bus_rate, fit
+    try:
+        probe = p.probe_links(spec, use_cache=False)
+    finally:
+        p._bus_rate = real
+    assert probe is not None
+    return {"fits": len(calls), "bus_bps": probe.bus_bps}

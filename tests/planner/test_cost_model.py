@@ -542,3 +542,19 @@ def test_steady_part_of_bimodal_waits() -> None:
     assert _steady(times) == pytest.approx(sum(kept) / len(kept))
     assert fast < _steady(times) < slow
     assert _steady([3e-3, 1e-3]) == pytest.approx(2e-3)  # too few to trim: all of them
+
+
+@pytest.mark.parametrize(("readings", "fits", "kept"), [
+    ((1.0e9,), 1, 1.0e9),          # near the spec's 1.19 GB/s: trusted
+    ((1.1e8, 9.0e8), 2, 9.0e8),    # one disturbed fit: timed again, the faster kept
+    ((2.4e8, 2.3e8), 2, 2.4e8),    # a link slower than its spec reads slow twice
+])
+def test_a_bus_rate_far_below_the_spec_is_measured_again(
+        tmp_path, readings: tuple[float, ...], fits: int, kept: float) -> None:
+    import _spawn
+    import planner_workers as pw
+
+    results = _spawn.run(pw.suspect_bus_case, 2, tmp_path, {"readings": list(readings)},
+                         _spawn.Setup(args=(2,), local_rank=True, init_group=True))
+    for r in results:
+        assert r["fits"] == fits and r["bus_bps"] == pytest.approx(kept), r
