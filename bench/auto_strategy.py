@@ -985,7 +985,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=int, default=180, help="collective timeout (s)")
-    p.add_argument("--timeout", type=int, default=3600, help="per job: one model on one cluster (s)")
+    p.add_argument("--timeout", type=int, default=3600,
+                   help="per job: one model on one cluster (s)")
     p.add_argument("--verbose-errors", action="store_true")
     p.add_argument("--auto-builder", default="Auto",
                    help="the builder measured as Auto (tests: any registered name)")
