@@ -38,7 +38,9 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     assert proc.returncode == 0, err[-4000:]
     res = json.loads(out.read_text())
     probe = res["probe"]
-    assert probe["world"] == 2 and probe["seconds"] <= 3.5
+    # seconds, not minutes; a rate this far below the spec's is fitted twice (the faster
+    # fit kept: probe.SUSPECT_RATE): the whole probe took 3.6 s in one CI run
+    assert probe["world"] == 2 and probe["seconds"] <= 4.5
     # shaped at 200 Mbit/s (gloo reaches ~95% of a shaped link, bench/link_rate.py)
     assert 0.75 * SHAPED_BPS < probe["bus_bps"] < 1.05 * SHAPED_BPS, probe
     assert probe["nominal_bps"] > 4 * SHAPED_BPS  # the spec's 1 Gbit/s
