@@ -1,6 +1,6 @@
 """Measured fixed costs and links: what the cost model's constants are on this machine.
 
-Two measurements, both seconds long at most:
+Measurements seconds long at most:
 
 - :func:`runtime_costs` (one process, or pooled over every worker at once): the
   runtime's own cost per all-reduce *tensor* (the gradient hook, the copy into the group
@@ -8,6 +8,8 @@ Two measurements, both seconds long at most:
   :class:`~stratagem.runtime.allreduce.AllReduceReducer` over many small parameters with a
   collective that completes at once. Small steps of models with hundreds of tensors are
   dominated by these.
+- :func:`owner_piece_cost` (likewise): an owner's own cost per dense PS piece it owns, on
+  the runtime's ``DenseBucket`` and ``ShardOptimizer``.
 - :func:`probe_links` (every worker at once, a process group up): the link as the workers
   see it. A one-element all-reduce repeated gives the fixed cost of one collective; all-
   reduces of a few sizes give the effective bus bandwidth (the slope), and one of 64 MiB,
@@ -58,14 +60,14 @@ PROBE_BUDGET_S = 2.0
 """The link probe's bound (all sizes and repeats together, at the rate measured so far)."""
 TINY_REPEATS = 20
 SIZES_MIB = (0.25, 1.0, 4.0, 16.0)
+"""All-reduce sizes of the bandwidth probe. The largest is a gradient bucket's order (DDP's
+25 MB): with four workers on two cores at 10 Gbit/s, all-reduces of 4 MiB ran at 1.4 GB/s
+bus bandwidth and the 64 MB of DLRM's table at 0.4 GB/s."""
 SUSPECT_RATE = 0.5
 """A bus rate fitted below this share of the spec's is measured again and the faster fit
 kept (a link that is slower than its spec reads slow twice): one probe in 14 fresh jobs
 read a 10 Gbit/s link at 0.11 GB/s against 0.84-1.09 in the others, and priced wide &
 deep's all-reduce 5.7x slow."""
-"""All-reduce sizes of the bandwidth probe. The largest is a gradient bucket's order (DDP's
-25 MB): with four workers on two cores at 10 Gbit/s, all-reduces of 4 MiB ran at 1.4 GB/s
-bus bandwidth and the 64 MB of DLRM's table at 0.4 GB/s."""
 BIG_MIB = 64.0
 """One all-reduce this large after the fit, when it fits in what is left of the budget
 (on a fast link): the rate of buffers past the caches, at which a large table's all-reduce
@@ -251,23 +253,17 @@ def runtime_costs(together: bool = False) -> tuple[float, float]:
     read 3-20 us a tensor in wall time at 4 nodes on 2 cores (the time slices a short
     backward happened to get), and priced many_small's partitioned PS up to 45% fast;
     calibration scales it by what a CPU second costs while every rank computes."""
-    samples = _runtime_samples(together)
+    samples = measured_once(_RUNTIME, together, _time_runtime)
     plain, one, many = (statistics.median(gathered(samples[g]) if together else samples[g])
                         for g in sorted(samples))
     many_groups = max(samples)
     return max(0.0, one - plain) / TENSORS, max(0.0, many - one) / (many_groups - 1)
 
 
-def _runtime_samples(together: bool) -> dict[int, list[float]]:
-    """Seconds of a backward over ``TENSORS`` small parameters without the reducer (0),
-    with it in one group (1) and in ``TENSORS // 4`` groups, ``RUNTIME_REPEATS`` of each
-    in rounds (load that comes and goes hits all three alike); ``together``: every rank
-    starts each backward at once (a barrier). Cached per process and mode (``together``:
-    reused only where every rank has it, else every rank measures again)."""
-    return measured_once(_RUNTIME, together, _time_runtime)
-
-
 def _time_runtime(sync: Callable[[], Any]) -> dict[int, list[float]]:
+    """CPU seconds of a backward over ``TENSORS`` small parameters without the reducer
+    (0), with it in one group (1) and in ``TENSORS // 4`` groups, ``RUNTIME_REPEATS`` of
+    each in rounds (load that comes and goes hits all three alike), ``sync`` before each."""
     from stratagem.analysis.profile import analyze
     from stratagem.runtime.allreduce import AllReduceReducer
     from stratagem.runtime.stats import CommStats
