@@ -919,8 +919,9 @@ def driver(args: argparse.Namespace) -> int:
                 argv = [sys.executable, "-m", "stratagem", "run", "-q", "--nproc",
                         str(args.loopback),
                         *_worker_argv(args, model, part, 0.0, "loopback", commit, "")]
-                rc = rc or _run(subprocess.Popen(argv, env=env), args.timeout,
-                                f"{model}, loopback, {args.loopback} workers")
+                code = _run(subprocess.Popen(argv, env=env), args.timeout,
+                            f"{model}, loopback, {args.loopback} workers")
+                rc = rc or code
                 _collect(part, args, commit)
             return rc
         VirtualCluster = virtual_cluster()
@@ -941,8 +942,9 @@ def driver(args: argparse.Namespace) -> int:
                                 "--resource-spec", str(spec), "--remote-shell", shell,
                                 *_worker_argv(args, model, part, vc.bandwidth_gbps or 0.0,
                                               bw, commit, pinning)]
-                        rc = rc or _run(vc.run(0, argv), args.timeout,
-                                        f"{model}, {nodes} nodes, {bw}")
+                        code = _run(vc.run(0, argv), args.timeout,
+                                    f"{model}, {nodes} nodes, {bw}")
+                        rc = rc or code
                         _collect(part, args, commit)
     return rc
 
