@@ -15,4 +15,5 @@ links, probe = measured_links(ad.resource_spec)
 if ad.rank == 0:
     Path(sys.argv[1]).write_text(json.dumps({"probe": probe.to_dict() if probe else None,
                                              "nic_bps": list(links.nic_bps),
-                                             "machine_bps": links.machine_bps}))
+                                             "machine_bps": links.machine_bps,
+                                             "group_period_s": links.group_period_s}))

@@ -341,6 +341,37 @@ def test_one_link_alone_faster_than_the_ring_bounds_the_links_together() -> None
     assert old.nic_bps == (N / 2,) * 4 and old.machine_bps == 0.0
 
 
+def test_queued_groups_hide_their_fixed_cost_behind_bytes_where_the_link_bounds_them() -> None:
+    """2 nodes, the ring at the link's rate: a queued group takes the longer of the
+    measured period and its bytes' time with 2(n-1) latencies; 4 nodes on shared cores
+    (the ring at half a link's rate): bytes and fixed cost add, as without a period."""
+    from dataclasses import replace
+
+    from stratagem.planner.probe import LinkProbe
+
+    s2 = spec(2)
+    base = links(s2)
+    N = base.nic_bps[0]
+    probe = LinkProbe(world=2, collective_s=4e-4, bus_bps=N, message_s=3e-4, seconds=0.5,
+                      nominal_bps=N, link_bps=N, group_fixed_s=2e-3, group_period_s=2.5e-3)
+    m = base.measured(probe, s2)
+    assert m.group_period_s == 2.5e-3 and m.machine_bps == 0.0
+    devs = s2.replicas
+    small, big = 0.1 * 2.5e-3 * N, 8 * 2.5e-3 * N  # a tenth of the period's bytes, 8x
+    assert ring_allreduce_time(m, devs, small) == pytest.approx(2.5e-3)
+    assert ring_allreduce_time(m, devs, big) == pytest.approx(8 * 2.5e-3 + 4e-4)
+    assert ring_allreduce_time(m, devs, big, rounds=2) == \
+        pytest.approx(2 * (4 * 2.5e-3 + 4e-4))
+    # adding the two priced a large group 2 ms more (many_small at 1 Gbit/s: 35-40% slow)
+    added = replace(m, group_period_s=0.0)
+    assert ring_allreduce_time(added, devs, big) == pytest.approx(8 * 2.5e-3 + 2e-3)
+    s4 = spec(4)
+    host = links(s4).measured(replace(probe, world=4, bus_bps=N / 2), s4)
+    assert host.machine_bps > 0 and host.group_period_s == 0.0
+    assert ring_allreduce_time(host, s4.replicas, big) == \
+        pytest.approx(1.5 * big / (N / 2) + 2e-3)
+
+
 def test_runtime_cost_per_tensor_and_group_is_an_overhead() -> None:
     s = spec(2)
     strat = Strategy(node_config=(NodeConfig("emb", AllReduceSynchronizer(group=0)),

@@ -39,8 +39,9 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     res = json.loads(out.read_text())
     probe = res["probe"]
     # seconds, not minutes; a rate this far below the spec's is fitted twice (the faster
-    # fit kept: probe.SUSPECT_RATE): the whole probe took 3.6 s in one CI run
-    assert probe["world"] == 2 and probe["seconds"] <= 4.5
+    # fit kept: probe.SUSPECT_RATE): the whole probe took 3.6 s in one CI run, and the
+    # small operations' second pass (probe._SmallOps) added about 0.2 s
+    assert probe["world"] == 2 and probe["seconds"] <= 5.0
     # shaped at 200 Mbit/s (gloo reaches ~95% of a shaped link, bench/link_rate.py)
     assert 0.75 * SHAPED_BPS < probe["bus_bps"] < 1.05 * SHAPED_BPS, probe
     assert probe["nominal_bps"] > 4 * SHAPED_BPS  # the spec's 1 Gbit/s
@@ -52,6 +53,10 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     # an all-reduce with a payload, queued as the reducer queues its groups, costs at
     # least what a one-element one does beyond its wire time
     assert probe["collective_s"] <= probe["group_fixed_s"] < 0.05, probe
+    # ... and, its wire time in it, the least a queued group takes: what the model uses
+    # where the link bounds the ring (here: a 200 Mbit/s link, the ring at its rate)
+    assert probe["group_fixed_s"] < probe["group_period_s"] < 0.05, probe
+    assert res["group_period_s"] == probe["group_period_s"]
     # what an overlapped all-reduce takes from a compute loop beside it: a share
     assert 0.0 <= probe["interference"] <= 1.0, probe
     assert 0 < probe["all_to_all_s"] < 0.05

@@ -104,8 +104,8 @@ def group_cost(group: GroupPlan, links: LinkModel, replicas: list[str], cal: Cal
     # a half-precision ring moves its bytes at its own measured rate (CPU-bound sums)
     rate = links.half_rate(group.compressor) if group.compressor in ("fp16", "bf16") else 1.0
     wire = ring_allreduce_time(links, replicas, nbytes, rounds, rate)
-    fixed = rounds * links.ring_fixed_s(len(replicas)) if len(replicas) > 1 else 0.0
-    return wire, work, ring_flows(replicas, nbytes), fixed
+    moving = links.transfer_time(ring_flows(replicas, nbytes)) * links.size_factor(nbytes) / rate
+    return wire, work, ring_flows(replicas, nbytes), max(0.0, wire - moving)
 
 
 def _ready(cal: Calibration, params: list[str]) -> float:

@@ -90,6 +90,16 @@ class LinkModel:
     group_fixed_s: float = 0.0
     """Measured fixed seconds of one all-reduce group in the runtime (a small all-reduce
     among queued ones, beyond its wire time); 0: not measured, ``2(n-1)`` latencies."""
+    group_period_s: float = 0.0
+    """Measured seconds of a small all-reduce among queued ones, its bytes in it: the least
+    a queued group takes, where the link, not the hosts' cores, bounds the ring (the
+    all-reduces' bus rate that of one link alone). The CPU then waits on the wire, and a
+    group's fixed cost hides behind a larger group's bytes: a group takes the longer of
+    this and its bytes' time with a collective's latency. 2 nodes at 1 Gbit/s: queued
+    all-reduces of 16-64 KiB took 2.3-2.7 ms each, of 256 KiB to 4 MiB their wire time,
+    and many_small's partitioned all-reduce was priced 35-40% slow with the two added. At
+    10 Gbit/s, moving bytes is CPU work beside the backward pass, and the two add up
+    (0: bytes and fixed cost added)."""
     big_rate: float = 0.0
     """Measured bus rate of a ``BIG_BYTES`` all-reduce over the small ones' (0: not
     measured). Rings past ``SMALL_BYTES`` move towards it (see :meth:`size_factor`)."""
@@ -185,6 +195,8 @@ class LinkModel:
                 crossing = sum(1 for a, b, _ in ring_flows(devices, 1.0)
                                if not out.same_node(a, b))
                 out = replace(out, machine_bps=probe.bus_bps * crossing)
+            else:  # the link bounds the ring: a group's fixed cost hides behind bytes
+                out = replace(out, group_period_s=probe.group_period_s)
         elif _differs(probe.bus_bps, probe.nominal_bps):
             if multi:
                 out = replace(out, nic_bps=tuple(probe.bus_bps for _ in self.nic_bps))
@@ -264,9 +276,14 @@ def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
     measured (:meth:`LinkModel.size_factor`) and at ``rate`` times fp32's bytes/s (a
     half-precision ring's, :meth:`LinkModel.half_rate`), + a group's fixed cost each round
     (``rounds``: all-reduces in a row, e.g. PowerSGD's two): the measured
-    ``group_fixed_s``, else 2(n-1) messages of latency."""
+    ``group_fixed_s``, else 2(n-1) messages of latency. Where the link bounds the ring
+    (``group_period_s``), the longer of that period and the bytes' time with 2(n-1)
+    latencies, each round."""
     n = len(devices)
     if n < 2:
         return 0.0
     wire = links.transfer_time(ring_flows(devices, nbytes)) * links.size_factor(nbytes)
+    if links.group_period_s > 0:
+        return rounds * max(links.group_period_s,
+                            wire / rate / rounds + 2 * (n - 1) * links.latency_s)
     return wire / rate + rounds * links.ring_fixed_s(n)

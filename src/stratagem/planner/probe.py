@@ -18,12 +18,13 @@ Measurements seconds long at most:
   transfer from rank 0 to another node while the rest wait, the rate of one link alone
   (where every node shares the host's cores, above the all-reduces' rate); small
   all-reduces queued back to back, as the reducer launches its groups, the fixed cost of
-  one all-reduce group (:data:`QUEUED`); tiny
+  one all-reduce group and the least a queued group takes (:data:`QUEUED`); tiny
   all-to-alls back to back the cost of one in a chain (the sparse rows' exchange is such a
   chain: ids, rows, counts, each waiting for the last); the runtime's own sparse exchange
-  (:func:`_sparse_steps`), with few rows and with many, gives a pull round's cost (an
+  (:func:`_sparse_step`), with few rows and with many, gives a pull round's cost (an
   embedding call of a parameter-server table), the closing round's, and the rest of a
-  sparse step's (push and owner update), each fixed and per row; one size all-reduced
+  sparse step's (push and owner update), each fixed and per row (these three small
+  operations in two passes seconds apart, :class:`_SmallOps`); one size all-reduced
   again as fp16 and as bf16 gives how much faster or slower half-precision bytes move
   (gloo sums fp16 elementwise in software: on loopback an fp16 all-reduce of half the
   bytes took 1.2x an fp32 one's time, a bf16 one 0.6x, so on a CPU-bound link fp16
@@ -42,7 +43,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -79,11 +80,13 @@ CHAIN = 8
 four workers on two cores one all-to-all after a barrier took 0.5 ms, four in a row 4.6 ms
 (each waits for every peer to be scheduled again), and the rows' exchange is such a chain."""
 CHAIN_REPEATS = 5
-SPARSE_REPEATS = 9
-"""Repeats of the sparse step (:func:`_sparse_step`), a trimmed mean of each part
-(:func:`_steady`): at 2 nodes and 10 Gbit/s a third of the steps' rest took 3-5 ms instead
-of 0.6-0.9 (a peer late from its forward), so a median read either mode from run to run
-(0.8-3.9 ms), where a training step pays each mode as often as it comes."""
+"""Chains timed in each of the probe's two passes of small operations (:class:`_SmallOps`)."""
+SPARSE_REPEATS = 5
+"""Repeats of the sparse step (:func:`_sparse_step`) in each of those passes, a trimmed
+mean of each part over both (:func:`_steady`): at 2 nodes and 10 Gbit/s a third of the
+steps' rest took 3-5 ms instead of 0.6-0.9 (a peer late from its forward), so a median
+read either mode from run to run (0.8-3.9 ms), where a training step pays each mode as
+often as it comes."""
 TRIM = 2
 """Repeats dropped at each end before :func:`_steady` averages the rest."""
 LINK_S = 0.05
@@ -98,7 +101,15 @@ QUEUED_KIB = 64
 runtime's reducer launches its groups during backward: the fixed cost of a group. A
 one-element all-reduce understates it. Four workers on two cores at 10 Gbit/s: 0.5 ms for
 one element, 6-8 ms for 1 KiB to 256 KiB (each ring hop waits for the next process to
-be scheduled), 6 ms each queued; many_small's step grew by 7 ms per group."""
+be scheduled), 6 ms each queued; many_small's step grew by 7 ms per group. The cost hides
+behind a larger group's bytes: 2 nodes at 1 Gbit/s, queued all-reduces of 16 and 64 KiB
+took 2.3-2.7 ms each, of 256 KiB to 4 MiB their wire time (2.2-35 ms) and no more."""
+QUEUED_REPEATS = 6
+"""Rounds of ``QUEUED`` timed in each of the two passes (:class:`_SmallOps`), seconds
+apart; the trimmed mean of all of them (:func:`_steady`) is the figure. The rounds' stalls come in
+spells: at 2 nodes and 1 Gbit/s a round's mean read 0.5-3.8 ms within one job, the
+trimmed mean of 9 rounds at once 0.65-2.9 ms from probe to probe in the same processes,
+and a median of 5 rounds 1.2-2.9 ms from job to job."""
 ROUND_ROWS = (32, 4096)
 """Rows one worker asks of each other worker in a timed pull round (16 floats each): a
 few (the fixed cost of a round and a push), then many (the cost per row). The many must
@@ -191,6 +202,9 @@ class LinkProbe:
     group_fixed_s: float = 0.0
     """Fixed seconds of one all-reduce with a payload among queued ones (``QUEUED_KIB``;
     its wire time at ``bus_bps`` taken off, at least ``collective_s``; 0: not measured)."""
+    group_period_s: float = 0.0
+    """Seconds of one ``QUEUED_KIB`` all-reduce among queued ones, its wire time in it: the
+    least a queued group takes (0: not measured)."""
     interference: float = 0.0
     """Share of an overlapped all-reduce's time a compute loop beside it loses
     (:func:`_interference`; 0: none, or not measured)."""
@@ -206,7 +220,8 @@ class LinkProbe:
                 "pull_row_s": self.pull_row_s,
                 "push_row_s": self.push_row_s, "big_rate": self.big_rate,
                 "fp16_rate": self.fp16_rate, "bf16_rate": self.bf16_rate,
-                "group_fixed_s": self.group_fixed_s, "interference": self.interference,
+                "group_fixed_s": self.group_fixed_s, "group_period_s": self.group_period_s,
+                "interference": self.interference,
                 "link_bps": self.link_bps, "seconds": self.seconds,
                 "nominal_bps": self.nominal_bps}
 
@@ -554,9 +569,9 @@ def _peer(spec: ResourceSpec) -> int | None:
     return next((r for r, n in enumerate(nodes) if n != nodes[0]), None)
 
 
-def _queued_allreduce(repeats: int) -> float:
+def _queued_allreduce(repeats: int) -> list[float]:
     """Seconds of one ``QUEUED_KIB`` all-reduce among ``QUEUED`` launched back to back and
-    waited for together (median over ``repeats``, after a warm-up)."""
+    waited for together, in each of ``repeats`` rounds (after a warm-up)."""
     bufs = [torch.zeros(QUEUED_KIB * 256) for _ in range(QUEUED)]
 
     def once() -> float:
@@ -568,12 +583,12 @@ def _queued_allreduce(repeats: int) -> float:
         return (time.perf_counter() - s) / QUEUED
 
     once()
-    return statistics.median(once() for _ in range(repeats))
+    return [once() for _ in range(repeats)]
 
 
-def _chained_all_to_all(chain: int, repeats: int) -> float:
-    """Seconds of one tiny all-to-all (an int64 per peer) among chained ones: the median
-    over ``repeats`` of ``chain`` back to back, divided by ``chain``."""
+def _chained_all_to_all(chain: int, repeats: int) -> list[float]:
+    """Seconds of one tiny all-to-all (an int64 per peer) among chained ones: in each of
+    ``repeats``, ``chain`` back to back, divided by ``chain``."""
     world = dist.get_world_size()
     src = torch.zeros(world, dtype=torch.int64)
     dst = torch.empty_like(src)
@@ -585,7 +600,7 @@ def _chained_all_to_all(chain: int, repeats: int) -> float:
         for _ in range(chain):
             dist.all_to_all_single(dst, src)
         times.append((time.perf_counter() - s) / chain)
-    return statistics.median(times)
+    return times
 
 
 @dataclass(frozen=True)
@@ -601,10 +616,10 @@ class SparseSteps:
 
 
 def _sparse_step(chain: int, repeats: int, rows: int
-                 ) -> tuple[float, float, int, float]:
+                 ) -> tuple[list[float], list[float], int, list[float]]:
     """(seconds of one on-demand pull round among ``chain`` chained ones, seconds of the
     rest of the step after its closing round, rows this worker pushed, seconds of the
-    closing round) of the runtime's own
+    closing round; each timed ``repeats`` times) of the runtime's own
     :class:`~stratagem.runtime.ps.sparse.SparseExchange` over the default group, every
     worker owning a piece of one table and asking ``rows`` rows of every other per round.
 
@@ -671,7 +686,7 @@ def _sparse_step(chain: int, repeats: int, rows: int
         rounds.append((t - s) / chain)
         closings.append(c - t)
         rests.append(time.perf_counter() - c)
-    return _steady(rounds), _steady(rests), pushed, _steady(closings)
+    return rounds, rests, pushed, closings
 
 
 def _steady(times: list[float]) -> float:
@@ -684,19 +699,51 @@ def _steady(times: list[float]) -> float:
     return statistics.fmean(xs)
 
 
-def _sparse_steps(chain: int, repeats: int, bus_bps: float) -> SparseSteps:
-    """:func:`_sparse_step` with few rows and with many: the fixed costs and the slopes
-    per row, less the slopes' wire time at ``bus_bps`` (the cost model prices the bytes
-    on the links apart)."""
-    world = dist.get_world_size()
-    few = ROUND_ROWS[0]
-    many = int(agreed(min(ROUND_ROWS[1], max(
-        4 * few, bus_bps * ROUND_WIRE_S / (ROW_BYTES * (world - 1))))))
-    *at_few, closing_few = _sparse_step(chain, repeats, few)
-    *at_many, closing_many = _sparse_step(chain, repeats, many)
-    fit = fit_sparse(world, ROW_BYTES / bus_bps, (few, *at_few), (many, *at_many))
-    # the closing round asks nothing in either: two readings of one cost
-    return replace(fit, closing_s=(closing_few + closing_many) / 2)
+@dataclass
+class _SmallOps:
+    """The probe's readings of small operations, each repeat's seconds: the queued
+    all-reduces' rounds, the chained all-to-alls', and the sparse step's parts (rounds,
+    rests, closings) with few rows and with many. Their stalls come in spells seconds
+    long, so the probe takes them in two passes apart (:meth:`take`) and averages all."""
+
+    few: int
+    many: int
+    queued: list[float] = field(default_factory=list)
+    chained: list[float] = field(default_factory=list)
+    steps: dict[int, tuple[list[float], list[float], int, list[float]]] = field(
+        default_factory=dict)
+
+    @classmethod
+    def rows(cls, bus_bps: float) -> _SmallOps:
+        """Empty, with the rows asked per peer: few, and as many as take
+        ``ROUND_WIRE_S`` on the link at ``bus_bps`` (agreed among the ranks)."""
+        world, few = dist.get_world_size(), ROUND_ROWS[0]
+        many = int(agreed(min(ROUND_ROWS[1], max(
+            4 * few, bus_bps * ROUND_WIRE_S / (ROW_BYTES * (world - 1))))))
+        return cls(few, many)
+
+    def take(self) -> None:
+        """One pass: ``QUEUED_REPEATS`` rounds of queued all-reduces, ``CHAIN_REPEATS``
+        of chained all-to-alls, ``SPARSE_REPEATS`` sparse steps with each row count."""
+        self.queued += _queued_allreduce(QUEUED_REPEATS)
+        self.chained += _chained_all_to_all(CHAIN, CHAIN_REPEATS)
+        for n in (self.few, self.many):
+            rounds, rests, pushed, closings = _sparse_step(CHAIN, SPARSE_REPEATS, n)
+            r0, p0, _, c0 = self.steps.get(n, ([], [], 0, []))
+            self.steps[n] = (r0 + rounds, p0 + rests, pushed, c0 + closings)
+
+    def sparse(self, bus_bps: float) -> SparseSteps:
+        """The sparse exchange's fixed costs and slopes per row (:func:`fit_sparse`; the
+        slopes less their wire time at ``bus_bps``, priced on the links apart)."""
+        def at(n: int) -> tuple[int, float, float, int]:
+            rounds, rests, pushed, _ = self.steps[n]
+            return n, _steady(rounds), _steady(rests), pushed
+
+        fit = fit_sparse(dist.get_world_size(), ROW_BYTES / bus_bps, at(self.few),
+                         at(self.many))
+        # the closing round asks nothing in either: readings of one cost
+        return replace(fit, closing_s=_steady(self.steps[self.few][3]
+                                              + self.steps[self.many][3]))
 
 
 def fit_sparse(world: int, wire: float, few: tuple[int, float, float, int],
@@ -752,16 +799,20 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
         fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
         bus / ring)
     message = _ping_pong(TINY_REPEATS)
-    queued = _queued_allreduce(CHAIN_REPEATS)
-    group_fixed = max(fixed, queued - ring * QUEUED_KIB * 1024 / bus)
-    chained = _chained_all_to_all(CHAIN, CHAIN_REPEATS)
-    sp = _sparse_steps(CHAIN, SPARSE_REPEATS, bus)
+    small = _SmallOps.rows(bus)
+    small.take()
     interference = _interference(fixed, bus, ring)
     link_bytes = int(agreed(min(LINK_MIB * 2 ** 20, max(2 ** 20, bus * LINK_S)))) // 4 * 4
     link = _one_link(_peer(spec), link_bytes, LINK_REPEATS)
+    small.take()  # the second pass, seconds after the first
+    queued = max(fixed, _steady(small.queued))
+    group_fixed = max(fixed, queued - ring * QUEUED_KIB * 1024 / bus)
+    chained = _steady(small.chained)
+    sp = small.sparse(bus)
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
                             sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,
-                            big_rate, group_fixed, interference, link * world, sp.closing_s],
+                            big_rate, group_fixed, interference, link * world, sp.closing_s,
+                            queued],
                            dtype=torch.float64)
     dist.all_reduce(figures)
     figures /= world  # the ranks' mean (the message and the one link: rank 0's measure)
@@ -773,7 +824,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
                       fp16_rate=float(figures[8]), bf16_rate=float(figures[9]),
                       big_rate=float(figures[10]), group_fixed_s=float(figures[11]),
                       interference=float(figures[12]), link_bps=float(figures[13]),
-                      closing_s=float(figures[14]))
+                      closing_s=float(figures[14]), group_period_s=float(figures[15]))
     if use_cache:
         _LINKS[key] = probe
     return probe
