@@ -365,6 +365,11 @@ def test_queued_groups_hide_their_fixed_cost_behind_bytes_where_the_link_bounds_
     # adding the two priced a large group 2 ms more (many_small at 1 Gbit/s: 35-40% slow)
     added = replace(m, group_period_s=0.0)
     assert ring_allreduce_time(added, devs, big) == pytest.approx(8 * 2.5e-3 + 2e-3)
+    # a CPU busy for half the bytes' time (interference 0.5) hides half of the difference
+    busy = base.measured(replace(probe, interference=0.5), s2)
+    assert ring_allreduce_time(busy, devs, big) == \
+        pytest.approx(8 * 2.5e-3 + 4e-4 + 0.5 * (2e-3 - 4e-4))
+    assert ring_allreduce_time(busy, devs, small) == pytest.approx(2.5e-3)  # its period
     s4 = spec(4)
     host = links(s4).measured(replace(probe, world=4, bus_bps=N / 2), s4)
     assert host.machine_bps > 0 and host.group_period_s == 0.0

@@ -92,14 +92,16 @@ class LinkModel:
     among queued ones, beyond its wire time); 0: not measured, ``2(n-1)`` latencies."""
     group_period_s: float = 0.0
     """Measured seconds of a small all-reduce among queued ones, its bytes in it: the least
-    a queued group takes, where the link, not the hosts' cores, bounds the ring (the
-    all-reduces' bus rate that of one link alone). The CPU then waits on the wire, and a
-    group's fixed cost hides behind a larger group's bytes: a group takes the longer of
-    this and its bytes' time with a collective's latency. 2 nodes at 1 Gbit/s: queued
-    all-reduces of 16-64 KiB took 2.3-2.7 ms each, of 256 KiB to 4 MiB their wire time,
-    and many_small's partitioned all-reduce was priced 35-40% slow with the two added. At
-    10 Gbit/s, moving bytes is CPU work beside the backward pass, and the two add up
-    (0: bytes and fixed cost added)."""
+    a queued group takes. Set where the link, not the hosts' cores, bounds the ring (the
+    all-reduces' bus rate within ``MEASURED_DIFFERS`` of one link alone): the CPU waits on
+    the wire, and the next group is set up while a group's bytes move, so a group takes
+    the longer of this and its bytes' time with a collective's latency, plus the
+    ``interference`` share of what adding its fixed cost would price more (the share of
+    the bytes' time the CPU is busy moving them). 2 nodes at 1 Gbit/s: queued all-reduces
+    of 16-64 KiB took 2.3-2.7 ms each, of 256 KiB to 4 MiB their wire time and no more,
+    and many_small's partitioned all-reduce was priced 35-40% slow with the two added.
+    (0: bytes and fixed cost added, as where the cores bound the ring: at 10 Gbit/s on
+    shared cores moving bytes is CPU work beside the backward pass.)"""
     big_rate: float = 0.0
     """Measured bus rate of a ``BIG_BYTES`` all-reduce over the small ones' (0: not
     measured). Rings past ``SMALL_BYTES`` move towards it (see :meth:`size_factor`)."""
@@ -277,13 +279,17 @@ def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
     half-precision ring's, :meth:`LinkModel.half_rate`), + a group's fixed cost each round
     (``rounds``: all-reduces in a row, e.g. PowerSGD's two): the measured
     ``group_fixed_s``, else 2(n-1) messages of latency. Where the link bounds the ring
-    (``group_period_s``), the longer of that period and the bytes' time with 2(n-1)
-    latencies, each round."""
+    (``group_period_s``), the fixed cost hides behind the bytes as far as the CPU is free
+    while they move: the longer of that period and the bytes' time with 2(n-1) latencies
+    each round, plus ``interference`` times what adding the two would price more."""
     n = len(devices)
     if n < 2:
         return 0.0
     wire = links.transfer_time(ring_flows(devices, nbytes)) * links.size_factor(nbytes)
-    if links.group_period_s > 0:
-        return rounds * max(links.group_period_s,
-                            wire / rate / rounds + 2 * (n - 1) * links.latency_s)
-    return wire / rate + rounds * links.ring_fixed_s(n)
+    added = wire / rate + rounds * links.ring_fixed_s(n)
+    if links.group_period_s <= 0:
+        return added
+    hidden = rounds * max(links.group_period_s,
+                          wire / rate / rounds + 2 * (n - 1) * links.latency_s)
+    # hidden as far as the CPU is free while the bytes move (1 - interference)
+    return hidden + links.interference * max(0.0, added - hidden)
