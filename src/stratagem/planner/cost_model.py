@@ -37,7 +37,12 @@ import torch
 
 from stratagem.analysis.profile import AccessStats, ModelProfile
 from stratagem.planner.calibrate import Calibration
-from stratagem.planner.links import LinkModel, ring_allreduce_time, ring_flows
+from stratagem.planner.links import (
+    LinkModel,
+    ring_allreduce_time,
+    ring_bytes_time,
+    ring_flows,
+)
 from stratagem.planner.timeline import Slot, exposed, overlapped, schedule
 from stratagem.resource import ResourceSpec
 from stratagem.runtime.plan import GroupPlan, Plan, compile_plan
@@ -104,7 +109,7 @@ def group_cost(group: GroupPlan, links: LinkModel, replicas: list[str], cal: Cal
     # a half-precision ring moves its bytes at its own measured rate (CPU-bound sums)
     rate = links.half_rate(group.compressor) if group.compressor in ("fp16", "bf16") else 1.0
     wire = ring_allreduce_time(links, replicas, nbytes, rounds, rate)
-    moving = links.transfer_time(ring_flows(replicas, nbytes)) * links.size_factor(nbytes) / rate
+    moving = ring_bytes_time(links, replicas, nbytes, rate)
     return wire, work, ring_flows(replicas, nbytes), max(0.0, wire - moving)
 
 

@@ -272,6 +272,15 @@ def ring_flows(devices: list[str], nbytes: float) -> list[tuple[str, str, float]
     return [(devices[i], devices[(i + 1) % n], share) for i in range(n)]
 
 
+def ring_bytes_time(links: LinkModel, devices: list[str], nbytes: float,
+                    rate: float = 1.0) -> float:
+    """Seconds that moving a ring all-reduce's bytes takes, without its fixed costs: its
+    flows on the links, slower for a large buffer where measured, at ``rate`` times
+    fp32's bytes/s."""
+    return (links.transfer_time(ring_flows(devices, nbytes)) * links.size_factor(nbytes)
+            / rate)
+
+
 def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
                         rounds: int = 1, rate: float = 1.0) -> float:
     """2(n-1)/n * bytes / (slowest link on the ring), slower for a large buffer where
@@ -285,11 +294,11 @@ def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
     n = len(devices)
     if n < 2:
         return 0.0
-    wire = links.transfer_time(ring_flows(devices, nbytes)) * links.size_factor(nbytes)
-    added = wire / rate + rounds * links.ring_fixed_s(n)
+    wire = ring_bytes_time(links, devices, nbytes, rate)
+    added = wire + rounds * links.ring_fixed_s(n)
     if links.group_period_s <= 0:
         return added
     hidden = rounds * max(links.group_period_s,
-                          wire / rate / rounds + 2 * (n - 1) * links.latency_s)
+                          wire / rounds + 2 * (n - 1) * links.latency_s)
     # hidden as far as the CPU is free while the bytes move (1 - interference)
     return hidden + links.interference * max(0.0, added - hidden)
