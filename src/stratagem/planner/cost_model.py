@@ -39,7 +39,7 @@ from stratagem.analysis.profile import AccessStats, ModelProfile
 from stratagem.planner.calibrate import Calibration
 from stratagem.planner.links import (
     LinkModel,
-    ring_allreduce_time,
+    queued_ring_time,
     ring_bytes_time,
     ring_flows,
 )
@@ -108,8 +108,8 @@ def group_cost(group: GroupPlan, links: LinkModel, replicas: list[str], cal: Cal
         nbytes, work, rounds = float(group.numel * size), 0.0, 1
     # a half-precision ring moves its bytes at its own measured rate (CPU-bound sums)
     rate = links.half_rate(group.compressor) if group.compressor in ("fp16", "bf16") else 1.0
-    wire = ring_allreduce_time(links, replicas, nbytes, rounds, rate)
     moving = ring_bytes_time(links, replicas, nbytes, rate)
+    wire = queued_ring_time(links, len(replicas), moving, rounds)
     return wire, work, ring_flows(replicas, nbytes), max(0.0, wire - moving)
 
 

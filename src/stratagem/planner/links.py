@@ -291,14 +291,19 @@ def ring_allreduce_time(links: LinkModel, devices: list[str], nbytes: float,
     (``group_period_s``), the fixed cost hides behind the bytes as far as the CPU is free
     while they move: the longer of that period and the bytes' time with 2(n-1) latencies
     each round, plus ``interference`` times what adding the two would price more."""
-    n = len(devices)
+    return queued_ring_time(links, len(devices), ring_bytes_time(links, devices, nbytes, rate),
+                            rounds)
+
+
+def queued_ring_time(links: LinkModel, n: int, moving_s: float, rounds: int = 1) -> float:
+    """Seconds of a ring all-reduce among ``n`` workers whose bytes take ``moving_s``
+    (:func:`ring_bytes_time`), its fixed costs added as :func:`ring_allreduce_time` says."""
     if n < 2:
         return 0.0
-    wire = ring_bytes_time(links, devices, nbytes, rate)
-    added = wire + rounds * links.ring_fixed_s(n)
+    added = moving_s + rounds * links.ring_fixed_s(n)
     if links.group_period_s <= 0:
         return added
     hidden = rounds * max(links.group_period_s,
-                          wire / rounds + 2 * (n - 1) * links.latency_s)
+                          moving_s / rounds + 2 * (n - 1) * links.latency_s)
     # hidden as far as the CPU is free while the bytes move (1 - interference)
     return hidden + links.interference * max(0.0, added - hidden)

@@ -106,10 +106,10 @@ behind a larger group's bytes: 2 nodes at 1 Gbit/s, queued all-reduces of 16 and
 took 2.3-2.7 ms each, of 256 KiB to 4 MiB their wire time (2.2-35 ms) and no more."""
 QUEUED_REPEATS = 6
 """Rounds of ``QUEUED`` timed in each of the two passes (:class:`_SmallOps`), seconds
-apart; the trimmed mean of all of them (:func:`_steady`) is the figure. The rounds' stalls come in
-spells: at 2 nodes and 1 Gbit/s a round's mean read 0.5-3.8 ms within one job, the
-trimmed mean of 9 rounds at once 0.65-2.9 ms from probe to probe in the same processes,
-and a median of 5 rounds 1.2-2.9 ms from job to job."""
+apart; the trimmed mean of all of them (:func:`_steady`) is the figure. The rounds'
+stalls come in spells: at 2 nodes and 1 Gbit/s a round's mean read 0.5-3.8 ms within
+one job, the trimmed mean of 9 rounds at once 0.65-2.9 ms from probe to probe in the
+same processes, and a median of 5 rounds 1.2-2.9 ms from job to job."""
 ROUND_ROWS = (32, 4096)
 """Rows one worker asks of each other worker in a timed pull round (16 floats each): a
 few (the fixed cost of a round and a push), then many (the cost per row). The many must
