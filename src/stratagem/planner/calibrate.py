@@ -67,6 +67,8 @@ class Calibration:
     layer_forward_s: dict[str, float] = field(default_factory=dict)
     access: tuple[AccessStats, ...] = ()
     copy_bps: float = 2e9
+    """Bytes/s of casting fp32 to fp16 and back (12 bytes an element), as a compressor's
+    casts run on a large group: past the caches, every rank at once."""
     flops: float = 1e10
     measured: bool = True
     seconds: float = 0.0
@@ -136,14 +138,27 @@ def _rate(name: str, together: bool) -> float:
     return _median(gathered(samples) if together else samples)
 
 
+CAST_MIB = 64
+"""The fp32 buffer cast to fp16 and back for the copy rate: past the caches, as a large
+group's buffer is (on this machine's 32 MiB L3 a 16 MiB cast alone read 45-127 GB/s, one
+of 64 MiB in and back 23 GB/s, 13-16 GB/s with 4 ranks on 2 cores casting at once; priced
+at the 16 MiB rate, DLRM's fp16 casts cost 3 ms where they took 8)."""
+
+
 def _time_rates(sync: Callable[[], Any]) -> dict[str, list[float]]:
-    """Timed runs of a 16 MiB fp32-to-fp16 copy, a 256x256 matmul and a row scan of a
-    16 MiB gradient, ``RATE_REPEATS`` rounds of each, ``sync`` before each."""
-    x = torch.empty(2 ** 22)  # 16 MiB
-    y = torch.empty(2 ** 22, dtype=torch.float16)
+    """Timed runs of a ``CAST_MIB`` fp32-to-fp16 cast and back (what the fp16 compressor
+    does to a group), a 256x256 matmul and a row scan of a 16 MiB gradient,
+    ``RATE_REPEATS`` rounds of each, ``sync`` before each."""
+    x = torch.zeros(CAST_MIB * 2 ** 18)
+    y = torch.empty(x.numel(), dtype=torch.float16)
     a = torch.randn(256, 256)
     g = torch.zeros(2 ** 15, 128)  # 16 MiB: rows of a dense gradient, none touched
-    work = {"copy": (lambda: y.copy_(x), x.numel() * 6),
+
+    def cast() -> None:
+        y.copy_(x)
+        x.copy_(y)
+
+    work = {"copy": (cast, x.numel() * 12),
             "flops": (lambda: a @ a, 2 * 256 ** 3),
             "scan": (lambda: torch.nonzero(g.any(dim=1)), g.numel() * 4)}
     for run, _ in work.values():  # warm-up

@@ -25,10 +25,10 @@ Measurements seconds long at most:
   embedding call of a parameter-server table), the closing round's, and the rest of a
   sparse step's (push and owner update), each fixed and per row (these three small
   operations in two passes seconds apart, :class:`_SmallOps`); one size all-reduced
-  again as fp16 and as bf16 gives how much faster or slower half-precision bytes move
-  (gloo sums fp16 elementwise in software: on loopback an fp16 all-reduce of half the
-  bytes took 1.2x an fp32 one's time, a bf16 one 0.6x, so on a CPU-bound link fp16
-  compression saves nothing); an
+  again as fp16 and as bf16, in two passes too (:class:`_HalfRates`), gives how much
+  faster or slower half-precision bytes move (gloo sums fp16 elementwise in software: on
+  loopback an fp16 all-reduce of half the bytes took 1.2x an fp32 one's time, a bf16 one
+  0.6x, so on a CPU-bound link fp16 compression saves nothing); an
   all-reduce run beside a compute loop gives how much of its time the compute loses
   (:func:`_interference`: on a fast link moving bytes is CPU work, not hidden by overlap). Every
   number is averaged over the ranks with an all-reduce, so every rank plans with the same
@@ -128,14 +128,15 @@ INTERFERE_MIB = (0.25, 16.0)
 """Bounds of that all-reduce's size."""
 WORK_N = 128
 """The compute loop's matrices (``WORK_N`` square, fp32 matmuls: backward's kind of work)."""
-HALF_MIB = 8.0
+HALF_MIB = 16.0
 """The size (MiB) all-reduced again in fp16 and bf16, the same bytes in each dtype (less
-where it would not fit in the budget below at the measured rate; the ratio moves with the
+where it would not fit in the budget below at the measured rate). The ratio moves with the
 size: on loopback fp16's was 0.3-0.5 at 1 MiB, 0.6 at 4 MiB, 0.9 at 16 MiB; at 2 nodes
-and 10 Gbit/s 0.52-0.74 from 4 to 64 MiB, where 5 of each dtype timed one after the other
-had once read 0.98 at 4 MiB and priced hybrid's fp16 ring 35% fast)..."""
-HALF_ROUNDS = 5
-"""Rounds of one fp32, one fp16 and one bf16 all-reduce; the medians of each give the rates."""
+and 10 Gbit/s, one core per node, 0.48 at 8 MiB and 0.65 at 32 and 64 MiB, where training
+casts its large groups (DLRM's 64 MB ring ran at 0.6 of fp32's)."""
+HALF_ROUNDS = 4
+"""Rounds of one fp32, one fp16 and one bf16 all-reduce in each of the probe's two passes;
+the medians of each dtype over both give the rates."""
 HALF_BUDGET_S = 0.5
 """...within what is left of ``PROBE_BUDGET_S``, or at least this long."""
 
@@ -452,27 +453,49 @@ def _big_rate(fixed: float, bus_bps: float, ring: float, budget_s: float) -> flo
     return ring * nbytes / took / bus_bps
 
 
-def _half_rates(fixed: float, budget_s: float, ring_bps: float) -> tuple[float, float]:
-    """(fp16, bf16) all-reduce bytes/s over fp32's, ``HALF_MIB`` each or what 24
-    all-reduces at ``ring_bps`` (bytes/s of the buffer) fit in ``budget_s``; (0, 0) when
-    they would not fit after all (every rank takes the same decision)."""
-    fits = int(ring_bps * budget_s / 24)
-    # each rank measured its own rate
-    nbytes = int(agreed(max(2 ** 16, min(int(HALF_MIB * 2 ** 20), fits)))) // 4 * 4
-    tensors = {dt: torch.zeros(nbytes // torch.empty((), dtype=dt).element_size(), dtype=dt)
-               for dt in (torch.float32, torch.float16, torch.bfloat16)}
-    t = time.perf_counter()
-    for x in tensors.values():  # warm-up; its time tells whether the repeats fit
-        dist.all_reduce(x)
-    if not agreed(float(6 * (time.perf_counter() - t) <= budget_s)):
-        return 0.0, 0.0
-    samples: dict[torch.dtype, list[float]] = {dt: [] for dt in tensors}
-    for _ in range(HALF_ROUNDS):  # in rounds: load that comes and goes hits each alike
-        for dt, x in tensors.items():
-            samples[dt] += _timed_allreduce(x, 1)
-    took = {dt: max(statistics.median(ts) - fixed, 1e-9) for dt, ts in samples.items()}
-    return (took[torch.float32] / took[torch.float16],
-            took[torch.float32] / took[torch.bfloat16])
+@dataclass
+class _HalfRates:
+    """The fp32, fp16 and bf16 all-reduces of the same bytes, each repeat's seconds. One
+    pass of ``HALF_ROUNDS`` read fp16's rate at 0.63-0.92 from probe to probe at 4 nodes
+    and 10 Gbit/s, where 6 rounds each of 8 and 64 MiB, timed apart, read 0.62-0.66 and
+    DLRM's fp16 ring ran at about 0.6: the probe takes them in two passes seconds apart
+    (:meth:`take`), as it does its small operations, and takes the rates over both."""
+
+    tensors: dict[torch.dtype, torch.Tensor]
+    fixed: float
+    samples: dict[torch.dtype, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def sized(cls, fixed: float, budget_s: float, ring_bps: float) -> _HalfRates | None:
+        """``HALF_MIB`` each or what 24 all-reduces at ``ring_bps`` (bytes/s of the buffer)
+        fit in ``budget_s``, warmed up; None when one pass would not fit after all (every
+        rank takes the same decision)."""
+        fits = int(ring_bps * budget_s / 24)
+        # each rank measured its own rate
+        nbytes = int(agreed(max(2 ** 16, min(int(HALF_MIB * 2 ** 20), fits)))) // 4 * 4
+        tensors = {dt: torch.zeros(nbytes // torch.empty((), dtype=dt).element_size(),
+                                   dtype=dt)
+                   for dt in (torch.float32, torch.float16, torch.bfloat16)}
+        t = time.perf_counter()
+        for x in tensors.values():  # warm-up; its time tells whether the repeats fit
+            dist.all_reduce(x)
+        if not agreed(float(6 * (time.perf_counter() - t) <= budget_s)):
+            return None
+        return cls(tensors, fixed, {dt: [] for dt in tensors})
+
+    def take(self) -> None:
+        """One pass: ``HALF_ROUNDS`` rounds of one all-reduce of each dtype."""
+        for _ in range(HALF_ROUNDS):  # in rounds: load that comes and goes hits each alike
+            for dt, x in self.tensors.items():
+                self.samples[dt] += _timed_allreduce(x, 1)
+
+    def rates(self) -> tuple[float, float]:
+        """(fp16, bf16) all-reduce bytes/s over fp32's: medians over both passes, less the
+        one-element all-reduce's fixed cost."""
+        took = {dt: max(statistics.median(ts) - self.fixed, 1e-9)
+                for dt, ts in self.samples.items()}
+        return (took[torch.float32] / took[torch.float16],
+                took[torch.float32] / took[torch.bfloat16])
 
 
 def _interference(fixed: float, bus_bps: float, ring: float, repeats: int = 3) -> float:
@@ -795,16 +818,22 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
             bus, sizes = again, more
     big_rate = _big_rate(fixed, bus, ring, PROBE_BUDGET_S - (time.perf_counter() - started)) \
         if agreed(float(sizes == len(SIZES_MIB))) else 0.0
-    fp16_rate, bf16_rate = _half_rates(
+    half = _HalfRates.sized(
         fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
         bus / ring)
+    if half is not None:
+        half.take()
     message = _ping_pong(TINY_REPEATS)
     small = _SmallOps.rows(bus)
     small.take()
     interference = _interference(fixed, bus, ring)
     link_bytes = int(agreed(min(LINK_MIB * 2 ** 20, max(2 ** 20, bus * LINK_S)))) // 4 * 4
     link = _one_link(_peer(spec), link_bytes, LINK_REPEATS)
-    small.take()  # the second pass, seconds after the first
+    small.take()  # the second passes, seconds after the first
+    fp16_rate, bf16_rate = (0.0, 0.0)
+    if half is not None:
+        half.take()
+        fp16_rate, bf16_rate = half.rates()
     queued = max(fixed, _steady(small.queued))
     group_fixed = max(fixed, queued - ring * QUEUED_KIB * 1024 / bus)
     chained = _steady(small.chained)
