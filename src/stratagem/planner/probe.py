@@ -137,8 +137,14 @@ casts its large groups (DLRM's 64 MB ring ran at 0.6 of fp32's)."""
 HALF_ROUNDS = 4
 """Rounds of one fp32, one fp16 and one bf16 all-reduce in each of the probe's two passes;
 the medians of each dtype over both give the rates."""
-HALF_BUDGET_S = 0.5
-"""...within what is left of ``PROBE_BUDGET_S``, or at least this long."""
+HALF_BUDGET_S = 1.3
+"""...within what is left of ``PROBE_BUDGET_S``, or at least this long: the warm-up and
+both passes are 9 rounds of the three dtypes, about 35 fp32 all-reduces' time where fp16
+runs at 0.6 of fp32's rate (sized for 48, so that a bus rate read a little high still
+fits; at 0.5 s and 24, one of seven probes at 4 nodes and 10 Gbit/s found its 12 MiB
+warm-up too slow for the passes and left fp16 unmeasured)."""
+HALF_FP32_ALLREDUCES = 48
+"""fp32 all-reduces' time at the measured rate the half-precision passes are sized for."""
 
 
 class _WorldGroup:
@@ -467,10 +473,10 @@ class _HalfRates:
 
     @classmethod
     def sized(cls, fixed: float, budget_s: float, ring_bps: float) -> _HalfRates | None:
-        """``HALF_MIB`` each or what 24 all-reduces at ``ring_bps`` (bytes/s of the buffer)
-        fit in ``budget_s``, warmed up; None when one pass would not fit after all (every
-        rank takes the same decision)."""
-        fits = int(ring_bps * budget_s / 24)
+        """``HALF_MIB`` each or what ``HALF_FP32_ALLREDUCES`` all-reduces at ``ring_bps``
+        (bytes/s of the buffer) fit in ``budget_s``, warmed up; None when the warm-up says
+        the two passes would not fit after all (every rank takes the same decision)."""
+        fits = int(ring_bps * budget_s / HALF_FP32_ALLREDUCES)
         # each rank measured its own rate
         nbytes = int(agreed(max(2 ** 16, min(int(HALF_MIB * 2 ** 20), fits)))) // 4 * 4
         tensors = {dt: torch.zeros(nbytes // torch.empty((), dtype=dt).element_size(),
@@ -479,7 +485,7 @@ class _HalfRates:
         t = time.perf_counter()
         for x in tensors.values():  # warm-up; its time tells whether the repeats fit
             dist.all_reduce(x)
-        if not agreed(float(6 * (time.perf_counter() - t) <= budget_s)):
+        if not agreed(float(2 * HALF_ROUNDS * (time.perf_counter() - t) <= budget_s)):
             return None
         return cls(tensors, fixed, {dt: [] for dt in tensors})
 
