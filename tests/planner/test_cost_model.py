@@ -556,6 +556,21 @@ def test_sparse_probe_fit_known_answers() -> None:
     assert noisy.round_s == pytest.approx(1e-3 - 32 * 1e-3 / 480)  # rounds: a slope
 
 
+def test_half_rates_are_medians_over_both_passes() -> None:
+    import torch
+
+    from stratagem.planner.probe import _HalfRates
+
+    f32, f16, b16 = torch.float32, torch.float16, torch.bfloat16
+    fixed = 1e-3
+    # 10 ms of bytes in fp32; fp16 moves them at 0.6 of its rate, bf16 at 0.8; the second
+    # pass caught one stalled fp32 all-reduce (a mean would read fp16 faster than it is)
+    one = {f32: [0.011] * 4, f16: [fixed + 0.010 / 0.6] * 4, b16: [fixed + 0.010 / 0.8] * 4}
+    two = {f32: [0.011] * 3 + [0.030], f16: one[f16][:], b16: one[b16][:]}
+    half = _HalfRates({}, fixed, {dt: one[dt] + two[dt] for dt in one})
+    assert half.rates() == pytest.approx((0.6, 0.8))
+
+
 def test_interference_share_known_answers() -> None:
     from stratagem.planner.probe import interference_share
 

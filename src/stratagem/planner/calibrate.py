@@ -142,7 +142,7 @@ CAST_MIB = 64
 """The fp32 buffer cast to fp16 and back for the copy rate: past the caches, as a large
 group's buffer is (on this machine's 32 MiB L3 a 16 MiB cast alone read 45-127 GB/s, one
 of 64 MiB in and back 23 GB/s, 13-16 GB/s with 4 ranks on 2 cores casting at once; priced
-at the 16 MiB rate, DLRM's fp16 casts cost 3 ms where they took 8)."""
+at the 16 MiB rate, DLRM's fp16 casts cost 3 ms where they took 8-12)."""
 
 
 def _time_rates(sync: Callable[[], Any]) -> dict[str, list[float]]:

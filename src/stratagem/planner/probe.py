@@ -462,8 +462,8 @@ def _big_rate(fixed: float, bus_bps: float, ring: float, budget_s: float) -> flo
 @dataclass
 class _HalfRates:
     """The fp32, fp16 and bf16 all-reduces of the same bytes, each repeat's seconds. One
-    pass of ``HALF_ROUNDS`` read fp16's rate at 0.63-0.92 from probe to probe at 4 nodes
-    and 10 Gbit/s, where 6 rounds each of 8 and 64 MiB, timed apart, read 0.62-0.66 and
+    pass of 5 rounds at 8 MiB read fp16's rate at 0.63-0.92 from probe to probe at 4 nodes
+    and 10 Gbit/s, where 6 rounds each of 8 and 64 MiB, timed apart, read 0.59-0.66 and
     DLRM's fp16 ring ran at about 0.6: the probe takes them in two passes seconds apart
     (:meth:`take`), as it does its small operations, and takes the rates over both."""
 
