@@ -40,7 +40,8 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     probe = res["probe"]
     # seconds, not minutes; a rate this far below the spec's is fitted twice (the faster
     # fit kept: probe.SUSPECT_RATE): the whole probe took 3.6 s in one CI run, and the
-    # small operations' second pass (probe._SmallOps) added 0.2-0.6 s
+    # small operations' second pass (probe._SmallOps) added 0.2-0.6 s, the half-precision
+    # all-reduces' second pass (probe._HalfRates, sized for at least 1.3 s) up to 0.4 s
     assert probe["world"] == 2 and probe["seconds"] <= 6.0
     # shaped at 200 Mbit/s (gloo reaches ~95% of a shaped link, bench/link_rate.py)
     assert 0.75 * SHAPED_BPS < probe["bus_bps"] < 1.05 * SHAPED_BPS, probe

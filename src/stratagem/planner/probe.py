@@ -470,6 +470,7 @@ class _HalfRates:
     tensors: dict[torch.dtype, torch.Tensor]
     fixed: float
     samples: dict[torch.dtype, list[float]] = field(default_factory=dict)
+    """Each dtype's seconds, both passes together (filled by :meth:`take`)."""
 
     @classmethod
     def sized(cls, fixed: float, budget_s: float, ring_bps: float) -> _HalfRates | None:
@@ -487,13 +488,13 @@ class _HalfRates:
             dist.all_reduce(x)
         if not agreed(float(2 * HALF_ROUNDS * (time.perf_counter() - t) <= budget_s)):
             return None
-        return cls(tensors, fixed, {dt: [] for dt in tensors})
+        return cls(tensors, fixed)
 
     def take(self) -> None:
         """One pass: ``HALF_ROUNDS`` rounds of one all-reduce of each dtype."""
         for _ in range(HALF_ROUNDS):  # in rounds: load that comes and goes hits each alike
             for dt, x in self.tensors.items():
-                self.samples[dt] += _timed_allreduce(x, 1)
+                self.samples.setdefault(dt, []).extend(_timed_allreduce(x, 1))
 
     def rates(self) -> tuple[float, float]:
         """(fp16, bf16) all-reduce bytes/s over fp32's: medians over both passes, less the
