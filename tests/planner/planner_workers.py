@@ -351,8 +351,30 @@ def shared_core_calibration_case(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
     cal = calibrate(model, torch.randn(256, 512), together=True, use_cache=False)
+    import importlib
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    c = importlib.import_module("stratagem.planner.calibrate")
+    # a row scan (64 MiB) on rank 0 while rank 1 computes on the same core, as in backward
+    g, a = torch.zeros(2 ** 17, 128), torch.randn(256, 256)
+    torch.nonzero(g.any(dim=1))
+    dist.barrier()
+    rates, end = [], time.perf_counter() + 0.5
+    while time.perf_counter() < end:
+        if rank == 0 and len(rates) < 9:
+            t = time.perf_counter()
+            torch.nonzero(g.any(dim=1))
+            rates.append(g.numel() * 4 / (time.perf_counter() - t))
+        elif rank != 0:
+            a @ a
+    dist.barrier()
     return {"share": cal.cpu_share, "tensor_s": cal.tensor_s,
-            "cpu_tensor_s": p.runtime_costs(together=True)[0]}
+            "cpu_tensor_s": p.runtime_costs(together=True)[0], "scan_bps": cal.scan_bps,
+            "cpu_scan_bps": c.scan_rate(together=True),
+            "beside_compute_bps": statistics.median(rates) if rates else None}
 
 
 def suspect_bus_case(rank: int, world: int, readings: list[float]) -> dict[str, Any]:

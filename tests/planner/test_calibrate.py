@@ -179,7 +179,14 @@ def test_ranks_sharing_one_core_price_the_runtimes_cpu_work_at_the_wall_time_it_
     results = _spawn.run(pw.shared_core_calibration_case, 2, tmp_path, {},
                          _spawn.Setup(args=(2,), local_rank=True, init_group=True))
     # two ranks on one core: each CPU second of compute takes about two in wall time
+    beside = results[0]["beside_compute_bps"]  # (rank 0 timed it)
+    for r in results:
+        r.pop("beside_compute_bps")
     for r in results:
         assert r == results[0], results
         assert 1.5 <= r["share"] <= 4.0, r
         assert r["tensor_s"] == pytest.approx(r["share"] * r["cpu_tensor_s"]), r
+        # the row scan likewise: its CPU rate, at what a CPU second costs in wall time,
+        # which is what a scan timed while the other rank computes on the core takes
+        assert r["scan_bps"] == pytest.approx(r["cpu_scan_bps"] / r["share"]), r
+        assert 0.6 <= beside / r["scan_bps"] <= 1.6, (beside, r)  # (wall rate: ~0.5)

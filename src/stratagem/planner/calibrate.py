@@ -78,14 +78,15 @@ class Calibration:
     """The runtime's own seconds per all-reduce group (buffer, launch, wait)."""
     scan_bps: float = 4e9
     """Bytes/s of finding a dense gradient's non-zero rows (what the runtime does for a
-    parameter sent as rows though declared dense)."""
+    parameter sent as rows though declared dense): CPU work, scaled by ``cpu_share``."""
     piece_s: float = 0.0
     """An owner's own seconds per dense PS piece it owns (the shard's gradient, update,
     clearing, value out), beyond the bytes."""
     cpu_share: float = 1.0
     """Wall seconds per CPU second of a rank's compute while every rank computes (the
     median over the timed passes; 1 at least, and on a GPU): 2 where two ranks share
-    each core. ``tensor_s``, ``group_s`` and ``piece_s`` are CPU seconds scaled by it."""
+    each core. ``tensor_s``, ``group_s`` and ``piece_s`` are CPU seconds scaled by it,
+    ``scan_bps`` a CPU rate divided by it."""
     update_bps: float = 0.0
     """Parameter bytes/s of an SGD-sized update pass over the parameters (0: not known;
     ``optimizer_s`` then covers the whole model). A strategy's update and the densifying
@@ -128,9 +129,19 @@ def machine_rates(together: bool = False) -> tuple[float, float]:
 
 
 def scan_rate(together: bool = False) -> float:
-    """Bytes/s of ``nonzero(grad.any(dim=1))`` over a dense gradient, as
-    :func:`machine_rates`."""
-    return _rate("scan", together)
+    """Bytes per CPU second of ``nonzero(grad.any(dim=1))`` over a dense gradient, as
+    :func:`machine_rates`. CPU time, not wall time: the runtime scans during backward,
+    while the other ranks on its core compute, but ranks that each scan 16 MiB after a
+    barrier mostly took turns (4 ranks on 2 cores read 7.4-8.1 GB/s in wall time, one
+    alone 8.4, two pinned to one core scanning 100 MiB at once 4.2 each; the LSTM LM's
+    102 MB output layer took 22 ms to scan in training, priced at 13). Calibration scales
+    it by what a CPU second costs while every rank computes (``Calibration.cpu_share``).
+    The fastest reading, not the median: the CPU seconds themselves grew where ranks on
+    one core scanned at once (two ranks pinned to one core: 4.9-5.3 GB/s in some runs,
+    7.9-8.2 in others; a scan beside the other rank's compute ran at 4.1-4.3 in wall time
+    in all of them, what the fastest reading over the share prices)."""
+    samples = measured_once(_RATES, together, _time_rates)["scan"]
+    return max(gathered(samples) if together else samples)
 
 
 def _rate(name: str, together: bool) -> float:
@@ -147,29 +158,31 @@ at the 16 MiB rate, DLRM's fp16 casts cost 3 ms where they took 8-12)."""
 
 def _time_rates(sync: Callable[[], Any]) -> dict[str, list[float]]:
     """Timed runs of a ``CAST_MIB`` fp32-to-fp16 cast and back (what the fp16 compressor
-    does to a group), a 256x256 matmul and a row scan of a 16 MiB gradient,
-    ``RATE_REPEATS`` rounds of each, ``sync`` before each."""
+    does to a group), a 256x256 matmul and a row scan of that buffer as a gradient of
+    128-wide rows, none touched (its CPU seconds: :func:`scan_rate`), ``RATE_REPEATS``
+    rounds of each, ``sync`` before each."""
     x = torch.zeros(CAST_MIB * 2 ** 18)
     y = torch.empty(x.numel(), dtype=torch.float16)
     a = torch.randn(256, 256)
-    g = torch.zeros(2 ** 15, 128)  # 16 MiB: rows of a dense gradient, none touched
+    g = x.view(-1, 128)  # zeros again after each cast back
 
     def cast() -> None:
         y.copy_(x)
         x.copy_(y)
 
-    work = {"copy": (cast, x.numel() * 12),
-            "flops": (lambda: a @ a, 2 * 256 ** 3),
-            "scan": (lambda: torch.nonzero(g.any(dim=1)), g.numel() * 4)}
-    for run, _ in work.values():  # warm-up
+    wall, cpu = time.perf_counter, time.process_time
+    work = {"copy": (cast, x.numel() * 12, wall),
+            "flops": (lambda: a @ a, 2 * 256 ** 3, wall),
+            "scan": (lambda: torch.nonzero(g.any(dim=1)), g.numel() * 4, cpu)}
+    for run, *_ in work.values():  # warm-up
         run()
     samples: dict[str, list[float]] = {k: [] for k in work}
     for _ in range(RATE_REPEATS):
-        for k, (run, amount) in work.items():
+        for k, (run, amount, now) in work.items():
             sync()
-            t = time.perf_counter()
+            t = now()
             run()
-            samples[k].append(amount / max(time.perf_counter() - t, 1e-9))
+            samples[k].append(amount / max(now() - t, 1e-9))
     return samples
 
 
@@ -502,7 +515,7 @@ def calibrate(model: nn.Module, sample_input: Any, *,
                       optimizer_s=opt_s, grad_ready_s=ready, layer_forward_s=layers,
                       access=tuple(access), copy_bps=copy_bps, flops=flops, measured=True,
                       seconds=time.perf_counter() - started, tensor_s=tensor_s,
-                      group_s=group_s, scan_bps=scan_rate(together),
+                      group_s=group_s, scan_bps=scan_rate(together) / share,
                       update_bps=update_bps, cpu_share=share, piece_s=piece_s)
     if use_cache:
         _CACHE[key] = cal
