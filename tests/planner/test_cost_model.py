@@ -571,6 +571,16 @@ def test_half_rates_are_medians_over_both_passes() -> None:
     assert half.rates() == pytest.approx((0.6, 0.8))
 
 
+def test_message_cost_is_the_faster_pass_median() -> None:
+    from stratagem.planner.probe import _SmallOps
+
+    # one pass's ping-pongs fell in a stall (2 ms each, not 50 us): the messages a step
+    # sends cost their own 50 us, not the stall
+    small = _SmallOps(32, 512, pings=[2e-3, 50e-6])
+    assert small.message_s() == pytest.approx(50e-6)
+    assert _SmallOps(32, 512, pings=[0.0, 0.0]).message_s() == 0.0  # (not rank 0)
+
+
 def test_interference_share_known_answers() -> None:
     from stratagem.planner.probe import interference_share
 

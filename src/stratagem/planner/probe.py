@@ -14,7 +14,8 @@ Measurements seconds long at most:
   see it. A one-element all-reduce repeated gives the fixed cost of one collective; all-
   reduces of a few sizes give the effective bus bandwidth (the slope), and one of 64 MiB,
   where it fits the budget, the rate of buffers past the caches; a one-element
-  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message; one
+  ping-pong between ranks 0 and 1 gives the cost of one point-to-point message (in
+  both passes of small operations, the faster kept); one
   transfer from rank 0 to another node while the rest wait, the rate of one link alone
   (where every node shares the host's cores, above the all-reduces' rate); small
   all-reduces queued back to back, as the reducer launches its groups, the fixed cost of
@@ -742,6 +743,9 @@ class _SmallOps:
     chained: list[float] = field(default_factory=list)
     steps: dict[int, tuple[list[float], list[float], int, list[float]]] = field(
         default_factory=dict)
+    pings: list[float] = field(default_factory=list)
+    """Each pass's median one-way message time (:func:`_ping_pong`; rank 0's, 0 on the
+    other ranks)."""
 
     @classmethod
     def rows(cls, bus_bps: float) -> _SmallOps:
@@ -753,14 +757,24 @@ class _SmallOps:
         return cls(few, many)
 
     def take(self) -> None:
-        """One pass: ``QUEUED_REPEATS`` rounds of queued all-reduces, ``CHAIN_REPEATS``
-        of chained all-to-alls, ``SPARSE_REPEATS`` sparse steps with each row count."""
+        """One pass: ``TINY_REPEATS`` ping-pongs, ``QUEUED_REPEATS`` rounds of queued
+        all-reduces, ``CHAIN_REPEATS`` of chained all-to-alls, ``SPARSE_REPEATS`` sparse
+        steps with each row count."""
+        self.pings.append(_ping_pong(TINY_REPEATS))
         self.queued += _queued_allreduce(QUEUED_REPEATS)
         self.chained += _chained_all_to_all(CHAIN, CHAIN_REPEATS)
         for n in (self.few, self.many):
             rounds, rests, pushed, closings = _sparse_step(CHAIN, SPARSE_REPEATS, n)
             r0, p0, _, c0 = self.steps.get(n, ([], [], 0, []))
             self.steps[n] = (r0 + rounds, p0 + rests, pushed, c0 + closings)
+
+    def message_s(self) -> float:
+        """A message's own cost: the faster pass's median. A whole pass's ping-pongs can
+        fall in a stall (one probe of the 28 in each of the last four benchmark runs read
+        0.5-2 ms against 40-70 us, and priced cnn's PS at 4 nodes 40% slow at its 24
+        messages a step); the messages a step sends are priced at their own cost, and
+        the stalls a step meets are in its measured rounds."""
+        return min(self.pings, default=0.0)
 
     def sparse(self, bus_bps: float) -> SparseSteps:
         """The sparse exchange's fixed costs and slopes per row (:func:`fit_sparse`; the
@@ -830,7 +844,6 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
         bus / ring)
     if half is not None:
         half.take()
-    message = _ping_pong(TINY_REPEATS)
     small = _SmallOps.rows(bus)
     small.take()
     interference = _interference(fixed, bus, ring)
@@ -845,6 +858,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     group_fixed = max(fixed, queued - ring * QUEUED_KIB * 1024 / bus)
     chained = _steady(small.chained)
     sp = small.sparse(bus)
+    message = small.message_s()
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
                             sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,
                             big_rate, group_fixed, interference, link * world, sp.closing_s,
