@@ -340,8 +340,14 @@ def pooled_runtime_costs_case(rank: int, world: int) -> dict[str, Any]:
 
 def shared_core_calibration_case(rank: int, world: int) -> dict[str, Any]:
     """Calibrate together with every rank pinned to one core (one thread each), on passes
-    long enough to span many time slices: what a CPU second costs in wall time."""
+    long enough to span many time slices: what a CPU second costs in wall time; then a row
+    scan on rank 0 timed while rank 1 computes on the same core, as in backward."""
+    import importlib
     import os
+    import statistics
+    import time
+
+    import torch.distributed as dist
 
     import stratagem.planner.probe as p
     from stratagem.planner.calibrate import calibrate
@@ -351,14 +357,7 @@ def shared_core_calibration_case(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
     cal = calibrate(model, torch.randn(256, 512), together=True, use_cache=False)
-    import importlib
-    import statistics
-    import time
-
-    import torch.distributed as dist
-
     c = importlib.import_module("stratagem.planner.calibrate")
-    # a row scan (64 MiB) on rank 0 while rank 1 computes on the same core, as in backward
     g, a = torch.zeros(2 ** 17, 128), torch.randn(256, 256)
     torch.nonzero(g.any(dim=1))
     dist.barrier()
