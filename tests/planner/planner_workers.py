@@ -342,7 +342,6 @@ def shared_core_calibration_case(rank: int, world: int) -> dict[str, Any]:
     """Calibrate together with every rank pinned to one core (one thread each), on passes
     long enough to span many time slices: what a CPU second costs in wall time; then a row
     scan on rank 0 timed while rank 1 computes on the same core, as in backward."""
-    import importlib
     import os
     import statistics
     import time
@@ -350,14 +349,13 @@ def shared_core_calibration_case(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import stratagem.planner.probe as p
-    from stratagem.planner.calibrate import calibrate
+    from stratagem.planner.calibrate import calibrate, scan_rate
 
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
     cal = calibrate(model, torch.randn(256, 512), together=True, use_cache=False)
-    c = importlib.import_module("stratagem.planner.calibrate")
     g, a = torch.zeros(2 ** 17, 128), torch.randn(256, 256)
     torch.nonzero(g.any(dim=1))
     dist.barrier()
@@ -372,7 +370,7 @@ def shared_core_calibration_case(rank: int, world: int) -> dict[str, Any]:
     dist.barrier()
     return {"share": cal.cpu_share, "tensor_s": cal.tensor_s,
             "cpu_tensor_s": p.runtime_costs(together=True)[0], "scan_bps": cal.scan_bps,
-            "cpu_scan_bps": c.scan_rate(together=True),
+            "cpu_scan_bps": scan_rate(together=True),
             "beside_compute_bps": statistics.median(rates) if rates else None}
 
 

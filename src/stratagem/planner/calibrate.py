@@ -140,13 +140,14 @@ def scan_rate(together: bool = False) -> float:
     one core scanned at once (two ranks pinned to one core: 4.9-5.3 GB/s in some runs,
     7.9-8.2 in others; a scan beside the other rank's compute ran at 4.1-4.3 in wall time
     in all of them, what the fastest reading over the share prices)."""
-    samples = measured_once(_RATES, together, _time_rates)["scan"]
-    return max(gathered(samples) if together else samples)
+    return _rate("scan", together, pick=max)
 
 
-def _rate(name: str, together: bool) -> float:
+def _rate(name: str, together: bool,
+          pick: Callable[[list[float]], float] | None = None) -> float:
+    """``pick`` (the median when None) of the samples of machine rate ``name``."""
     samples = measured_once(_RATES, together, _time_rates)[name]
-    return _median(gathered(samples) if together else samples)
+    return (pick or _median)(gathered(samples) if together else samples)
 
 
 CAST_MIB = 64
