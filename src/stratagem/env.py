@@ -36,6 +36,7 @@ RESTART_COUNT = "STRATAGEM_RESTART_COUNT"
 PG_TIMEOUT = "STRATAGEM_PG_TIMEOUT_S"
 PEER_TIMEOUT = "STRATAGEM_PEER_TIMEOUT_S"
 PS_TIMEOUT_DEPRECATED = "STRATAGEM_PS_TIMEOUT"  # the parameter server's older name
+PS_PACE_BYTES = "STRATAGEM_PS_PACE_BYTES"
 HINTS_FILE = "STRATAGEM_HINTS_FILE"
 HINTS_PORT = "STRATAGEM_HINTS_PORT"
 HINTS_ADDR = "STRATAGEM_HINTS_ADDR"
@@ -67,6 +68,7 @@ ADAPTDL_SCHED_VERSION = "ADAPTDL_SCHED_VERSION"
 DEFAULT_PG_TIMEOUT_S = 300.0  # a collective that takes longer than this is a hang
 DEFAULT_RESCALE_TIMEOUT_S = 300.0
 DEFAULT_PEER_TIMEOUT_S = 10.0
+DEFAULT_PS_PACE_BYTES = 2**20
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -155,6 +157,18 @@ def peer_timeout() -> float:
     if value < 0:
         raise StratagemError(f"{PEER_TIMEOUT}={value} is negative", where="environment",
                              fix=f"set {PEER_TIMEOUT} to seconds, e.g. 10, or 0 to disable")
+    return value
+
+
+def ps_pace_bytes() -> int:
+    """``STRATAGEM_PS_PACE_BYTES``: a dense parameter-server push of at least this many
+    bytes per worker is received by its owner one worker at a time, so that pushes sent
+    together do not overflow the owner's switch queue (default 1 MiB; 0 never paces)."""
+    value = int(_number((PS_PACE_BYTES,), DEFAULT_PS_PACE_BYTES, int))
+    if value < 0:
+        raise StratagemError(f"{PS_PACE_BYTES}={value} is negative", where="environment",
+                             fix=f"set {PS_PACE_BYTES} to bytes, e.g. 1048576, or 0 to never "
+                                 "pace pushes")
     return value
 
 

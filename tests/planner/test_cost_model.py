@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from stratagem import env
 from stratagem.analysis import AccessStats, ModelProfile, ParamInfo
 from stratagem.planner.calibrate import Calibration
 from stratagem.planner.cost_model import predict
@@ -473,6 +474,26 @@ def test_a_dense_bucket_push_and_pull_each_cost_a_measured_hop() -> None:
     assert push_pull == pytest.approx(2e-3, rel=1e-3)  # a hop each way, after backward
     ring = predict(ar, prof, s, cal, hops).total_s - predict(ar, prof, s, cal, flat).total_s
     assert ring == pytest.approx(6e-3, rel=1e-3)
+
+
+def test_a_paced_push_costs_a_hop_per_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner receives a push of at least ``STRATAGEM_PS_PACE_BYTES`` from its three
+    senders one at a time (runtime/ps/pacing.py): two hops more than unpaced; the same
+    bytes cross its link either way. A push under the threshold is not paced."""
+    s = spec(4)
+    w = s.replicas
+    ps = Strategy(node_config=(NodeConfig("fc", PSSynchronizer(reduction_destination=w[1])),
+                               )).with_replicas(w)
+    big = ModelProfile(params=(ParamInfo("fc", (2**19,), "float32", 2**19, 2**21),))  # 2 MiB
+    cal = _cal(grad_ready_s={"fc": 0.02})
+    lk = links(s, latency_s=0.0, message_cpu_s=0.0, group_fixed_s=6e-3)  # hop: 1 ms
+
+    def total(threshold: int) -> float:
+        monkeypatch.setenv(env.PS_PACE_BYTES, str(threshold))
+        return predict(ps, big, s, cal, lk).total_s
+
+    assert total(2**20) - total(0) == pytest.approx(2e-3, rel=1e-3)
+    assert total(2**22) == pytest.approx(total(0))  # 2 MiB < 4 MiB: not paced
 
 
 def test_dense_values_hop_waits_out_the_sparse_push_but_not_their_bytes() -> None:

@@ -12,7 +12,8 @@ exactly what the runtime would execute:
   with sparse pieces, the values' hop waits out the rows' push, as the owners post the
   values first, but not their bytes);
   the push and the pull each cost a hop (:meth:`LinkModel.hop_s`: a ring's measured
-  group cost per hop, the all-reduce groups' own fixed cost being the whole ring's);
+  group cost per hop, the all-reduce groups' own fixed cost being the whole ring's); a
+  push the owner paces (``runtime/ps/pacing.py``) costs a hop per sender;
 - **sparse PS pieces**: rows a worker touches (``AccessStats``) spread over the owners by
   their share of the rows; pulled in the forward (on-demand pieces: a pull round per
   embedding call, ``AccessStats.calls``) or refreshed after the update to every worker
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from stratagem import env
 from stratagem.analysis.profile import AccessStats, ModelProfile
 from stratagem.planner.calibrate import Calibration
 from stratagem.planner.links import (
@@ -46,6 +48,7 @@ from stratagem.planner.links import (
 from stratagem.planner.timeline import Slot, exposed, overlapped, schedule
 from stratagem.resource import ResourceSpec
 from stratagem.runtime.plan import GroupPlan, Plan, compile_plan
+from stratagem.runtime.ps.pacing import paced
 from stratagem.runtime.ps.plan import PSPiece
 from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import server_devices
@@ -190,18 +193,20 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             flows = [(w, owner, nbytes) for w in replicas if w != owner]
             pull_flows += [(owner, w, nbytes) for w in replicas if w != owner]
             push_flows_all += flows
-            buckets.append((b, pieces, nbytes))
+            buckets.append((b, pieces, nbytes, len(flows)))
             messages += 2 * len(flows)  # per worker: one push and one pull per remote owner
             tensors += len(pieces)
             owned_bytes[b.owner] += nbytes
             owned_pieces[b.owner] += len(pieces)
         push_total = links.transfer_time(push_flows_all)
-        dense_bytes = sum(n for *_, n in buckets) or 1
+        dense_bytes = sum(n for _, _, n, _ in buckets) or 1
         hop = links.hop_s(W)  # a bucket's push, and the values' pull, each one hop
-        for b, pieces, nbytes in buckets:
+        pace_bytes = env.ps_pace_bytes()
+        for b, pieces, nbytes, senders in buckets:
             moving = push_total * nbytes / dense_bytes
+            hops = senders if paced(nbytes, senders, pace_bytes) else 1
             events.append((_ready(cal, [p.param for p in pieces]), f"push bucket {b.id}",
-                           moving + hop, moving))
+                           moving + hops * hop, moving))
         all_flows += push_flows_all + pull_flows
         pull_wire_s = links.transfer_time(pull_flows)
         pull_s = pull_wire_s + (hop if pull_flows else 0.0)

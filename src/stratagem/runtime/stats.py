@@ -18,7 +18,9 @@ class CommStats:
     Parameter-server traffic of a worker (to and from other ranks, not itself):
     ``push_bytes`` gradients sent to owners (dense buckets; sparse row indices, rows and
     counts), ``pull_bytes`` what it took to get values back (dense buckets; sparse
-    requests and rows), ``rows_pushed``/``rows_pulled`` sparse rows.
+    requests and rows), ``rows_pushed``/``rows_pulled`` sparse rows. An owner's
+    ``paced_receives`` counts the large pushes it received one worker at a time
+    (``runtime/ps/pacing.py``).
     """
 
     collectives: int = 0
@@ -31,6 +33,7 @@ class CommStats:
     pull_bytes: int = 0
     rows_pushed: int = 0
     rows_pulled: int = 0
+    paced_receives: int = 0
 
     def record(self, nbytes: int, world_size: int, kind: str = "all_reduce") -> None:
         self.collectives += 1

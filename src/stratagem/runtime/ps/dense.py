@@ -14,6 +14,9 @@ announced its receive, and that announcement travels on the same connection as t
 receiver's own outgoing payloads. A receive posted after a large send therefore waits
 for that send, which serialized the two directions of a link: the 51 MB shards of a 2-node
 PartitionedPS exchange took 0.86 s instead of 0.43 s in about half of the steps.
+
+An owner receives a large push from several workers one worker at a time (``pacing.py``):
+together they overflowed the switch queue in front of it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from stratagem.runtime.ps.cluster import Group
+from stratagem.runtime.ps.pacing import ReceivePacer, pace_order, paced
 from stratagem.runtime.ps.plan import PSBucket, PSPiece
 from stratagem.runtime.stats import CommStats
 
@@ -36,7 +40,10 @@ def piece_view(param: torch.Tensor, piece: PSPiece) -> torch.Tensor:
 class DenseBucket:
     def __init__(self, plan: PSBucket, pieces: list[PSPiece],
                  params: dict[str, torch.nn.Parameter], group: Group, rank: int,
-                 workers: int, device: torch.device, stats: CommStats) -> None:
+                 workers: int, device: torch.device, stats: CommStats,
+                 pacer: ReceivePacer | None = None, pace_bytes: int = 0) -> None:
+        """``pacer``: the owner's, which receives this bucket's push one worker at a time
+        if it is at least ``pace_bytes`` and comes from two workers or more."""
         self.plan = plan
         self.pieces = pieces
         self.group = group
@@ -57,13 +64,15 @@ class DenseBucket:
         self.pending = len(pieces)
         self.tag = 1000 + plan.id
         # the owner receives every other member's buffer (servers send nothing)
-        self.senders = ([m for m in group.members if m != rank and m < workers]
-                        if self.is_owner else [])
+        self.senders = (pace_order([m for m in group.members if m != rank and m < workers],
+                                   rank, workers) if self.is_owner else [])
         self.inbox = [torch.empty_like(self.buf) for _ in self.senders]
         self.work: list | None = None
         self.incoming: list | None = None  # the owner's posted receives of this push
         self.pull = None
         self.pushed = False
+        self.pacer = (pacer if pacer is not None
+                      and paced(self.nbytes, len(self.senders), pace_bytes) else None)
 
     @property
     def nbytes(self) -> int:
@@ -98,8 +107,16 @@ class DenseBucket:
     def expect_push(self) -> None:
         """Owner: post the receives of the coming push (before this rank sends anything)."""
         if self.is_owner and self.incoming is None:
-            self.incoming = [self.group.recv(t, m, self.tag)
-                             for m, t in zip(self.senders, self.inbox, strict=True)]
+            if self.pacer is None:
+                self.incoming = [self.group.recv(t, m, self.tag)
+                                 for m, t in zip(self.senders, self.inbox, strict=True)]
+            else:
+                self.incoming = [self.pacer.recv(self._poster(t, m))
+                                 for m, t in zip(self.senders, self.inbox, strict=True)]
+                self.stats.paced_receives += len(self.incoming)
+
+    def _poster(self, t: torch.Tensor, src: int):  # noqa: ANN202 - () -> dist.Work
+        return lambda: self.group.recv(t, src, self.tag)
 
     def launch(self) -> None:
         """Send this rank's buffer to the owner (the owner's receives are posted)."""

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratagem import env
 from stratagem.errors import StrategyError, UnsupportedModelError
 from stratagem.runtime.plan import Plan
 from stratagem.runtime.ps.background import Background
@@ -50,6 +51,7 @@ from stratagem.runtime.ps.optim import (
     pack_hparams,
     unpack_hparams,
 )
+from stratagem.runtime.ps.pacing import ReceivePacer
 from stratagem.runtime.ps.plan import PSPiece
 from stratagem.runtime.ps.sparse import SparseExchange, write_rows
 from stratagem.runtime.ps.state import export_state
@@ -147,13 +149,16 @@ class PSEngine(EngineBase):
         self.stopper = _Stopper(self.g_ctrl if self.is_chief else None, self.ctrl_len)
 
         device = torch.device(plan.device)
+        self._pacer = ReceivePacer(f"stratagem-ps-pace-{self.rank}", cluster.track)
+        pace_bytes = env.ps_pace_bytes()
         self.buckets: list[DenseBucket] = []
         for b in ps.buckets:
             if b.owner not in self.g_owner:
                 continue  # a server's bucket this server does not own
             pieces = [ps.pieces[i] for i in b.pieces]
             self.buckets.append(DenseBucket(b, pieces, self.params, self.g_owner[b.owner],
-                                            self.rank, self.W, device, stats))
+                                            self.rank, self.W, device, stats,
+                                            self._pacer, pace_bytes))
         self.slot: dict[int, tuple[DenseBucket, int]] = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.pieces):
@@ -676,6 +681,7 @@ class PSEngine(EngineBase):
         self._closed = True
         self.remove_hooks()
         self._closer.stop()
+        self._pacer.stop()
         if self.fetcher is not None:
             self.fetcher.close()
         if self.is_chief:
