@@ -479,7 +479,8 @@ def test_a_dense_bucket_push_and_pull_each_cost_a_measured_hop() -> None:
 def test_a_paced_push_costs_a_hop_per_sender(monkeypatch: pytest.MonkeyPatch) -> None:
     """An owner receives a push of at least ``STRATAGEM_PS_PACE_BYTES`` from its three
     senders one at a time (runtime/ps/pacing.py): two hops more than unpaced; the same
-    bytes cross its link either way. A push under the threshold is not paced."""
+    bytes cross its link either way. A push under the threshold is not paced, nor one
+    into an owner that pushes a large bucket itself."""
     s = spec(4)
     w = s.replicas
     ps = Strategy(node_config=(NodeConfig("fc", PSSynchronizer(reduction_destination=w[1])),
@@ -494,6 +495,17 @@ def test_a_paced_push_costs_a_hop_per_sender(monkeypatch: pytest.MonkeyPatch) ->
 
     assert total(2**20) - total(0) == pytest.approx(2e-3, rel=1e-3)
     assert total(2**22) == pytest.approx(total(0))  # 2 MiB < 4 MiB: not paced
+    # two owners, each pushing its 2 MiB bucket to the other: neither paces
+    two = Strategy(node_config=(
+        NodeConfig("fc", PSSynchronizer(reduction_destination=w[1])),
+        NodeConfig("fc2", PSSynchronizer(reduction_destination=w[2])))).with_replicas(w)
+    both = ModelProfile(params=(ParamInfo("fc", (2**19,), "float32", 2**19, 2**21),
+                                ParamInfo("fc2", (2**19,), "float32", 2**19, 2**21)))
+    cal2 = _cal(grad_ready_s={"fc": 0.02, "fc2": 0.02})
+    monkeypatch.setenv(env.PS_PACE_BYTES, str(2**20))
+    paced_two = predict(two, both, s, cal2, lk).total_s
+    monkeypatch.setenv(env.PS_PACE_BYTES, "0")
+    assert paced_two == pytest.approx(predict(two, both, s, cal2, lk).total_s)
 
 
 def test_dense_values_hop_waits_out_the_sparse_push_but_not_their_bytes() -> None:

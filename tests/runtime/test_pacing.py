@@ -11,7 +11,7 @@ import pytest
 
 from stratagem import env
 from stratagem.errors import StratagemError
-from stratagem.runtime.ps.pacing import ReceivePacer, pace_order, paced
+from stratagem.runtime.ps.pacing import ReceivePacer, owner_paces, pace_order, paced
 
 WAIT_S = 10.0
 
@@ -115,6 +115,13 @@ def test_owners_pacing_together_take_different_senders_each_turn() -> None:
     (2**30, 3, 0, False), (1, 2, 1, True)])
 def test_which_pushes_are_paced(nbytes: int, senders: int, threshold: int, want: bool) -> None:
     assert paced(nbytes, senders, threshold) is want
+
+
+def test_an_owner_that_pushes_a_large_bucket_itself_does_not_pace() -> None:
+    assert owner_paces([], 2**20)  # a dedicated server, or the one owner
+    assert owner_paces([2**20 - 1, 4096], 2**20)
+    assert not owner_paces([4096, 2**20], 2**20)
+    assert not owner_paces([], 0)
 
 
 def test_pace_threshold_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,7 +51,7 @@ from stratagem.runtime.ps.optim import (
     pack_hparams,
     unpack_hparams,
 )
-from stratagem.runtime.ps.pacing import ReceivePacer
+from stratagem.runtime.ps.pacing import ReceivePacer, owner_paces
 from stratagem.runtime.ps.plan import PSPiece
 from stratagem.runtime.ps.sparse import SparseExchange, write_rows
 from stratagem.runtime.ps.state import export_state
@@ -159,6 +159,10 @@ class PSEngine(EngineBase):
             self.buckets.append(DenseBucket(b, pieces, self.params, self.g_owner[b.owner],
                                             self.rank, self.W, device, stats,
                                             self._pacer, pace_bytes))
+        if not owner_paces([b.nbytes for b in self.buckets
+                            if not b.is_owner and self.rank < self.W], pace_bytes):
+            for b in self.buckets:
+                b.pacer = None
         self.slot: dict[int, tuple[DenseBucket, int]] = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.pieces):
@@ -631,6 +635,7 @@ class PSEngine(EngineBase):
             cmd, nh = int(msg[0]), int(msg[3])
             if cmd == STOP:
                 self.finish_pulls()
+                self._pacer.stop()
                 if self.fetch_service is not None:  # until the workers are done reading
                     self.fetch_service.linger()
                 self.cluster.retire(self.namespace)
