@@ -21,7 +21,10 @@ together they overflowed the switch queue in front of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
 
 from stratagem.runtime.ps.cluster import Group
 from stratagem.runtime.ps.pacing import ReceivePacer, pace_order, paced
@@ -115,7 +118,7 @@ class DenseBucket:
                                  for m, t in zip(self.senders, self.inbox, strict=True)]
                 self.stats.paced_receives += len(self.incoming)
 
-    def _poster(self, t: torch.Tensor, src: int):  # noqa: ANN202 - () -> dist.Work
+    def _poster(self, t: torch.Tensor, src: int) -> Callable[[], dist.Work]:
         return lambda: self.group.recv(t, src, self.tag)
 
     def launch(self) -> None:

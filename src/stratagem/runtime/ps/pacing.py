@@ -2,12 +2,11 @@
 
 Every worker pushes a dense bucket to its owner at about the same moment (the end of
 backward). Sent together, three 3 MB pushes into one 1 Gbit/s link overflow the switch's
-queue: on the virtual cluster (5 ms of queue) each such push cost 2,500-3,800 TCP
-retransmissions, and in training the small messages caught behind them (all-to-all headers,
-receive announcements) were lost outright and waited out retransmission timeouts of
-0.2-1 s: half of wide & deep's parameter-server steps at 4 nodes took 1.0-1.35 s instead
-of 0.3 s. Sent one after the other, the same pushes took the same 80 ms with no
-retransmission at all.
+queue: on the virtual cluster (5 ms of queue) each such push cost 2,900-3,800 TCP
+retransmissions, and in training some losses were recovered only by retransmission
+timeouts (a small message, or a push's tail, has no later packet to reveal its loss):
+half of wide & deep's parameter-server steps at 4 nodes took 1.0-1.35 s instead of 0.3 s.
+Sent one after the other, the same pushes took the same 80 ms with no retransmission.
 
 gloo sends a payload only once its receiver has announced the receive, so the owner paces
 the senders by posting their receives one at a time, each when the previous one has
