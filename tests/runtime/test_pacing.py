@@ -11,7 +11,8 @@ import pytest
 
 from stratagem import env
 from stratagem.errors import StratagemError
-from stratagem.runtime.ps.pacing import ReceivePacer, owner_paces, pace_order, paced
+from stratagem.runtime.ps.pacing import ReceivePacer, pace_order, paced_buckets
+from stratagem.runtime.ps.plan import PSBucket
 
 WAIT_S = 10.0
 
@@ -110,18 +111,31 @@ def test_owners_pacing_together_take_different_senders_each_turn() -> None:
     assert sorted(pace_order([0, 1, 2], 5, 3)) == [0, 1, 2]
 
 
-@pytest.mark.parametrize(("nbytes", "senders", "threshold", "want"), [
-    (2**20, 3, 2**20, True), (2**20 - 1, 3, 2**20, False), (2**30, 1, 2**20, False),
-    (2**30, 3, 0, False), (1, 2, 1, True)])
-def test_which_pushes_are_paced(nbytes: int, senders: int, threshold: int, want: bool) -> None:
-    assert paced(nbytes, senders, threshold) is want
+def bucket(bid: int, owner: int, nbytes: int) -> PSBucket:
+    """A float32 bucket of one piece whose pushed buffer is ``nbytes`` (presence included)."""
+    return PSBucket(id=bid, owner=owner, dtype="float32", pieces=(bid,), numel=nbytes // 4 - 1)
+
+
+@pytest.mark.parametrize(("nbytes", "workers", "owner", "threshold", "want"), [
+    (2**20, 4, 0, 2**20, True), (2**20 - 4, 4, 0, 2**20, False),
+    (2**30, 2, 0, 2**20, False),  # one sender: a worker owner of two workers
+    (2**30, 2, 2, 2**20, True),  # two: a dedicated server's
+    (2**30, 4, 0, 0, False), (8, 3, 0, 1, True)])
+def test_which_pushes_are_paced(nbytes: int, workers: int, owner: int, threshold: int,
+                                want: bool) -> None:
+    b = bucket(0, owner, nbytes)
+    assert b.nbytes == nbytes
+    assert (paced_buckets([b], workers, threshold) == {0}) is want
 
 
 def test_an_owner_that_pushes_a_large_bucket_itself_does_not_pace() -> None:
-    assert owner_paces([], 2**20)  # a dedicated server, or the one owner
-    assert owner_paces([2**20 - 1, 4096], 2**20)
-    assert not owner_paces([4096, 2**20], 2**20)
-    assert not owner_paces([], 0)
+    mib = 2**20
+    # each of two worker owners pushes its large bucket to the other: neither paces
+    assert paced_buckets([bucket(0, 0, 2 * mib), bucket(1, 1, 2 * mib)], 4, mib) == set()
+    # owner 0 pushes only a small one: it paces; owner 1's own bucket is small
+    assert paced_buckets([bucket(0, 0, 2 * mib), bucket(1, 1, 4096)], 4, mib) == {0}
+    # a dedicated server pushes nothing: it paces beside large worker-owned buckets
+    assert paced_buckets([bucket(0, 0, 2 * mib), bucket(1, 4, 2 * mib)], 4, mib) == {1}
 
 
 def test_pace_threshold_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -101,7 +101,7 @@ def test_sync_family_matches_single_process(config: str, case: str,
     paced = sum(check(r[case])["stats"].paced_receives for r in results)
     builder = case.split("/")[0]
     # Paced: dedicated servers (they push nothing themselves) and PS's one worker owner;
-    # a worker owner that pushes buckets to other owners is not (pacing.owner_paces).
+    # a worker owner that pushes buckets to other owners is not (pacing.paced_buckets).
     if config in PACED and builder != "Parallax" and (servers or builder == "PS"):
         senders = workers - (0 if servers else 1)  # per bucket and step
         assert paced and paced % (senders * ps_workers.STEPS) == 0

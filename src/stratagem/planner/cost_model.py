@@ -48,7 +48,7 @@ from stratagem.planner.links import (
 from stratagem.planner.timeline import Slot, exposed, overlapped, schedule
 from stratagem.resource import ResourceSpec
 from stratagem.runtime.plan import GroupPlan, Plan, compile_plan
-from stratagem.runtime.ps.pacing import owner_paces, paced
+from stratagem.runtime.ps.pacing import paced_buckets
 from stratagem.runtime.ps.plan import PSPiece
 from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import server_devices
@@ -201,13 +201,10 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         push_total = links.transfer_time(push_flows_all)
         dense_bytes = sum(n for _, _, n, _ in buckets) or 1
         hop = links.hop_s(W)  # a bucket's push, and the values' pull, each one hop
-        pace_bytes = env.ps_pace_bytes()
-        pacing = {o: owner_paces([n for c, _, n, _ in buckets if c.owner != o], pace_bytes)
-                  for o in {b.owner for b, *_ in buckets} if o < W}
+        paced = paced_buckets(ps.buckets, W, env.ps_pace_bytes())
         for b, pieces, nbytes, senders in buckets:
             moving = push_total * nbytes / dense_bytes
-            hops = (senders if pacing.get(b.owner, pace_bytes > 0)
-                    and paced(nbytes, senders, pace_bytes) else 1)
+            hops = senders if b.id in paced else 1
             events.append((_ready(cal, [p.param for p in pieces]), f"push bucket {b.id}",
                            moving + hops * hop, moving))
         all_flows += push_flows_all + pull_flows

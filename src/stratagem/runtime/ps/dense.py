@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.runtime.ps.cluster import Group
-from stratagem.runtime.ps.pacing import ReceivePacer, pace_order, paced
+from stratagem.runtime.ps.pacing import ReceivePacer, pace_order
 from stratagem.runtime.ps.plan import PSBucket, PSPiece
 from stratagem.runtime.stats import CommStats
 
@@ -44,9 +44,9 @@ class DenseBucket:
     def __init__(self, plan: PSBucket, pieces: list[PSPiece],
                  params: dict[str, torch.nn.Parameter], group: Group, rank: int,
                  workers: int, device: torch.device, stats: CommStats,
-                 pacer: ReceivePacer | None = None, pace_bytes: int = 0) -> None:
-        """``pacer``: the owner's, which receives this bucket's push one worker at a time
-        if it is at least ``pace_bytes`` and comes from two workers or more."""
+                 pacer: ReceivePacer | None = None) -> None:
+        """``pacer``: the owner's, where it receives this bucket's push one worker at a
+        time (``pacing.paced_buckets``)."""
         self.plan = plan
         self.pieces = pieces
         self.group = group
@@ -74,12 +74,11 @@ class DenseBucket:
         self.incoming: list | None = None  # the owner's posted receives of this push
         self.pull = None
         self.pushed = False
-        self.pacer = (pacer if pacer is not None
-                      and paced(self.nbytes, len(self.senders), pace_bytes) else None)
+        self.pacer = pacer if self.is_owner else None
 
     @property
     def nbytes(self) -> int:
-        return self.buf.numel() * self.buf.element_size()
+        return self.plan.nbytes
 
     # -- push -----------------------------------------------------------------------
     def capture(self, i: int, grad: torch.Tensor | None, factor: float) -> None:

@@ -51,7 +51,7 @@ from stratagem.runtime.ps.optim import (
     pack_hparams,
     unpack_hparams,
 )
-from stratagem.runtime.ps.pacing import ReceivePacer, owner_paces
+from stratagem.runtime.ps.pacing import ReceivePacer, paced_buckets
 from stratagem.runtime.ps.plan import PSPiece
 from stratagem.runtime.ps.sparse import SparseExchange, write_rows
 from stratagem.runtime.ps.state import export_state
@@ -150,7 +150,7 @@ class PSEngine(EngineBase):
 
         device = torch.device(plan.device)
         self._pacer = ReceivePacer(f"stratagem-ps-pace-{self.rank}", cluster.track)
-        pace_bytes = env.ps_pace_bytes()
+        paced = paced_buckets(ps.buckets, self.W, env.ps_pace_bytes())
         self.buckets: list[DenseBucket] = []
         for b in ps.buckets:
             if b.owner not in self.g_owner:
@@ -158,11 +158,7 @@ class PSEngine(EngineBase):
             pieces = [ps.pieces[i] for i in b.pieces]
             self.buckets.append(DenseBucket(b, pieces, self.params, self.g_owner[b.owner],
                                             self.rank, self.W, device, stats,
-                                            self._pacer, pace_bytes))
-        if not owner_paces([b.nbytes for b in self.buckets
-                            if not b.is_owner and self.rank < self.W], pace_bytes):
-            for b in self.buckets:
-                b.pacer = None
+                                            self._pacer if b.id in paced else None))
         self.slot: dict[int, tuple[DenseBucket, int]] = {}
         for bucket in self.buckets:
             for i, p in enumerate(bucket.pieces):

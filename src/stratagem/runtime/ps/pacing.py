@@ -13,17 +13,19 @@ the senders by posting their receives one at a time, each when the previous one 
 completed (receiver-driven, as grant-based datacenter transports do). A push smaller than
 :func:`stratagem.env.ps_pace_bytes` is not paced: its queue fits in any switch's buffer and
 the hop each paced receive adds (0.1-0.4 ms on a busy 10 Gbit/s node) would cost more.
-Nor is an owner that pushes a large bucket to another owner itself (:func:`owner_paces`).
+Nor is an owner that pushes a large bucket to another owner itself (:func:`paced_buckets`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from stratagem.runtime.ps.plan import PSBucket
 
 
 class PacedRecv:
@@ -148,17 +150,22 @@ def pace_order(senders: list[int], owner: int, workers: int) -> list[int]:
     return sorted(senders, key=lambda s: (s - owner) % workers)
 
 
-def paced(nbytes: int, senders: int, threshold: int) -> bool:
-    """Whether a push of ``nbytes`` from each of ``senders`` ranks is paced (by an owner
-    that :func:`owner_paces`)."""
-    return threshold > 0 and senders >= 2 and nbytes >= threshold
-
-
-def owner_paces(own_pushes: list[int], threshold: int) -> bool:
-    """Whether an owner that itself pushes buckets of ``own_pushes`` bytes to other owners
-    paces its receives: not if one of them is large. Its chained announcements would
-    queue behind those payloads on the same connections (see ``dense.py``): with every
-    rank owning a quarter of the LSTM LM's 102 MB output layer (PartitionedPS, 4 nodes,
-    1 Gbit/s) paced steps took 1.89 s against 1.51 unpaced."""
-    return threshold > 0 and all(n < threshold for n in own_pushes)
-
+def paced_buckets(buckets: Sequence[PSBucket], workers: int, threshold: int) -> set[int]:
+    """Ids of the dense buckets whose owner receives the push one sender at a time: at
+    least ``threshold`` bytes, from two senders or more (the workers, less the owner if
+    it is one), into an owner that pushes no bucket of ``threshold`` bytes to another
+    owner itself. Such an owner's chained announcements would queue behind its own
+    payloads on the same connections (see ``dense.py``): with every rank owning a
+    quarter of the LSTM LM's 102 MB output layer (PartitionedPS, 4 nodes, 1 Gbit/s)
+    paced steps took 1.89 s against 1.51 unpaced."""
+    if threshold <= 0:
+        return set()
+    large_owners = {b.owner for b in buckets if b.nbytes >= threshold}
+    out = set()
+    for b in buckets:
+        is_worker = b.owner < workers
+        senders = workers - 1 if is_worker else workers
+        pushes_large = is_worker and bool(large_owners - {b.owner})
+        if b.nbytes >= threshold and senders >= 2 and not pushes_large:
+            out.add(b.id)
+    return out

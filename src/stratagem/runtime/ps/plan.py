@@ -94,6 +94,11 @@ class PSBucket:
     def size(self) -> int:
         return self.numel + len(self.pieces)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffer a worker pushes (values and presence slots)."""
+        return self.size * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
 
 @dataclass(frozen=True)
 class PSPlan:
