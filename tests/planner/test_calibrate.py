@@ -81,6 +81,16 @@ def test_gradients_are_ready_in_backward_order_and_the_cache_is_reused() -> None
     assert calibrate(model, x) is cal  # same signature, batch size and shapes
 
 
+def test_the_cache_key_names_the_device() -> None:
+    """The same model on another device is calibrated again, not given the CPU's times (a
+    GPU pass takes a fraction of a CPU one; tests/gpu times both)."""
+    c = importlib.import_module("stratagem.planner.calibrate")
+    model = pw.make("dense")
+    on_cpu = c.signature(model)
+    assert c.signature(model.to("meta")) != on_cpu
+    assert c._shapes(torch.zeros(2, device="meta")) != c._shapes(torch.zeros(2))
+
+
 def test_estimate_from_the_profile() -> None:
     profile = analyze(pw.EmbeddingHeavy(rows=1000))
     cal = estimate(profile, 16)

@@ -188,15 +188,16 @@ def _time_rates(sync: Callable[[], Any]) -> dict[str, list[float]]:
 
 
 def signature(model: nn.Module) -> tuple:
-    """What identifies a model for the cache: its class and its parameters' shapes."""
+    """What identifies a model for the cache: its class and its parameters' shapes, dtypes
+    and devices (the same model on a GPU runs a pass in a fraction of the CPU's time)."""
     return (type(model).__qualname__,
-            tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad)
+            tuple((n, tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad)
                   for n, p in model.named_parameters()))
 
 
 def _shapes(sample: Any) -> tuple:
     if isinstance(sample, torch.Tensor):
-        return (tuple(sample.shape), str(sample.dtype))
+        return (tuple(sample.shape), str(sample.dtype), str(sample.device))
     if isinstance(sample, (tuple, list)):
         return tuple(_shapes(s) for s in sample)
     if isinstance(sample, dict):
