@@ -1,11 +1,16 @@
-"""stratagem.process_group's exit rule: the groups go before interpreter teardown, with no
-handle left that would keep one alive past it (torch 2.13's gloo aborts a process whose
-group is destroyed during teardown: 5 of 50 successful 2-worker runs under torchrun)."""
+"""stratagem.process_group's default backends, and its exit rule: the groups go before
+interpreter teardown, with no handle left that would keep one alive past it (torch 2.13's
+gloo aborts a process whose group is destroyed during teardown: 5 of 50 successful
+2-worker runs under torchrun)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import torch
+
+from stratagem import process_group
 
 SCRIPT = """
 import gc, weakref
@@ -43,3 +48,10 @@ def test_the_exit_hook_leaves_no_handle_that_keeps_the_group_alive() -> None:
     assert "group alive: False" in lines  # the communicator dropped its handle first
     assert "handle: None" in lines
     assert "after release: the gloo communicator was released at interpreter exit" in lines
+
+
+def test_a_gpu_jobs_default_group_takes_cpu_tensors_too() -> None:
+    """NCCL for CUDA tensors, gloo for the CPU control tensors the planner and runtime
+    exchange on the default group; a CPU job, gloo alone (tests/gpu runs the GPU one)."""
+    assert process_group.default_backend("cuda:0") == "cpu:gloo,cuda:nccl"
+    assert process_group.default_backend(torch.device("cpu")) == "gloo"

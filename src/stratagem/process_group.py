@@ -53,11 +53,17 @@ def release_holders() -> None:
     _holders.clear()
 
 
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+"""A GPU job's default group: NCCL for CUDA tensors, gloo for CPU ones."""
+
+
 def default_backend(device: torch.device | str | None = None) -> str:
-    """``nccl`` for a CUDA device, ``gloo`` otherwise (``None``: whether CUDA exists)."""
-    if device is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    """``cpu:gloo,cuda:nccl`` for a CUDA device, ``gloo`` otherwise (``None``: whether CUDA
+    exists). A GPU job's default group takes CPU tensors too: the planner's calibration,
+    link probe and trial steps, and the runtime's control flags, exchange small CPU tensors
+    on it, which a plain ``nccl`` group refuses ("no backend for device type cpu")."""
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return GPU_BACKEND if cuda else "gloo"
 
 
 def init_process_group(backend: str | None = None, *, store: Any = None,

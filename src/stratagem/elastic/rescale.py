@@ -56,7 +56,7 @@ from stratagem.elastic.signals import EXIT_CODE, install_signal_handler, request
 from stratagem.elastic.state import checkpoint_root
 from stratagem.errors import DistributedError
 from stratagem.peer_watchdog import PeerWatchdog
-from stratagem.process_group import destroy_process_group, init_process_group
+from stratagem.process_group import default_backend, destroy_process_group, init_process_group
 from stratagem.process_group import init_single_process_group as init_alone
 
 ENV_STORE = env.RESCALE_STORE
@@ -163,8 +163,7 @@ class ElasticGroup:
         self.id = member_id
         self.nproc = max(int(nproc), 1)
         self.timeout = timedelta(seconds=timeout_s)
-        self.backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available()
-                                   else "gloo")
+        self.backend = backend or default_backend()
         self.rank, self.world_size = 0, 1
         self.generation: Generation | None = None
         self.ticket: int | None = None

@@ -39,7 +39,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     global _autodist
     if _autodist is not None:
         return
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or process_group.default_backend()
     if not dist.is_initialized() and not sg_env.rescale_store():
         # (in an in-process elastic job, AutoDist joins the job's group: adapt/rescale.py)
         if init_method is not None:
