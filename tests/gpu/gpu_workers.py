@@ -113,17 +113,24 @@ def train_steps(dm: Any, opt: torch.optim.Optimizer, name: str, rank: int, world
     return {k: v.detach().cpu().clone() for k, v in dm.state_dict().items()}
 
 
-def autodist_case(rank: int, world: int, stats: bool = False) -> dict[str, Any]:
+def autodist_case(rank: int, world: int, stats: bool = False, starve: bool = False
+                  ) -> dict[str, Any]:
     """A user's script on the GPU spec with the Auto builder: AutoDist joins the default
     group (``cpu:gloo,cuda:nccl``), calibrates on this worker's first batch on the GPU with
-    the other worker, probes the links, then trains STEPS steps. ``stats``: the adaptive
-    loop will collect gradient statistics (what batch size autoscaling reads, from
-    all-reduced gradients), and Auto plans on the first training batch, not a sample."""
+    the other worker, probes the links, times trial steps of copies on the GPU, then
+    trains STEPS steps. ``stats``: the adaptive loop will collect gradient statistics
+    (what batch size autoscaling reads, from all-reduced gradients), and Auto plans on the
+    first training batch, not a sample. ``starve``: rank 1 has no GPU memory to spare for
+    trial copies (the ranks agree: no trials)."""
     import torch.distributed as dist
 
     import stratagem as sg
 
     share_one_gpu(rank)
+    if starve and rank == 1:
+        from stratagem.planner import trial
+
+        trial.GPU_SHARE = 0.0
     os.environ["STRATAGEM_NODE_ADDRESS"] = gpu_nodes().nodes[rank].address
     os.environ["LOCAL_RANK"] = "0"  # one worker per node of the spec
     ad = sg.AutoDist(resource_spec=gpu_nodes(), strategy_builder="Auto", verbose=False)
@@ -140,4 +147,5 @@ def autodist_case(rank: int, world: int, stats: bool = False) -> dict[str, Any]:
     return {"state": state, "device": str(ad.device), "backend": str(dist.get_backend()),
             "strategy": ad.strategy.to_json(), "trials": len(ad.choice.trials),
             "probed": ad.choice.link_probe is not None,
-            "forward_s": ad.choice.calibration.forward_s, "ps": dm._ps is not None}
+            "forward_s": ad.choice.calibration.forward_s, "ps": dm._ps is not None,
+            "notes": list(ad.choice.notes)}

@@ -110,20 +110,28 @@ def test_calibration_times_the_gpu() -> None:
     assert on_gpu.forward_s > 0 and on_gpu.backward_s > 0
 
 
-@pytest.mark.parametrize("stats", [False, True], ids=["sample", "first-batch-stats"])
-def test_autodist_script_in_a_gpu_job(tmp_path: pytest.TempPathFactory, stats: bool) -> None:
+@pytest.mark.parametrize(("stats", "starve"), [(False, False), (True, False), (False, True)],
+                         ids=["sample", "first-batch-stats", "no-room-for-trials"])
+def test_autodist_script_in_a_gpu_job(tmp_path: pytest.TempPathFactory, stats: bool,
+                                      starve: bool) -> None:
     """AutoDist with Auto on two GPU workers: a ``cpu:gloo,cuda:nccl`` default group (the
-    planner's CPU control tensors and NCCL's CUDA ones), calibration together and the link
-    probe in the job (no trial steps: they run CPU plans, ``planner.on_cpu``); trains to
-    single-process training's parameters. ``first-batch-stats``: planned on the first
-    training batch (the model switching strategies on the GPU), all-reduce kept for the
-    gradient statistics."""
-    ranks = _spawn.run(gw.autodist_case, 2, tmp_path, {"stats": stats}, _spawn.Setup(args=(2,)))
+    planner's CPU control tensors and NCCL's CUDA ones), calibration together, the link
+    probe and trial steps of copies on the GPU in the job; trains to single-process
+    training's parameters. ``first-batch-stats``: planned on the first training batch (the
+    model switching strategies on the GPU), all-reduce kept for the gradient statistics.
+    ``no-room-for-trials``: one rank cannot fit a copy, so neither times any."""
+    ranks = _spawn.run(gw.autodist_case, 2, tmp_path, {"stats": stats, "starve": starve},
+                       _spawn.Setup(args=(2,)))
     want = pw.reference("sampled")
     for rank in ranks:
         assert rank["device"] == "cuda:0"
         assert "nccl" in rank["backend"] and "gloo" in rank["backend"], rank["backend"]
-        assert rank["probed"] and rank["trials"] == 0 and rank["forward_s"] > 0
+        assert rank["probed"] and rank["forward_s"] > 0
+        if starve:
+            assert rank["trials"] == 0
+            assert any("does not fit" in n for n in rank["notes"]), rank["notes"]
+        else:
+            assert rank["trials"] >= 2, rank["notes"]
         for k, v in want.items():
             torch.testing.assert_close(rank["state"][k], v, rtol=1e-6, atol=1e-9, msg=k)
         assert not (stats and rank["ps"]), rank["strategy"]

@@ -480,10 +480,20 @@ def test_a_group_without_gloo_is_not_probed_or_trialled(monkeypatch) -> None:  #
     assert collective_ready(spec(2))
 
 
-def test_trials_run_only_for_a_model_in_cpu_memory() -> None:
-    """Trial steps run CPU plans on copies of the model: a model elsewhere (a GPU's; the
-    meta device stands in for it here) plans without them."""
-    from stratagem.planner import on_cpu
+def test_trial_copies_fit_in_the_room_every_rank_has() -> None:
+    """Trial steps run copies of the model on its own device: on the CPU host memory is
+    not checked (one copy at a time past INTERLEAVE_BYTES); on a GPU, half its free memory
+    (tests/gpu); on a device a copy cannot run on (meta here), no room, no trials."""
+    from stratagem.planner import trial
 
-    assert on_cpu(torch.nn.Linear(2, 2))
-    assert not on_cpu(torch.nn.Linear(2, 2, device="meta"))
+    linear = torch.nn.Linear(256, 256)  # 257 KiB of parameters
+    assert trial.trial_room(linear) == trial.HOST_ROOM
+    assert trial.trial_room(torch.nn.Linear(2, 2, device="meta")) == 0
+    plan = [{}] * 4
+    one = trial.model_bytes(linear) * trial.COPIES
+    assert trial.model_bytes(linear) == 257 * 256 * 4
+    assert trial._interleave(plan, linear, 4 * one)
+    assert not trial._interleave(plan, linear, 4 * one - 1)  # the room binds
+    assert trial._interleave(plan, linear, trial.HOST_ROOM)  # 3 MiB < INTERLEAVE_BYTES
+
+

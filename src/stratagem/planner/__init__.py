@@ -77,26 +77,18 @@ def choose(model: nn.Module, spec: ResourceSpec, *, batch_size: int | None = Non
     choice = search(profile, spec, cal, options, links)
     if link_probe is not None:
         choice = replace(choice, link_probe=link_probe)
-    if (trials and options.trials > 0 and sample_input is not None and collective_ready(spec)
-            and on_cpu(model)):
+    if trials and options.trials > 0 and sample_input is not None and collective_ready(spec):
         choice = refine(choice, model, sample_input, loss_fn=loss_fn, k=options.trials)
     return choice
 
 
 def collective_ready(spec: ResourceSpec) -> bool:
     """Whether a process group spans exactly the spec's workers and carries CPU tensors
-    (probes, trials and calibration together exchange CPU tensors, and trials run CPU
-    plans: a group of NCCL alone cannot, so there Auto plans from calibration alone)."""
+    (probes, trials and calibration together exchange CPU tensors: a group of NCCL alone
+    cannot, so there Auto plans from calibration alone)."""
     return (dist.is_available() and dist.is_initialized()
             and dist.get_world_size() == spec.num_workers > 1
             and "gloo" in str(dist.get_backend()))
-
-
-def on_cpu(model: nn.Module) -> bool:
-    """Whether every parameter of ``model`` is in CPU memory: trial steps run CPU plans on
-    copies of the model (on a GPU they would need its device's plan and a second copy of
-    the model in device memory), so a model elsewhere plans without them."""
-    return all(p.device.type == "cpu" for p in model.parameters())
 
 
 def plan_from_profile(options: Auto, profile: ModelProfile, spec: ResourceSpec) -> Strategy:

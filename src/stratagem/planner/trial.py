@@ -63,7 +63,12 @@ INTERLEAVE_BYTES = 2 ** 30
 COPIES = 3
 """Candidates are stepped in turn (all built at once) while their copies -- about
 ``COPIES`` times the parameters each: values, gradients, buffers -- fit in
-``INTERLEAVE_BYTES`` per process; else one at a time."""
+``INTERLEAVE_BYTES`` per process and in the room every rank has for them
+(:func:`trial_room`: on a GPU, its free memory); else one at a time, and not at all where
+one copy does not fit."""
+GPU_SHARE = 0.5
+"""Of a GPU's free memory, what trial copies may take (the rest: their activations, the
+allocator's slack)."""
 TIE = 0.05
 """Measured steps this close (relative) count as equal: the better predicted one stays
 (the search's own tolerance; steps of a few ms vary by that much between repeats)."""
@@ -372,17 +377,59 @@ def _broadcast_json(obj: Any) -> Any:
     return obj if dist.get_rank() == 0 else json.loads(bytes(buf.tolist()).decode())
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (the first's; CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+HOST_ROOM = 2 ** 62
+"""A CPU model's room for copies: host memory is not checked (one copy at a time past
+``INTERLEAVE_BYTES``)."""
+
+
+def trial_room(model: nn.Module) -> int:
+    """Bytes this rank can give trial copies of ``model``: on a GPU, ``GPU_SHARE`` of its
+    free memory; on the CPU, ``HOST_ROOM``; none on any other device (a copy could not
+    run there)."""
+    device = model_device(model)
+    if device.type == "cpu":
+        return HOST_ROOM
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_SHARE)
+    return 0
+
+
+def agreed_room(model: nn.Module) -> int:
+    """The least :func:`trial_room` over the ranks (collective: every rank decides alike
+    whether copies fit, and how many at once)."""
+    room = torch.tensor([trial_room(model)], dtype=torch.int64)
+    dist.all_reduce(room, op=dist.ReduceOp.MIN)
+    return int(room.item())
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued kernels: a GPU step is timed to its end."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class _Runner:
-    """A copy of the model wrapped by the runtime under one strategy (collective to build,
-    step and close: every worker at once)."""
+    """A copy of the model wrapped by the runtime under one strategy, on the model's
+    device (collective to build, step and close: every worker at once)."""
 
     def __init__(self, model: nn.Module, strategy: Strategy, choice: Choice) -> None:
         from stratagem.runtime import DistributedModel, compile_plan
 
         replica = copy.deepcopy(model)
+        self.device = model_device(model)
         self.opt = torch.optim.SGD(replica.parameters(), lr=0.0)
         plan = compile_plan(strategy, choice.profile, rank=dist.get_rank(),
-                            world_size=dist.get_world_size(), device=torch.device("cpu"),
+                            world_size=dist.get_world_size(), device=self.device,
                             servers=server_devices(choice.spec))
         self.dm = DistributedModel(replica, plan, optimizer=self.opt)
         self.times: list[float] = []
@@ -394,14 +441,17 @@ class _Runner:
         ends when the values the update sends back have arrived: the next forward waits
         for them, and left running they would finish unseen in the barrier between steps
         (trials of parameter servers measured up to 45% faster than training ran)."""
+        _synchronize(self.device)
         dist.barrier()
         t = time.perf_counter()
         self.opt.zero_grad()
         loss = loss_fn(call_model(self.dm, sample_input))
+        _synchronize(self.device)
         forward = time.perf_counter() - t
         loss.backward()
         self.opt.step()
         self.dm.wait_for_values()
+        _synchronize(self.device)
         elapsed = torch.tensor([time.perf_counter() - t, forward], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if self.steps >= WARMUP:
@@ -477,18 +527,18 @@ def _interleaved(model: nn.Module, strategies: list[Strategy], steps: list[int],
     return [r.timing() for r in runners]
 
 
-def _interleave(plan: list[dict[str, Any]], model: nn.Module) -> bool:
-    """Whether ``plan``'s copies of ``model`` fit in memory at once (see ``COPIES``)."""
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return len(plan) * model_bytes * COPIES <= INTERLEAVE_BYTES
+def _interleave(plan: list[dict[str, Any]], model: nn.Module, room: int) -> bool:
+    """Whether ``plan``'s copies of ``model`` fit at once in ``INTERLEAVE_BYTES`` and in
+    ``room`` (see ``COPIES``)."""
+    return len(plan) * model_bytes(model) * COPIES <= min(room, INTERLEAVE_BYTES)
 
 
 def _measure(plan: list[dict[str, Any]], strategies: list[Strategy], model: nn.Module,
              choice: Choice, sample_input: Any, loss_fn: Callable[[Any], torch.Tensor],
-             started: float, budget_s: float) -> list[Timing]:
-    """Timings of ``plan``'s candidates: interleaved when their copies fit, else in turn
-    (rank 0's clock decides whether to go on after the first)."""
-    if _interleave(plan, model):
+             started: float, budget_s: float, room: int) -> list[Timing]:
+    """Timings of ``plan``'s candidates: interleaved when their copies fit in ``room``,
+    else in turn (rank 0's clock decides whether to go on after the first)."""
+    if _interleave(plan, model, room):
         return _interleaved(model, strategies, [e["steps"] for e in plan], choice,
                             sample_input, loss_fn, started, budget_s)
     out: list[Timing] = []
@@ -569,6 +619,13 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
     loss_fn = loss_fn or default_loss
     started = time.perf_counter()
     rank0 = dist.get_rank() == 0
+    room = agreed_room(model)
+    if model_bytes(model) * COPIES > room:
+        where = model_device(model)
+        return replace(choice, notes=(*choice.notes, (
+            f"trial steps: none, a copy of the model ({model_bytes(model) / 2**20:.0f} MiB of "
+            f"parameters) does not fit beside it on {where} on every rank; the prediction "
+            "decides")))
     # Rank 0's shortlist (its predictions) on every rank.
     plan = _broadcast_json(_first_plan(choice, k, steps, budget_s) if rank0 else None)
 
@@ -586,7 +643,7 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
 
     strategies = strategies_of(plan)
     timings = _measure(plan, strategies, model, choice, sample_input, loss_fn, started,
-                       budget_s)
+                       budget_s, room)
     trials = trials_of(plan, timings, strategies)
     measured = [t.measured_s for t in trials]
     best_i = _pick(prefer_all_reduce(
@@ -594,7 +651,7 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
                      [e["name"] for e in plan], measured),
         [t.family for t in trials], measured))
     entry, strategy = plan[best_i], strategies[best_i]
-    how = "interleaved" if _interleave(plan, model) else "in turn"
+    how = "interleaved" if _interleave(plan, model, room) else "in turn"
     note = (f"trial steps: {len(trials)} candidates {how}, {WARMUP}+{steps}..{MAX_STEPS} "
             f"steps each, {time.perf_counter() - started:.1f} s; kept {entry['name']}")
     # The second look: what the trials' rates put level with the winner, raced against it.
@@ -606,7 +663,7 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
     if race:
         raced_strategies = [strategy, *strategies_of(race[1:])]
         timings2 = _measure(race, raced_strategies, model, choice, sample_input, loss_fn,
-                            started, budget_s)
+                            started, budget_s, room)
         trials += trials_of(race, timings2, raced_strategies, RACED)
         medians = [m for m, *_ in timings2]
         won = _pick(prefer_all_reduce(
