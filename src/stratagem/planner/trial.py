@@ -69,6 +69,9 @@ one copy does not fit."""
 GPU_SHARE = 0.5
 """Of a GPU's free memory, what trial copies may take (the rest: their activations, the
 allocator's slack)."""
+HOST_ROOM = 2 ** 62
+"""A CPU model's room for copies: host memory is not checked (one copy at a time past
+``INTERLEAVE_BYTES``)."""
 TIE = 0.05
 """Measured steps this close (relative) count as equal: the better predicted one stays
 (the search's own tolerance; steps of a few ms vary by that much between repeats)."""
@@ -383,12 +386,8 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def model_bytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s parameters (one copy's values)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-HOST_ROOM = 2 ** 62
-"""A CPU model's room for copies: host memory is not checked (one copy at a time past
-``INTERLEAVE_BYTES``)."""
 
 
 def trial_room(model: nn.Module) -> int:
