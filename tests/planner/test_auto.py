@@ -495,5 +495,3 @@ def test_trial_copies_fit_in_the_room_every_rank_has() -> None:
     assert trial._interleave(plan, linear, 4 * one)
     assert not trial._interleave(plan, linear, 4 * one - 1)  # the room binds
     assert trial._interleave(plan, linear, trial.HOST_ROOM)  # 3 MiB < INTERLEAVE_BYTES
-
-

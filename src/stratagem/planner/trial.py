@@ -618,12 +618,11 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
     loss_fn = loss_fn or default_loss
     started = time.perf_counter()
     rank0 = dist.get_rank() == 0
-    room = agreed_room(model)
-    if model_bytes(model) * COPIES > room:
-        where = model_device(model)
+    room, one = agreed_room(model), model_bytes(model)
+    if one * COPIES > room:
         return replace(choice, notes=(*choice.notes, (
-            f"trial steps: none, a copy of the model ({model_bytes(model) / 2**20:.0f} MiB of "
-            f"parameters) does not fit beside it on {where} on every rank; the prediction "
+            f"trial steps: none, a copy of the model ({one / 2**20:.0f} MiB of parameters) "
+            f"does not fit beside it on {model_device(model)} on every rank; the prediction "
             "decides")))
     # Rank 0's shortlist (its predictions) on every rank.
     plan = _broadcast_json(_first_plan(choice, k, steps, budget_s) if rank0 else None)

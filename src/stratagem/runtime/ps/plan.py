@@ -97,7 +97,7 @@ class PSBucket:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffer a worker pushes (values and presence slots)."""
-        return self.size * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.size * getattr(torch, self.dtype).itemsize
 
 
 @dataclass(frozen=True)
