@@ -18,7 +18,7 @@ ALL = [v for k, v in vars(env).items() if k.isupper() and isinstance(v, str)
 @pytest.fixture(autouse=True)
 def clean(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [*ALL, "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
-                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"]:
+                 "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"]:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -74,6 +74,26 @@ def test_adaptdl_accessors_fall_back_to_torch_elastic(monkeypatch: pytest.Monkey
     assert not env.adaptdl_rendezvous()
     monkeypatch.setenv("ADAPTDL_MASTER_PORT", "29500")
     assert env.adaptdl_rendezvous() and env.adaptdl_master_port() == 29500
+
+
+def test_the_nodes_of_a_job_started_without_a_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert env.job_nodes(4) == 1  # this machine alone
+    assert env.job_node_rank(3, 4, 1) == 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun --nnodes 2 --nproc-per-node 8
+    assert env.job_nodes(16) == 2
+    assert env.job_node_rank(3, 16, 2) == 0 and env.job_node_rank(9, 16, 2) == 1
+    monkeypatch.setenv("GROUP_RANK", "1")  # torch elastic says which node
+    assert env.job_node_rank(3, 16, 2) == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delenv("GROUP_RANK")
+    monkeypatch.setenv("ADAPTDL_NUM_NODES", "3")  # alone: not an AdaptDL job
+    assert env.job_nodes(6) == 1
+    monkeypatch.setenv("ADAPTDL_NUM_REPLICAS", "5")  # AdaptDL: 5 replicas on 3 nodes
+    assert env.job_nodes(5) == 3
+    assert [env.job_node_rank(r, 5, 3) for r in range(5)] == [0, 0, 1, 1, 2]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
+    with pytest.raises(StratagemError, match="LOCAL_WORLD_SIZE='x'"):
+        env.job_nodes(2)
 
 
 def test_rescale_and_hints_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -539,3 +539,25 @@ def test_gpu_for_maps_local_ranks_to_the_spec_gpus() -> None:
     assert spec.gpu_for("-bad-", 0) is None and spec.gpu_for(" 10.0.0.2", 0) == 0
     local = ResourceSpec.from_dict({"nodes": [{"address": "127.0.0.1", "gpus": [1]}]})
     assert local.gpu_for(None, 0) == 1
+
+
+def test_a_job_without_a_spec_spans_nodes_like_this_one(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """torchrun over several nodes with no resource spec: each node runs its share of the
+    workers, on its GPUs where it has one per worker (not "this machine with every worker
+    of the job", which has too few GPUs and trains on the CPU)."""
+    import torch
+
+    assert ResourceSpec.of_job(3, 1) == ResourceSpec.local(3)
+    cpu = ResourceSpec.of_job(5, 3)  # 2 + 2 + 1 CPU workers
+    assert [(n.address, n.workers, n.chief) for n in cpu.nodes] == [
+        ("node0", 2, True), ("node1", 2, False), ("node2", 1, False)]
+    assert cpu.replicas[:3] == ["node0:CPU:0", "node0:CPU:1", "node1:CPU:0"]
+    assert not cpu.uses_gpus and cpu.source.startswith(ResourceSpec.JOB_SOURCE)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert not ResourceSpec.local(16).uses_gpus  # one machine, 16 workers, 8 GPUs
+    gpus = ResourceSpec.of_job(16, 2)
+    assert gpus.uses_gpus and gpus.num_workers == 16
+    assert gpus.replicas[7:9] == ["node0:GPU:7", "node1:GPU:0"]
+    assert not ResourceSpec.of_job(18, 2).uses_gpus  # 9 workers a node, 8 GPUs: the CPU

@@ -27,6 +27,7 @@ from stratagem.adapt.loop import AdaptiveTrainer, TrainerConfig
 from stratagem.adapt.step_metrics import StepRecorder
 from stratagem.analysis import ModelProfile, analyze
 from stratagem.data import DistributedDataLoader
+from stratagem.elastic.wire import broadcast_bytes, comm_device
 from stratagem.errors import StratagemError, install_excepthook
 from stratagem.launch.env import active_nodes, nproc_override
 from stratagem.observe import MetricsFile, ProgressDisplay, logger
@@ -162,7 +163,8 @@ class AutoDist:
     def _load_spec(self, path: Any, spec: ResourceSpec | None) -> ResourceSpec:
         if spec is None:
             path = path or env.resource_spec_path()
-            spec = ResourceSpec.from_file(path) if path else ResourceSpec.local(self.world_size)
+            spec = (ResourceSpec.from_file(path) if path else
+                    ResourceSpec.of_job(self.world_size, env.job_nodes(self.world_size)))
             nproc = nproc_override()  # `stratagem run --nproc N` with a single-node spec
             if path and nproc is not None and spec.is_local:
                 spec = spec.with_local_workers(nproc)
@@ -209,8 +211,15 @@ class AutoDist:
             return spec.replicas[:1]
         addresses = [n.address for n in spec.nodes]
         mine = env.node_address()
-        node = addresses.index(mine) if mine in addresses else (0 if spec.is_local else -1)
-        local = torch.tensor([node, self.local_rank], dtype=torch.int64, device=self.device)
+        if mine in addresses:
+            node = addresses.index(mine)
+        elif spec.is_local:
+            node = 0
+        elif spec.source.startswith(ResourceSpec.JOB_SOURCE):  # no spec given: torch
+            node = env.job_node_rank(self.rank, self.world_size, len(spec.nodes))  # elastic's
+        else:
+            node = -1
+        local = torch.tensor([node, self.local_rank], dtype=torch.int64, device=comm_device())
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local)
         pairs = [tuple(int(v) for v in t.tolist()) for t in gathered]
@@ -337,17 +346,10 @@ class AutoDist:
 
     def _agree(self, strategy: Strategy) -> Strategy:
         """Rank 0's strategy on every worker (sent as JSON bytes, parsed strictly)."""
-        payload = strategy.to_json().encode() if self.rank == 0 else b""
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        dist.broadcast(size, 0)
-        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-               if self.rank == 0 else
-               torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
-        dist.broadcast(buf, 0)
+        payload = broadcast_bytes(strategy.to_json().encode() if self.rank == 0 else None)
         if self.rank == 0:
             return strategy
-        return Strategy.from_dict(json.loads(bytes(buf.cpu().tolist()).decode()),
-                                  source="rank 0's Auto strategy")
+        return Strategy.from_dict(json.loads(payload.decode()), source="rank 0's Auto strategy")
 
     def explain(self) -> str:
         """What Auto chose and why: groups, predicted step split into compute, exposed
@@ -389,6 +391,7 @@ class AutoDist:
         if not isinstance(model, nn.Module):
             raise StratagemError(f"expected a torch.nn.Module, got {type(model).__name__}",
                                  where="AutoDist.distribute", fix="pass the model object")
+        self._check_model_device(model)
         model.to(self.device)
         self._check_optimizer(model, optimizer)
         self._plan_pending = self._plans_on_first_batch(sample_input)
@@ -462,7 +465,7 @@ class AutoDist:
                 if (list(saved.graph_config.replicas) != list(self.resource_spec.replicas)
                         or (saved.server_parameters and self.elastic_group is not None)):
                     saved = None  # other workers; or servers an in-process rescale can't
-        flag = torch.tensor([1 if saved is not None else 0], device=self.device)
+        flag = torch.tensor([1 if saved is not None else 0], device=comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # (several workers: see the caller)
         if not int(flag.item()):
             saved = None
@@ -525,6 +528,21 @@ class AutoDist:
                 print(f"stratagem: server {self.cluster.device(self.rank)} done: "
                       f"{stats.summary()}", flush=True)
         sys.exit(0)
+
+    def _check_model_device(self, model: nn.Module) -> None:
+        """A model the script put on a GPU is not moved to the CPU behind its back (its
+        batches would follow it to the GPU and the forward fail on a device mismatch)."""
+        on_gpu = sorted({str(p.device) for p in model.parameters() if p.device.type == "cuda"})
+        if self.device.type != "cpu" or not on_gpu:
+            return
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise StratagemError(
+            f"the model is on {', '.join(on_gpu)} but this worker trains on the CPU: the "
+            f"resource spec ({self.resource_spec.source}) gives it no GPU ({gpus} GPU(s) "
+            f"here, {self.world_size} workers in the job)", where="AutoDist.distribute",
+            fix="run one worker per GPU (`stratagem run --nproc N`, N at most the GPUs), list "
+                "the GPUs under the node's `gpus` in the resource spec, or leave the model on "
+                "the CPU and move it and its batches to `ad.device`")
 
     def _check_optimizer(self, model: nn.Module, optimizer: Any) -> None:
         if optimizer is None:

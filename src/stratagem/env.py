@@ -110,6 +110,27 @@ def node_address() -> str | None:
     return _first(NODE_ADDRESS)
 
 
+def job_nodes(world_size: int) -> int:
+    """How many nodes a job of ``world_size`` workers started without a resource spec spans:
+    ``WORLD_SIZE / LOCAL_WORLD_SIZE`` under torch elastic (``torchrun --nnodes 2``),
+    ``ADAPTDL_NUM_NODES`` in an AdaptDL job, else 1 (this machine alone)."""
+    per_node = int(_number(("LOCAL_WORLD_SIZE",), 0, int))
+    if per_node > 0:
+        return max(1, -(-world_size // per_node))
+    if os.environ.get(ADAPTDL_NUM_REPLICAS) and os.environ.get(ADAPTDL_NUM_NODES):
+        return max(1, min(world_size, int(_number((ADAPTDL_NUM_NODES,), 1, int))))
+    return 1
+
+
+def job_node_rank(rank: int, world_size: int, nodes: int) -> int:
+    """This worker's node (0-based) in such a job: torch elastic's ``GROUP_RANK``, else the
+    ranks split over the nodes in order (AdaptDL's replicas)."""
+    group = int(_number(("GROUP_RANK",), -1, int))
+    if 0 <= group < nodes and os.environ.get("LOCAL_WORLD_SIZE"):
+        return group
+    return min(nodes - 1, rank // -(-world_size // nodes))
+
+
 def job_id() -> str | None:
     """``STRATAGEM_JOB_ID``: the job id (also torch elastic's rendezvous id)."""
     return _first(JOB_ID)

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from stratagem.errors import ResourceSpecError
 from stratagem.safeload import MAX_BYTES, load_yaml
@@ -90,6 +90,7 @@ class ResourceSpec:
     nodes: tuple[Node, ...]
     ssh: Mapping[str, SSHConfig] = field(default_factory=dict)
     source: str = "<resource spec>"
+    JOB_SOURCE: ClassVar[str] = "<this job"  # the source of :meth:`of_job`'s specs
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -136,6 +137,21 @@ class ResourceSpec:
                     chief=True, workers=len(gpus) or 1)
         spec = cls(nodes=(node,), source="<this machine>")
         return spec if num_workers is None else spec.with_local_workers(num_workers)
+
+    @classmethod
+    def of_job(cls, world_size: int, nodes: int) -> ResourceSpec:
+        """A job of ``world_size`` workers on ``nodes`` machines shaped like this one, started
+        without a resource spec (``torchrun --nnodes 2 --nproc-per-node 8``): each node runs
+        its share of the workers on its GPUs, one each, where it has that many, and is
+        named ``node0``, ``node1``, ... in rank order (one node: :meth:`local`)."""
+        if nodes <= 1:
+            return cls.local(world_size)
+        per_node = -(-world_size // nodes)
+        this = cls.local(per_node).nodes[0]
+        counts = [min(per_node, world_size - i * per_node) for i in range(nodes)]
+        shaped = tuple(replace(this, address=f"node{i}", chief=i == 0, workers=count)
+                       for i, count in enumerate(counts) if count > 0)
+        return cls(nodes=shaped, source=f"{cls.JOB_SOURCE}: {len(shaped)} nodes like this one>")
 
     def with_local_workers(self, workers: int) -> ResourceSpec:
         """This single-node spec running ``workers`` processes (``--nproc``); on CPU when

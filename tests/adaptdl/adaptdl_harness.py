@@ -1,4 +1,5 @@
-"""Launch cifar_style.py the ways AdaptDL jobs start, stop it mid-epoch, read its logs."""
+"""Launch cifar_style.py the ways AdaptDL jobs start, stop it mid-epoch, read its logs
+(on the CPU; on the machine's GPU with ``gpu=True``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+SHARE_ONE_GPU = Path(__file__).resolve().parents[1] / "gpu" / "share_one_gpu"
 SCRIPTS = Path(__file__).with_name("scripts")
 SCRIPT = SCRIPTS / "cifar_style.py"
 CLEARED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -24,29 +26,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def base_env(ckpt: Path) -> dict[str, str]:
+def base_env(ckpt: Path, gpu: bool = False) -> dict[str, str]:
+    """The parent's environment without job variables, on the CPU (no GPU visible) unless
+    ``gpu``: then the replicas share the machine's one GPU (``tests/gpu/share_one_gpu``),
+    with TF32 off so that float32 rounds close to the CPU reference."""
     env = {k: v for k, v in os.environ.items()
            if k not in CLEARED and not k.startswith("ADAPTDL_")}
     env.update(ADAPTDL_CHECKPOINT_PATH=str(ckpt), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if gpu:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(SHARE_ONE_GPU), *filter(None, [env.get("PYTHONPATH")])])
+        env["NVIDIA_TF32_OVERRIDE"] = "0"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
-def standalone(nproc: int, ckpt: Path, args: list[str], log: Path) -> list[subprocess.Popen]:
-    """``nproc`` replicas rendezvousing through the ADAPTDL_* variables (AdaptDL standalone)."""
+def standalone(nproc: int, ckpt: Path, args: list[str], log: Path, *, gpu: bool = False,
+               nodes: int | None = None) -> list[subprocess.Popen]:
+    """``nproc`` replicas rendezvousing through the ADAPTDL_* variables (AdaptDL standalone);
+    ``nodes``: AdaptDL's ``ADAPTDL_NUM_NODES`` (the replicas spread over that many)."""
     port = free_port()
     procs = []
     for rank in range(nproc):
-        env = base_env(ckpt)
+        env = base_env(ckpt, gpu)
         env.update(ADAPTDL_MASTER_ADDR="127.0.0.1", ADAPTDL_MASTER_PORT=str(port),
                    ADAPTDL_NUM_REPLICAS=str(nproc), ADAPTDL_REPLICA_RANK=str(rank))
+        if nodes is not None:
+            env["ADAPTDL_NUM_NODES"] = str(nodes)
         out = (log.parent / f"{log.name}.rank{rank}").open("w")
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env,
                                       stdout=out, stderr=subprocess.STDOUT, cwd=SCRIPTS))
     return procs
 
 
-def launcher(kind: str, nproc: int, ckpt: Path, args: list[str], log: Path
-             ) -> list[subprocess.Popen]:
+def launcher(kind: str, nproc: int, ckpt: Path, args: list[str], log: Path, *,
+             gpu: bool = False) -> list[subprocess.Popen]:
     """One ``stratagem run`` (kind "stratagem") or ``torchrun --standalone`` job."""
     if kind == "stratagem":
         cmd = [sys.executable, "-m", "stratagem", "run", "--nproc", str(nproc)]
@@ -54,8 +69,26 @@ def launcher(kind: str, nproc: int, ckpt: Path, args: list[str], log: Path
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), "--monitor-interval", "0.05"]
     out = log.open("w")
-    return [subprocess.Popen([*cmd, str(SCRIPT), *args], env=base_env(ckpt), stdout=out,
+    return [subprocess.Popen([*cmd, str(SCRIPT), *args], env=base_env(ckpt, gpu), stdout=out,
                              stderr=subprocess.STDOUT, cwd=SCRIPTS)]
+
+
+def torchrun_nodes(nnodes: int, ckpt: Path, args: list[str], log: Path, *,
+                   gpu: bool = False) -> list[subprocess.Popen]:
+    """``torchrun --nnodes N --nproc-per-node 1`` on this machine: N agents, each a node of
+    one worker (c10d rendezvous, the first agent its host), no resource spec."""
+    port = free_port()
+    procs = []
+    for node in range(nnodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{port}", "--rdzv-id", f"nodes-{port}", "--rdzv-conf",
+               f"is_host={int(node == 0)}", "--max-restarts", "0", "--monitor-interval",
+               "0.05"]
+        out = (log.parent / f"{log.name}.node{node}").open("w")
+        procs.append(subprocess.Popen([*cmd, str(SCRIPT), *args], env=base_env(ckpt, gpu),
+                                      stdout=out, stderr=subprocess.STDOUT, cwd=SCRIPTS))
+    return procs
 
 
 def finish(procs: list[subprocess.Popen], out: Path, *, stop: int = 0,

@@ -101,3 +101,52 @@ def test_job_env_carries_the_nproc_override_and_device_order() -> None:
     for bad in ("0", "x", "1e23", "99999"):
         with pytest.raises(LaunchError, match="is not a worker count"):
             nproc_override({"STRATAGEM_NPROC": bad})
+
+
+NODES = """
+from types import SimpleNamespace
+import torch
+import stratagem as sg
+from stratagem import env
+from stratagem.autodist import AutoDist
+from stratagem.resource import ResourceSpec
+
+ad = sg.AutoDist(verbose=False)
+torch.cuda.is_available = lambda: True  # nodes of one GPU each: which would it use?
+torch.cuda.device_count = lambda: 1
+torch.cuda.set_device = lambda index: None
+spec = ResourceSpec.of_job(ad.world_size, env.job_nodes(ad.world_size))
+gpu = AutoDist._pick_device(SimpleNamespace(resource_spec=spec, local_rank=ad.local_rank))
+print(f"rank {ad.rank} nodes {len(ad.resource_spec.nodes)} {ad.device} "
+      f"devices {','.join(ad.rank_devices)} with-gpus {gpu} {','.join(spec.replicas)}",
+      flush=True)
+"""
+
+
+def test_plain_torchrun_over_two_nodes_without_a_spec(script: Script, tmp_path: Path) -> None:
+    """``torchrun --nnodes 2`` with no resource spec (two agents here, each a node of one
+    worker): each rank sees a job of two nodes shaped like this machine, tells its node
+    by torch elastic's group rank, and on nodes of one GPU would train on ``cuda:0``, not
+    fall back to the CPU as "this machine with two workers" did."""
+    import subprocess
+    import sys
+
+    from stratagem.launch.local import free_port
+
+    path = script("nodes.py", NODES)
+    port = free_port()
+    env = {k: v for k, v in __import__("os").environ.items()
+           if not k.startswith(("STRATAGEM_", "ADAPTDL_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU workers, GPUs faked
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+         "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+         "two-nodes", "--rdzv-conf", f"is_host={int(host)}", "--max-restarts", "0",
+         "--monitor-interval", "0.1", str(path)], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for host in (True, False)]
+    outs = [a.communicate(timeout=100)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(outs)[-4000:]
+    lines = sorted(line for out in outs for line in out.splitlines() if line.startswith("rank"))
+    assert lines == [f"rank {r} nodes 2 cpu devices node0:CPU:0,node1:CPU:0 with-gpus "
+                     f"cuda:0 node0:GPU:0,node1:GPU:0" for r in (0, 1)], "\n".join(outs)

@@ -2,10 +2,10 @@
 
 AdaptDL's pytorch-cifar example in miniature (no downloads): the imports are the only lines
 that differ from the adaptdl version of this script. Test hooks: ``--out DIR`` logs the
-sample ids of every step (``ids-<rank>-<pid>.jsonl``), each epoch's synchronized statistics
-(``stats.jsonl``) and the final model (``final.pt``); ``--stop-at S`` parks every replica
-inside global step S (file ``ready-<rank>`` holding its pid) until the file ``go`` appears,
-so that a SIGTERM sent meanwhile lands mid-epoch.
+sample ids and device of every step (``ids-<rank>-<pid>.jsonl``), each epoch's synchronized
+statistics (``stats.jsonl``) and the final model (``final.pt``); ``--stop-at S`` parks every
+replica inside global step S (file ``ready-<rank>`` holding its pid) until the file ``go``
+appears, so that a SIGTERM sent meanwhile lands mid-epoch.
 """
 
 import argparse
@@ -122,7 +122,7 @@ def train(epoch):
         counter.step += 1
         ids_log.write(json.dumps({"step": counter.step, "epoch": epoch, "rank": rank,
                                   "world": adaptdl.env.num_replicas(),
-                                  "ids": ids.tolist()}) + "\n")
+                                  "device": str(inputs.device), "ids": ids.tolist()}) + "\n")
         ids_log.flush()
         optimizer.zero_grad()
         outputs = net(inputs)
