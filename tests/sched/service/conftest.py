@@ -15,7 +15,8 @@ def ray_cluster() -> Iterator[object]:
     ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install "
                               "'stratagem[cluster]'")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(address="local", num_cpus=4, resources={FAKE_GPU: 2}, include_dashboard=False,
+    ray.init(address="local", num_cpus=4, num_gpus=2, resources={FAKE_GPU: 2},
+             include_dashboard=False,
              object_store_memory=80 * 1024 * 1024, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
     yield ray

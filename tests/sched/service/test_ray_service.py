@@ -238,3 +238,49 @@ def test_a_job_shrinks_and_grows_in_process_and_trains_as_alone(ray_cluster, tmp
     assert len(got["params"]) == len(want["params"]) == 420
     assert max(abs(a - b) for a, b in zip(got["params"], want["params"], strict=True)) < 1e-4
     assert got["accuracy"] == pytest.approx(want["accuracy"], abs=0.005)
+
+
+GPU_VIEW = """
+import json, os
+from types import SimpleNamespace
+import torch
+from stratagem import env
+from stratagem.autodist import AutoDist
+from stratagem.resource import ResourceSpec
+
+visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+torch.cuda.is_available = lambda: bool(visible)  # Ray's GPUs here are declared, not real:
+torch.cuda.device_count = lambda: len(visible.split(","))  # see what a real one would show
+torch.cuda.set_device = lambda index: None
+world = int(os.environ["WORLD_SIZE"])
+spec = ResourceSpec.of_job(world, env.job_nodes(world))
+device = AutoDist._pick_device(SimpleNamespace(resource_spec=spec,
+                                               local_rank=int(os.environ["LOCAL_RANK"])))
+print("view", json.dumps({"visible": visible, "nodes": len(spec.nodes), "device": str(device),
+                          "node": env.job_node_rank(int(os.environ["RANK"]), world,
+                                                    len(spec.nodes))}), flush=True)
+"""
+
+
+def test_replicas_on_real_gpus_each_train_on_the_gpu_ray_gave_them(ray_cluster, tmp_path):
+    """With the cluster's GPU resource, Ray shows each replica only its own GPU; the worker
+    counts as a node of its own with one worker, so it trains on that GPU (``cuda:0``)
+    rather than on the CPU of "one machine with one GPU and two workers"."""
+    script = tmp_path / "view.py"
+    script.write_text(GPU_VIEW)
+    spec = parse_job({"name": "gpus", "script": str(script), "min_replicas": 2,
+                      "max_replicas": 2, "resources": {"CPU": 1, "GPU": 1}})
+    ckpt, log_dir = job_dirs(tmp_path, spec)
+    backend = RayBackend("GPU", start_timeout=60.0, grace=5.0)
+    launched = backend.launch(spec, 2, 0, job_env(spec, ckpt), log_dir)
+    try:
+        wait_logged(lambda: all(c is not None for c in backend.poll(launched)), 90,
+                    "the end", log_dir)
+        assert backend.poll(launched) == [0, 0], replica_logs(log_dir)
+    finally:
+        backend.stop(launched, grace=0.0)
+    views = [json.loads(line.split(" ", 1)[1]) for line in replica_logs(log_dir).splitlines()
+             if line.startswith("view ")]
+    assert sorted(v["visible"] for v in views) == ["0", "1"], views
+    assert sorted(v["node"] for v in views) == [0, 1]
+    assert all(v["nodes"] == 2 and v["device"] == "cuda:0" for v in views), views

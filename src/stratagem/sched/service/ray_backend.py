@@ -319,6 +319,10 @@ class RayBackend:
         """Checkpoint-restart form: fixed ranks, rank 0's node hosts the rendezvous."""
         addrs = self.ray.get([a.address.remote() for a in actors], timeout=self.start_timeout)
         master, port = addrs[0]
+        # Ray shows an actor that holds GPUs only those (CUDA_VISIBLE_DEVICES): to its
+        # worker, a node of its own with one worker, which trains on cuda:0 (see
+        # stratagem.env.job_nodes). Otherwise the workers of one machine count locally.
+        own_gpus = self.gpu_resource == "GPU" and dict(spec.resources).get("GPU", 0) > 0
         local: dict[str, int] = {}
         starts = []
         for rank, (actor, (ip, _)) in enumerate(zip(actors, addrs, strict=True)):
@@ -327,6 +331,8 @@ class RayBackend:
             renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(len(actors)),
                     "LOCAL_RANK": str(local_rank), "MASTER_ADDR": master,
                     "MASTER_PORT": str(port), "GROUP_RANK": "0"}
+            if own_gpus:
+                renv.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
             starts.append(actor.start.remote(self._argv(spec), renv,
                                              log_file(log_dir, names[rank])))
         return starts
