@@ -633,11 +633,13 @@ class AutoDist:
         broadcast afterwards)."""
 
     def on_membership_change(self, change: elastic.MembershipChange) -> None:
-        """An in-process rescale formed a new group: this machine's ``world_size`` workers
-        now; rebuild the strategy and plan for it, and re-bind the distributed model
+        """An in-process rescale formed a new group of ``world_size`` workers (on this
+        machine; each a node of its own where Ray gave it its own GPU, ``LOCAL_WORLD_SIZE=1``);
+        rebuild the strategy and plan for it, and re-bind the distributed model
         (broadcasting rank 0's tensors when someone joined)."""
         self.rank, self.world_size = change.rank, change.world_size
-        self.resource_spec = ResourceSpec.local(change.world_size)
+        self.resource_spec = ResourceSpec.of_job(change.world_size,
+                                                 env.job_nodes(change.world_size))
         self.rank_devices = list(self.resource_spec.replicas)
         if self.model is None:
             return

@@ -294,7 +294,7 @@ class RayBackend:
             actors = self._place_actors(names, nodes, res, spec.name)
             if in_process:
                 renv = {**env, **self._serve_store(group_name, nodes[0].node_id),
-                        sg_env.RESCALE_NPROC: str(replicas)}
+                        **self._own_gpus(spec), sg_env.RESCALE_NPROC: str(replicas)}
                 starts = [a.start.remote(self._argv(spec), {**renv, sg_env.RESCALE_ID: n},
                                          log_file(log_dir, n))
                           for a, n in zip(actors, names, strict=True)]
@@ -319,10 +319,7 @@ class RayBackend:
         """Checkpoint-restart form: fixed ranks, rank 0's node hosts the rendezvous."""
         addrs = self.ray.get([a.address.remote() for a in actors], timeout=self.start_timeout)
         master, port = addrs[0]
-        # Ray shows an actor that holds GPUs only those (CUDA_VISIBLE_DEVICES): to its
-        # worker, a node of its own with one worker, which trains on cuda:0 (see
-        # stratagem.env.job_nodes). Otherwise the workers of one machine count locally.
-        own_gpus = self.gpu_resource == "GPU" and dict(spec.resources).get("GPU", 0) > 0
+        own_gpus = bool(self._own_gpus(spec))
         local: dict[str, int] = {}
         starts = []
         for rank, (actor, (ip, _)) in enumerate(zip(actors, addrs, strict=True)):
@@ -331,11 +328,19 @@ class RayBackend:
             renv = {**env, "RANK": str(rank), "WORLD_SIZE": str(len(actors)),
                     "LOCAL_RANK": str(local_rank), "MASTER_ADDR": master,
                     "MASTER_PORT": str(port), "GROUP_RANK": "0"}
-            if own_gpus:
-                renv.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+            if own_gpus:  # otherwise the workers of one machine count locally
+                renv.update(self._own_gpus(spec), GROUP_RANK=str(rank))
             starts.append(actor.start.remote(self._argv(spec), renv,
                                              log_file(log_dir, names[rank])))
         return starts
+
+    def _own_gpus(self, spec: JobSpec) -> dict[str, str]:
+        """Ray shows an actor that holds GPUs only those (CUDA_VISIBLE_DEVICES): to its
+        worker, a node of its own with one worker, which trains on ``cuda:0`` (see
+        :func:`stratagem.env.job_nodes`). Empty without Ray's own GPU resource."""
+        if self.gpu_resource == "GPU" and dict(spec.resources).get("GPU", 0) > 0:
+            return {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        return {}
 
     def _place_actors(self, names: Sequence[str], nodes: Sequence[NodeInfo],
                       res: Mapping[str, float], job: str) -> list:
@@ -406,7 +411,7 @@ class RayBackend:
         try:
             actors = self._place_actors(names, nodes, dict(spec.resources), spec.name)
             renv = {**env, **self._serve_store(launched.group_name, nodes[0].node_id),
-                    sg_env.RESCALE_NPROC: str(current)}
+                    **self._own_gpus(spec), sg_env.RESCALE_NPROC: str(current)}
             self.ray.get([a.start.remote(self._argv(spec), {**renv, sg_env.RESCALE_ID: n},
                                          log_file(log_dir, n))
                           for a, n in zip(actors, names, strict=True)],
