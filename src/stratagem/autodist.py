@@ -215,8 +215,9 @@ class AutoDist:
             node = addresses.index(mine)
         elif spec.is_local:
             node = 0
-        elif spec.source.startswith(ResourceSpec.JOB_SOURCE):  # no spec given: torch
-            node = env.job_node_rank(self.rank, self.world_size, len(spec.nodes))  # elastic's
+        elif spec.source.startswith(ResourceSpec.JOB_SOURCE):
+            # no spec given, several nodes: torch elastic's group rank says which
+            node = env.job_node_rank(self.rank, self.world_size, len(spec.nodes))
         else:
             node = -1
         local = torch.tensor([node, self.local_rank], dtype=torch.int64, device=comm_device())
