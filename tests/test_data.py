@@ -181,3 +181,29 @@ def test_follows_the_epoch_loop() -> None:
     loader = _loaders(20, 8, 1)[0]
     firsts = [next(iter(loader))[0].tolist() for _ in remaining_epochs_until(3)]
     assert firsts == [epoch_permutation(20, e, 3, True)[:8] for e in range(3)]
+
+
+def test_batches_arrive_on_the_loaders_device() -> None:
+    """AutoDist's loaders hand out batches on the worker's device (the meta device stands in
+    for a GPU here): every tensor of tuples, named tuples, lists and dicts, the rest as is;
+    the same samples as on the CPU."""
+    from collections import namedtuple
+
+    from stratagem.data import to_device
+
+    Pair = namedtuple("Pair", "x y")
+    meta = torch.device("meta")
+    batch = {"a": (torch.ones(2), [torch.zeros(1), 3]), "b": Pair(torch.ones(1), "s")}
+    moved = to_device(batch, meta)
+    assert moved["a"][0].device == meta and moved["a"][1][0].device == meta
+    assert moved["a"][1][1] == 3 and isinstance(moved["a"][1], list)
+    assert isinstance(moved["b"], Pair) and moved["b"].x.device == meta and moved["b"].y == "s"
+
+    ds = TensorDataset(torch.arange(8))
+    on_cpu = DistributedDataLoader(ds, 4, rank=0, world_size=1, device="cpu")
+    assert on_cpu.device is None
+    assert [b[0].tolist() for b in on_cpu] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    on_meta = DistributedDataLoader(ds, 4, rank=0, world_size=1, device=meta)
+    got = list(on_meta)
+    assert [b[0].device for b in got] == [meta, meta] and [b[0].shape for b in got] == [
+        torch.Size([4])] * 2

@@ -562,7 +562,8 @@ class AutoDist:
 
     def data_loader(self, dataset: Any, batch_size: int, shuffle: bool = False,
                     **kwargs: Any) -> DistributedDataLoader:
-        """A loader whose ``batch_size`` is the GLOBAL batch, split across replicas.
+        """A loader whose ``batch_size`` is the GLOBAL batch, split across replicas, with
+        its batches on this worker's device (``ad.device``, where the model is).
 
         Its position is part of the job state (restored here when a checkpoint exists), and
         it stops the job gracefully on SIGTERM; iterate it on every rank.
@@ -570,7 +571,8 @@ class AutoDist:
         loader = DistributedDataLoader(dataset, batch_size, rank=self.rank,
                                        world_size=self.world_size, shuffle=shuffle,
                                        seed=kwargs.pop("seed", self.seed),
-                                       on_batch=self._set_grad_weight, elastic=True, **kwargs)
+                                       on_batch=self._set_grad_weight, elastic=True,
+                                       device=kwargs.pop("device", self.device), **kwargs)
         elastic.track_loader(loader)
         loader.hooks = self.adaptive  # the adaptive loop, once distributed
         return loader

@@ -154,6 +154,20 @@ def elastic_loaders() -> list[DistributedDataLoader]:
     return [p for p in current_job().participants() if isinstance(p, DistributedDataLoader)]
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it (in tuples, named tuples, lists and dicts) on
+    ``device``, copied without blocking; anything else as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(v, device) for v in batch)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
 class DistributedDataLoader:
     """A torch DataLoader over this rank's share of each global batch.
 
@@ -165,12 +179,16 @@ class DistributedDataLoader:
     that loop's epoch. ``on_batch`` (set by AutoDist) receives each batch's gradient
     weight. With ``elastic=True`` (AutoDist's loaders) a pending SIGTERM is acted on after
     each step: the job state is saved and the process exits (see ``stratagem.elastic``), and
-    an in-process rescale moves the loader to the new world (:meth:`on_rescale`).
+    an in-process rescale moves the loader to the new world (:meth:`on_rescale`). With a
+    ``device`` other than the CPU (AutoDist's loaders: the worker's GPU) every tensor of a
+    batch arrives there, read into pinned memory and copied without blocking, as the model
+    that AutoDist placed on it expects.
     """
 
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False,
-                 on_batch: Any = None, elastic: bool = False, **loader_kwargs: Any) -> None:
+                 on_batch: Any = None, elastic: bool = False,
+                 device: torch.device | str | None = None, **loader_kwargs: Any) -> None:
         if not isinstance(dataset, Sized):
             raise StratagemError("the dataset has no len()", where="data_loader",
                                  fix="pass a map-style dataset (with __len__ and __getitem__)")
@@ -187,6 +205,10 @@ class DistributedDataLoader:
         self.local_bsz_bounds: tuple[int | None, int | None] = (None, None)
         self.gradient_accumulation = False
         self._on_batch = on_batch
+        self.device = None if device is None or torch.device(device).type == "cpu" else \
+            torch.device(device)
+        if self.device is not None and self.device.type == "cuda":
+            loader_kwargs.setdefault("pin_memory", True)
         self._loader = DataLoader(dataset, batch_sampler=self.sampler, **loader_kwargs)
         if elastic:
             current_job().add_participant(self)
@@ -322,6 +344,8 @@ class DistributedDataLoader:
             for info, batch in zip(plan, self._loader, strict=True):
                 if self._on_batch is not None:
                     self._on_batch(info.weight)
+                if self.device is not None:
+                    batch = to_device(batch, self.device)
                 with hooks.scope(self, info) if hooks is not None else contextlib.nullcontext():
                     yield batch
                 if not info.final:
