@@ -32,8 +32,8 @@ BUILDERS = {"allreduce": lambda: AllReduce(),
 SPARSE = {"partitioned_ps": True, "parallax": True}  # (all-reduce: dense embedding gradients)
 
 
-def _scaler() -> torch.amp.GradScaler:
-    return torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=GROWTH)
+def _scaler(device: str = "cpu") -> torch.amp.GradScaler:
+    return torch.amp.GradScaler(device, init_scale=2.0 ** 12, growth_interval=GROWTH)
 
 
 def _poison(module: torch.nn.Module) -> Any:
@@ -48,7 +48,7 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: Any, x: to
           y: torch.Tensor, poison: bool, before_step: Any = None) -> None:
     opt.zero_grad()
     handle = _poison(model if not hasattr(model, "plan") else model.module) if poison else None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         loss = loss_fn(model(x), y)
     scaler.scale(loss).backward()
     if handle is not None:
@@ -59,35 +59,38 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: Any, x: to
     scaler.update()
 
 
-def reference(case: str, poison: bool = True) -> dict[str, Any]:
+def reference(case: str, poison: bool = True, device: str = "cpu") -> dict[str, Any]:
     """One process, the global batch (``poison=False``: nothing skipped, to show the
-    comparison can fail)."""
-    model = make_model(0, sparse=SPARSE.get(case, False)).float()
+    comparison can fail); on ``device``, the state returned on the CPU."""
+    model = make_model(0, sparse=SPARSE.get(case, False)).float().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scaler = _scaler()
+    scaler = _scaler(device)
     scales = []
     for step in range(STEPS):
         x, y = batch(step)
-        _step(model, opt, scaler, x, y, poison and step == INF_STEP)
+        _step(model, opt, scaler, x.to(device), y.to(device), poison and step == INF_STEP)
         scales.append(scaler.get_scale())
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    return {"state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
             "scales": scales}
 
 
-def amp_case(cluster: Any, spec: Any, case: str) -> dict[str, Any]:
+def amp_case(cluster: Any, spec: Any, case: str, device: str = "cpu") -> dict[str, Any]:
     rank, W = cluster.rank, cluster.workers
     model = make_model(seed=rank, sparse=SPARSE.get(case, False)).float()
+    if cluster.role == "worker":
+        model.to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     profile = analyze(model)
     strategy = validate(BUILDERS[case]().build(profile, spec), profile, spec)
     plan = compile_plan(strategy, profile, rank=rank, world_size=W,
-                        device=torch.device("cpu"), servers=server_devices(spec))
+                        device=torch.device(device if cluster.role == "worker" else "cpu"),
+                        servers=server_devices(spec))
     if plan.role == "server":
         if plan.ps is not None:
             run_server(model, plan, [opt], cluster)
         return {"server": True}
     dm = DistributedModel(model, plan, optimizer=opt, cluster=cluster)
-    scaler = _scaler()
+    scaler = _scaler(device)
     dm.attach_scaler(scaler)
     observed: list[float] = []  # what gradient statistics see (AdaScale's input)
     dm.add_grad_observer(lambda event, _g, buf, scale: observed.append(
@@ -105,24 +108,36 @@ def amp_case(cluster: Any, spec: Any, case: str) -> dict[str, Any]:
     for step in range(STEPS):
         x, y = batch(step)
         observed.clear()
-        _step(dm, opt, scaler, x[sl], y[sl], step == INF_STEP and rank == POISONED_RANK,
-              unscaled_grads)
+        _step(dm, opt, scaler, x[sl].to(device), y[sl].to(device),
+              step == INF_STEP and rank == POISONED_RANK, unscaled_grads)
         scales.append(scaler.get_scale())
         observed_per_step.append(sum(observed))
-    state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
-    sync = {k: v.clone() for k, v in dm.synchronizer_state_dict().items()}
+    dm.refresh_parameters()
+    state = {k: v.detach().cpu().clone() for k, v in dm.state_dict().items()}
+    sync = {k: v.cpu().clone() for k, v in dm.synchronizer_state_dict().items()}
     dm.close()
     return {"state": state, "scales": scales, "observed": observed_per_step,
             "grads": grads, "sync": sync}
 
 
-def suite(rank: int, workers: int, servers: int, cases: list[str]) -> dict[str, Any]:
-    """Every case in one spawn (workers + dedicated servers)."""
+def suite(rank: int, workers: int, servers: int, cases: list[str], device: str = "cpu",
+          backend: str = "gloo") -> dict[str, Any]:
+    """Every case in one spawn (workers + dedicated servers), the workers on ``device``
+    (``cuda``: tests/gpu, the ranks sharing one GPU) in a job whose default group is
+    ``backend``."""
     from ps_common import TIMEOUT, spec_for
     from rt_common import guarded
 
     from stratagem.runtime.ps import join_cluster
 
+    if device == "cuda":
+        import os
+
+        os.environ.update(NCCL_HOSTID=f"stratagem-test-{rank}", NCCL_SOCKET_IFNAME="lo",
+                          NCCL_IB_DISABLE="1")
+        torch.cuda.set_device(0)
     spec = spec_for(workers, servers)
-    cluster = join_cluster(spec.replicas, server_devices(spec), timeout=TIMEOUT)
-    return {case: guarded(lambda c=case: amp_case(cluster, spec, c)) for case in cases}
+    cluster = join_cluster(spec.replicas, server_devices(spec), timeout=TIMEOUT,
+                           backend=backend)
+    return {case: guarded(lambda c=case: amp_case(cluster, spec, c, device))
+            for case in cases}
