@@ -257,7 +257,7 @@ class PSEngine(EngineBase):
                 self._fetch_rows(name, flat)
             return
         pieces = self.by_param[name]
-        uniq = torch.unique(flat)
+        uniq = torch.unique(flat).cpu()  # the row exchange is staged in host memory
         requests = {}
         for p in pieces:
             if p.local_replication:
