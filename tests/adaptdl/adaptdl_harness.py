@@ -6,40 +6,22 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-SHARE_ONE_GPU = Path(__file__).resolve().parents[1] / "gpu" / "share_one_gpu"
+from _jobs import job_free_env, torchrun_agent
+from _spawn import free_port
+
 SCRIPTS = Path(__file__).with_name("scripts")
 SCRIPT = SCRIPTS / "cifar_style.py"
-CLEARED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-           "STRATAGEM_CHECKPOINT_DIR", "STRATAGEM_RESOURCE_SPEC", "STRATAGEM_STRATEGY",
-           "TORCHELASTIC_RUN_ID")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(ckpt: Path, gpu: bool = False) -> dict[str, str]:
-    """The parent's environment without job variables, on the CPU (no GPU visible) unless
-    ``gpu``: then the replicas share the machine's one GPU (``tests/gpu/share_one_gpu``),
-    with TF32 off so that float32 rounds close to the CPU reference."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in CLEARED and not k.startswith("ADAPTDL_")}
-    env.update(ADAPTDL_CHECKPOINT_PATH=str(ckpt), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if gpu:
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(SHARE_ONE_GPU), *filter(None, [env.get("PYTHONPATH")])])
-        env["NVIDIA_TF32_OVERRIDE"] = "0"
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
+    """The parent's environment without job variables (``_jobs.job_free_env``: on the CPU
+    unless ``gpu``) and the job's AdaptDL checkpoint directory."""
+    return {**job_free_env(gpu), "ADAPTDL_CHECKPOINT_PATH": str(ckpt)}
 
 
 def standalone(nproc: int, ckpt: Path, args: list[str], log: Path, *, gpu: bool = False,
@@ -80,14 +62,10 @@ def torchrun_nodes(nnodes: int, ckpt: Path, args: list[str], log: Path, *,
     port = free_port()
     procs = []
     for node in range(nnodes):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               f"127.0.0.1:{port}", "--rdzv-id", f"nodes-{port}", "--rdzv-conf",
-               f"is_host={int(node == 0)}", "--max-restarts", "0", "--monitor-interval",
-               "0.05"]
         out = (log.parent / f"{log.name}.node{node}").open("w")
-        procs.append(subprocess.Popen([*cmd, str(SCRIPT), *args], env=base_env(ckpt, gpu),
-                                      stdout=out, stderr=subprocess.STDOUT, cwd=SCRIPTS))
+        procs.append(subprocess.Popen(
+            [*torchrun_agent(nnodes, node, port, f"nodes-{port}"), str(SCRIPT), *args],
+            env=base_env(ckpt, gpu), stdout=out, stderr=subprocess.STDOUT, cwd=SCRIPTS))
     return procs
 
 

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "planner"))
 import planner_workers as pw  # noqa: E402
+from _jobs import share_one_gpu  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
 
@@ -54,13 +55,6 @@ def all_reduce_with(strategy_json: str, spec: str) -> str:
         return node
 
     return json.dumps(fix(json.loads(strategy_json)))
-
-
-def share_one_gpu(rank: int) -> None:
-    """Let NCCL take this rank for a host of its own, on loopback sockets."""
-    os.environ.update(NCCL_HOSTID=f"stratagem-test-{rank}", NCCL_SOCKET_IFNAME="lo",
-                      NCCL_IB_DISABLE="1")
-    torch.cuda.set_device(CUDA)
 
 
 def suite(rank: int, world: int, backend: str, cases: dict[str, tuple[str, str, str]]

@@ -5,38 +5,25 @@ the GPU and ``ad.data_loader`` hands out its batches there. Skipped without CUDA
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "adaptdl"))
-from adaptdl_harness import SHARE_ONE_GPU, free_port  # noqa: E402
+from _jobs import job_free_env, torchrun_agent
+from _spawn import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"
 ARGS = ["--epochs", "2"]
 
 
-def env(gpu: bool) -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items()
-           if not k.startswith(("STRATAGEM_", "ADAPTDL_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
-    out.update(OMP_NUM_THREADS="1", NVIDIA_TF32_OVERRIDE="0")
-    if gpu:
-        out["PYTHONPATH"] = os.pathsep.join([str(SHARE_ONE_GPU), out.get("PYTHONPATH", "")])
-    else:
-        out["CUDA_VISIBLE_DEVICES"] = ""
-    return out
-
-
 def alone(tmp_path: Path, gpu: bool) -> dict[str, torch.Tensor]:
     ck = tmp_path / ("gpu" if gpu else "cpu")
-    run = subprocess.run([sys.executable, str(SCRIPT), *ARGS, "--save", str(ck)], env=env(gpu),
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    run = subprocess.run([sys.executable, str(SCRIPT), *ARGS, "--save", str(ck)],
+                         env=job_free_env(gpu), capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return torch.load(ck / "model.pt", weights_only=True, map_location="cpu")
 
@@ -53,12 +40,10 @@ def test_the_example_alone_on_the_gpu(tmp_path: Path) -> None:
 
 def test_the_example_on_two_gpu_nodes_under_plain_torchrun(tmp_path: Path) -> None:
     port, ck = free_port(), tmp_path / "two"
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
-         "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
-         "example", "--rdzv-conf", f"is_host={int(node == 0)}", "--max-restarts", "0",
-         str(SCRIPT), *ARGS, "--save", str(ck)], env=env(gpu=True), cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    agents = [subprocess.Popen([*torchrun_agent(2, node, port, "example"), str(SCRIPT), *ARGS,
+                                "--save", str(ck)], env=job_free_env(gpu=True), cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for node in (0, 1)]
     outs = [a.communicate(timeout=180)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(outs)[-4000:]
     assert "2 replicas" in "\n".join(outs)

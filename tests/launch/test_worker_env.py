@@ -129,22 +129,16 @@ def test_plain_torchrun_over_two_nodes_without_a_spec(script: Script, tmp_path: 
     by torch elastic's group rank, and on nodes of one GPU would train on ``cuda:0``, not
     fall back to the CPU as "this machine with two workers" did."""
     import subprocess
-    import sys
 
-    from stratagem.launch.local import free_port
+    from _jobs import job_free_env, torchrun_agent
+    from _spawn import free_port
 
     path = script("nodes.py", NODES)
     port = free_port()
-    env = {k: v for k, v in __import__("os").environ.items()
-           if not k.startswith(("STRATAGEM_", "ADAPTDL_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # CPU workers, GPUs faked
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
-         "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
-         "two-nodes", "--rdzv-conf", f"is_host={int(host)}", "--max-restarts", "0",
-         "--monitor-interval", "0.1", str(path)], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True) for host in (True, False)]
+    agents = [subprocess.Popen([*torchrun_agent(2, node, port, "two-nodes"), str(path)],
+                               env=job_free_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # CPU workers, GPUs faked
+              for node in (0, 1)]
     outs = [a.communicate(timeout=100)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(outs)[-4000:]
     lines = sorted(line for out in outs for line in out.splitlines() if line.startswith("rank"))

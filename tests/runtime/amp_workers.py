@@ -131,11 +131,9 @@ def suite(rank: int, workers: int, servers: int, cases: list[str], device: str =
     from stratagem.runtime.ps import join_cluster
 
     if device == "cuda":
-        import os
+        from _jobs import share_one_gpu
 
-        os.environ.update(NCCL_HOSTID=f"stratagem-test-{rank}", NCCL_SOCKET_IFNAME="lo",
-                          NCCL_IB_DISABLE="1")
-        torch.cuda.set_device(0)
+        share_one_gpu(rank)
     spec = spec_for(workers, servers)
     cluster = join_cluster(spec.replicas, server_devices(spec), timeout=TIMEOUT,
                            backend=backend)

@@ -319,7 +319,7 @@ class RayBackend:
         """Checkpoint-restart form: fixed ranks, rank 0's node hosts the rendezvous."""
         addrs = self.ray.get([a.address.remote() for a in actors], timeout=self.start_timeout)
         master, port = addrs[0]
-        own_gpus = bool(self._own_gpus(spec))
+        own_gpus = self._own_gpus(spec)
         local: dict[str, int] = {}
         starts = []
         for rank, (actor, (ip, _)) in enumerate(zip(actors, addrs, strict=True)):
@@ -329,7 +329,7 @@ class RayBackend:
                     "LOCAL_RANK": str(local_rank), "MASTER_ADDR": master,
                     "MASTER_PORT": str(port), "GROUP_RANK": "0"}
             if own_gpus:  # otherwise the workers of one machine count locally
-                renv.update(self._own_gpus(spec), GROUP_RANK=str(rank))
+                renv.update(own_gpus, GROUP_RANK=str(rank))
             starts.append(actor.start.remote(self._argv(spec), renv,
                                              log_file(log_dir, names[rank])))
         return starts
