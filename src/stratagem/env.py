@@ -122,6 +122,12 @@ def job_nodes(world_size: int) -> int:
     return 1
 
 
+def local_workers() -> int:
+    """``LOCAL_WORLD_SIZE``: the workers torch elastic started on this machine (1 when
+    unset): what shares this host's memory and cores with this one."""
+    return max(1, int(_number(("LOCAL_WORLD_SIZE",), 1, int)))
+
+
 def job_node_rank(rank: int, world_size: int, nodes: int) -> int:
     """This worker's node (0-based) in such a job: torch elastic's ``GROUP_RANK``, else the
     ranks split over the nodes in order (AdaptDL's replicas)."""

@@ -251,8 +251,22 @@ def rigged_choice(spec: Any) -> dict[str, Any]:
     others = tuple(c for c in choice.candidates if c.name != "AllReduce")
     choice = replace(choice, best=rigged, candidates=(rigged, *others))
     fixed = refine(choice, model, sample, k=2)
+    # a host with too little memory free on one rank for a copy: no rank runs trials
+    import torch.distributed as dist
+
+    from stratagem.planner import trial
+
+    real = trial.host_available_bytes
+    if dist.get_rank() == 1:
+        trial.host_available_bytes = lambda: 2 * 2**20  # 1 MiB each: less than a 25 MB copy
+    try:
+        starved = refine(choice, model, sample, k=2)
+    finally:
+        trial.host_available_bytes = real
     return {"chosen": fixed.best.name, "strategy": fixed.strategy.to_json(),
-            "trials": [t.to_dict() for t in fixed.trials], "notes": list(fixed.notes)}
+            "trials": [t.to_dict() for t in fixed.trials], "notes": list(fixed.notes),
+            "starved": {"chosen": starved.best.name, "trials": len(starved.trials),
+                        "note": starved.notes[-1]}}
 
 
 W0, W1 = "10.0.0.1:CPU:0", "10.0.0.2:CPU:0"

@@ -177,6 +177,10 @@ def test_autodist_with_auto_agrees_across_ranks_and_explains(tmp_path) -> None: 
     assert rigged[0]["trials"][0]["name"] == "AllReduce"
     assert rigged[0]["chosen"] != "AllReduce", rigged[0]["trials"]
     assert "interleaved" in rigged[0]["notes"][-1]
+    # one rank's host short of memory for a copy: no rank runs trials, the prediction decides
+    for r in rigged:
+        assert r["starved"]["trials"] == 0 and r["starved"]["chosen"] == "AllReduce"
+        assert "does not fit beside it on cpu" in r["starved"]["note"]
     assert "in turn" in results[0]["json"]["notes"][-1]
     want = pw.reference("sampled")
     for r in results:
@@ -480,18 +484,26 @@ def test_a_group_without_gloo_is_not_probed_or_trialled(monkeypatch) -> None:  #
     assert collective_ready(spec(2))
 
 
-def test_trial_copies_fit_in_the_room_every_rank_has() -> None:
-    """Trial steps run copies of the model on its own device: on the CPU host memory is
-    not checked (one copy at a time past INTERLEAVE_BYTES); on a GPU, half its free memory
+def test_trial_copies_fit_in_the_room_every_rank_has(monkeypatch) -> None:  # noqa: ANN001
+    """Trial steps run copies of the model on its own device: on the CPU, half the host's
+    available memory shared by the workers on this machine; on a GPU, half its free memory
     (tests/gpu); on a device a copy cannot run on (meta here), no room, no trials."""
     from stratagem.planner import trial
 
     linear = torch.nn.Linear(256, 256)  # 257 KiB of parameters
-    assert trial.trial_room(linear) == trial.HOST_ROOM
+    free = trial.host_available_bytes()
+    assert free is not None and 0 < free < 2 ** 50  # this Linux host says
+    monkeypatch.setattr(trial, "host_available_bytes", lambda: 8 * 2 ** 30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert trial.trial_room(linear) == 4 * 2 ** 30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four workers make their copies at once
+    assert trial.trial_room(linear) == 2 ** 30
+    monkeypatch.setattr(trial, "host_available_bytes", lambda: None)
+    assert trial.trial_room(linear) == trial.UNKNOWN_ROOM
     assert trial.trial_room(torch.nn.Linear(2, 2, device="meta")) == 0
     plan = [{}] * 4
     one = trial.model_bytes(linear) * trial.COPIES
     assert trial.model_bytes(linear) == 257 * 256 * 4
     assert trial._interleave(plan, linear, 4 * one)
     assert not trial._interleave(plan, linear, 4 * one - 1)  # the room binds
-    assert trial._interleave(plan, linear, trial.HOST_ROOM)  # 3 MiB < INTERLEAVE_BYTES
+    assert trial._interleave(plan, linear, trial.UNKNOWN_ROOM)  # 3 MiB < INTERLEAVE_BYTES

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stratagem import env
 from stratagem.planner.calibrate import call_model, default_loss
 from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import HYBRID, Candidate, Choice, all_reduce_only
@@ -64,14 +66,16 @@ COPIES = 3
 """Candidates are stepped in turn (all built at once) while their copies -- about
 ``COPIES`` times the parameters each: values, gradients, buffers -- fit in
 ``INTERLEAVE_BYTES`` per process and in the room every rank has for them
-(:func:`trial_room`: on a GPU, its free memory); else one at a time, and not at all where
-one copy does not fit."""
+(:func:`trial_room`: a share of the GPU's free memory, or of the host's available memory);
+else one at a time, and not at all where one copy does not fit."""
 GPU_SHARE = 0.5
 """Of a GPU's free memory, what trial copies may take (the rest: their activations, the
 allocator's slack)."""
-HOST_ROOM = 2 ** 62
-"""A CPU model's room for copies: host memory is not checked (one copy at a time past
-``INTERLEAVE_BYTES``)."""
+HOST_SHARE = 0.5
+"""Of the host's available memory, what the trial copies of this machine's workers may take
+together (the rest: their activations, the job's own growth)."""
+UNKNOWN_ROOM = 2 ** 62
+"""Room where the host does not say how much memory is available (not checked)."""
 TIE = 0.05
 """Measured steps this close (relative) count as equal: the better predicted one stays
 (the search's own tolerance; steps of a few ms vary by that much between repeats)."""
@@ -390,13 +394,33 @@ def model_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def host_available_bytes() -> int | None:
+    """The host's available memory (``MemAvailable``: free plus what the kernel can
+    reclaim), else its free pages; ``None`` where neither is known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def trial_room(model: nn.Module) -> int:
     """Bytes this rank can give trial copies of ``model``: on a GPU, ``GPU_SHARE`` of its
-    free memory; on the CPU, ``HOST_ROOM``; none on any other device (a copy could not
-    run there)."""
+    free memory; on the CPU, ``HOST_SHARE`` of the host's available memory divided among
+    the workers on this machine (each makes its copies at the same time); none on any
+    other device (a copy could not run there)."""
     device = model_device(model)
     if device.type == "cpu":
-        return HOST_ROOM
+        free = host_available_bytes()
+        if free is None:
+            return UNKNOWN_ROOM
+        return int(free * HOST_SHARE / env.local_workers())
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * GPU_SHARE)
