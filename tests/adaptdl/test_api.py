@@ -101,6 +101,20 @@ def test_env_prefers_adaptdl_then_torch_elastic(monkeypatch: pytest.MonkeyPatch)
     assert env.checkpoint_path().endswith("ckpt")
 
 
+def test_a_script_asking_for_nccl_gets_nccl_with_gloo_beside_it() -> None:
+    """AdaptDL scripts ask for ``"nccl"`` where CUDA is available: CUDA collectives still
+    run on NCCL, and Stratagem's CPU tensors (the planner's probe and trial timings) have
+    gloo; other requests are kept as asked (tests/gpu runs the drop-in on a GPU)."""
+    from stratagem.adaptdl.torch.job import group_backend
+    from stratagem.process_group import GPU_BACKEND, default_backend
+
+    assert group_backend("nccl") == group_backend("NCCL") == GPU_BACKEND
+    assert GPU_BACKEND == "cpu:gloo,cuda:nccl"
+    assert group_backend("gloo") == "gloo"
+    assert group_backend("cpu:gloo,cuda:nccl") == GPU_BACKEND
+    assert group_backend(None) == default_backend()
+
+
 def test_checkpoint_state_roundtrip_and_unique_names() -> None:
     from stratagem.adaptdl.checkpoint import State, load_state, save_all_states
 

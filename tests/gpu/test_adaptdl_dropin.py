@@ -24,10 +24,11 @@ def devices(out: Path) -> set[str]:
 
 
 def test_restart_chain_on_the_gpu(tmp_path: Path) -> None:
-    """Two replicas on a plain NCCL group (two AdaptDL nodes of one GPU each) stopped by
-    SIGTERM mid-epoch, one under ``stratagem run``, two under ``torchrun --nnodes 2`` without
-    a resource spec: every sample once per epoch, the epoch totals kept, the final model
-    equal to single-process training on the CPU."""
+    """Two replicas on the NCCL group the script asks for (gloo beside it for CPU tensors;
+    two AdaptDL nodes of one GPU each) stopped by SIGTERM mid-epoch, one under ``stratagem
+    run``, two under ``torchrun --nnodes 2`` without a resource spec: every sample once per
+    epoch, the epoch totals kept, the final model equal to single-process training on the
+    CPU."""
     out = chain.restart_chain(tmp_path, gpu=True)
     assert devices(out) == {"cuda:0"}
 
@@ -50,7 +51,8 @@ def test_two_replicas_autoscale_on_the_gpu(tmp_path: Path) -> None:
 
 
 def test_single_replica_plain_python_on_the_gpu(tmp_path: Path) -> None:
-    """One replica, no launcher: the script's ``nccl`` group of one on the GPU."""
+    """One replica, no launcher: the script's ``nccl`` group of one on the GPU (gloo beside
+    it)."""
     from adaptdl_harness import SCRIPT, SCRIPTS, base_env
 
     out = tmp_path / "out"

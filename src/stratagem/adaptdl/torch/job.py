@@ -39,7 +39,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     global _autodist
     if _autodist is not None:
         return
-    backend = backend or process_group.default_backend()
+    backend = group_backend(backend)
     if not dist.is_initialized() and not sg_env.rescale_store():
         # (in an in-process elastic job, AutoDist joins the job's group: adapt/rescale.py)
         if init_method is not None:
@@ -66,6 +66,20 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     if dist.is_initialized() and not collective.is_initialized():
         collective.initialize()
     restore_point()  # collective on first use: choose it here, on every replica at once
+
+
+def group_backend(requested: str | None) -> str:
+    """The default group's backend for a script's ``init_process_group(requested)``: a plain
+    ``"nccl"`` (what AdaptDL scripts ask for where CUDA is available) becomes
+    ``cpu:gloo,cuda:nccl``, which runs every CUDA collective on NCCL as asked and lets
+    Stratagem's own CPU tensors (the planner's calibration, link probe and trial timings
+    under ``stratagem run --strategy Auto``) travel too; anything else as asked, nothing
+    asked: :func:`stratagem.process_group.default_backend`."""
+    if requested is None:
+        return process_group.default_backend()
+    if requested.strip().lower() == "nccl":
+        return process_group.GPU_BACKEND
+    return requested
 
 
 def autodist() -> Any:
