@@ -33,6 +33,7 @@ from torch import nn
 
 from stratagem import env
 from stratagem.errors import CheckpointError
+from stratagem.process_group import comm_device
 from stratagem.process_group import rank_world as _rank_world
 from stratagem.safeload import load_json
 
@@ -57,10 +58,7 @@ def reduce_ints(values: list[int], op: dist.ReduceOp.RedOpType) -> list[int]:
     process group)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(values)
-    device = "cpu"
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor(values, dtype=torch.int64, device=device)
+    t = torch.tensor(values, dtype=torch.int64, device=comm_device())
     dist.all_reduce(t, op=op)
     return [int(v) for v in t.tolist()]
 

@@ -53,6 +53,15 @@ def release_holders() -> None:
     _holders.clear()
 
 
+def comm_device(group: Any = None) -> torch.device:
+    """Where tensors for collectives on ``group`` must live: CUDA on a group of NCCL alone,
+    else the CPU (gloo, or ``cpu:gloo,cuda:nccl``, which takes CPU tensors too)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 """A GPU job's default group: NCCL for CUDA tensors, gloo for CPU ones."""
 

@@ -13,15 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stratagem.process_group import comm_device
+
 _T = "__tensor__"
-
-
-def comm_device(group: Any = None) -> torch.device:
-    """Where tensors for collectives on ``group`` must live (CUDA for NCCL)."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _bytes_tensor(data: bytes, size: int, device: torch.device) -> torch.Tensor:

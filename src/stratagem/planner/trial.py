@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem import env
+from stratagem.elastic.wire import broadcast_bytes
 from stratagem.planner.calibrate import call_model, default_loss
 from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import HYBRID, Candidate, Choice, all_reduce_only
@@ -375,13 +376,10 @@ def prefer_all_reduce(best_i: int, families: list[str], measured: list[float | N
 
 def _broadcast_json(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (JSON bytes, parsed strictly)."""
-    payload = json.dumps(obj).encode() if dist.get_rank() == 0 else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    dist.broadcast(size, 0)
-    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if dist.get_rank() == 0
-           else torch.empty(int(size.item()), dtype=torch.uint8))
-    dist.broadcast(buf, 0)
-    return obj if dist.get_rank() == 0 else json.loads(bytes(buf.tolist()).decode())
+    if dist.get_rank() == 0:
+        broadcast_bytes(json.dumps(obj).encode())
+        return obj
+    return json.loads(broadcast_bytes(None).decode())
 
 
 def model_device(model: nn.Module) -> torch.device:

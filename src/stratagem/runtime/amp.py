@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.errors import StratagemError
+from stratagem.process_group import comm_device
 
 
 class ScalerLink:
@@ -87,8 +88,7 @@ class ScalerLink:
         local = seen or (ps is not None and ps.nonfinite)
         flag = torch.tensor([1.0 if local else 0.0])
         if dist.is_available() and dist.is_initialized() and self.model.plan.world_size > 1:
-            if dist.get_backend(self.group) == "nccl":
-                flag = flag.cuda()
+            flag = flag.to(comm_device(self.group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         skip = bool(flag.item())
         device = self.scaler._scale.device if self.scaler._scale is not None else "cpu"

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.errors import StratagemError, UnsupportedModelError
+from stratagem.process_group import comm_device
 from stratagem.runtime.allreduce import AllReduceReducer, LocalReducer, check_params
 from stratagem.runtime.comm import BufferSync, broadcast_coalesced, make_comms
 from stratagem.runtime.plan import Plan
@@ -168,9 +169,7 @@ class DistributedModel(nn.Module):
         held = self._ps.holds_user_state()
         if self.plan.world_size > 1:
             group = self._process_group or dist.group.WORLD
-            flag = torch.tensor([1.0 if held else 0.0])
-            if dist.get_backend(group) == "nccl":
-                flag = flag.cuda()
+            flag = torch.tensor([1.0 if held else 0.0], device=comm_device(group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             held = bool(flag.item())
         if held:
