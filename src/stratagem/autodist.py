@@ -477,7 +477,10 @@ class AutoDist:
         """Print the strategy (and, from Auto, the prediction behind it)."""
         self.log(self.strategy.summary() if self.strategy else "")
         if self.choice is not None:
-            self.log("\n".join(explain_text(self.choice).splitlines()[:3]))
+            text = explain_text(self.choice)
+            self.log("\n".join(text.splitlines()[:3]))
+            if self.verbose and self.rank == 0:  # the whole of ad.explain() at debug level
+                logger().debug(text)
             hidden = self.strategy.server_parameters if self.strategy else []
             if hidden:
                 self.log(f"Auto: {len(hidden)} parameter(s) go to parameter servers: their "

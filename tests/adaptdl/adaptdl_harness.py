@@ -25,13 +25,15 @@ def base_env(ckpt: Path, gpu: bool = False) -> dict[str, str]:
 
 
 def standalone(nproc: int, ckpt: Path, args: list[str], log: Path, *, gpu: bool = False,
-               nodes: int | None = None) -> list[subprocess.Popen]:
+               nodes: int | None = None, extra: dict[str, str] | None = None
+               ) -> list[subprocess.Popen]:
     """``nproc`` replicas rendezvousing through the ADAPTDL_* variables (AdaptDL standalone);
-    ``nodes``: AdaptDL's ``ADAPTDL_NUM_NODES`` (the replicas spread over that many)."""
+    ``nodes``: AdaptDL's ``ADAPTDL_NUM_NODES`` (the replicas spread over that many);
+    ``extra``: more environment variables."""
     port = free_port()
     procs = []
     for rank in range(nproc):
-        env = base_env(ckpt, gpu)
+        env = {**base_env(ckpt, gpu), **(extra or {})}
         env.update(ADAPTDL_MASTER_ADDR="127.0.0.1", ADAPTDL_MASTER_PORT=str(port),
                    ADAPTDL_NUM_REPLICAS=str(nproc), ADAPTDL_REPLICA_RANK=str(rank))
         if nodes is not None:

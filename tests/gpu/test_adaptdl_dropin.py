@@ -50,6 +50,27 @@ def test_two_replicas_autoscale_on_the_gpu(tmp_path: Path) -> None:
     assert [s["total"] for s in stats(out) if s["phase"] == "train"] == per_epoch
 
 
+def test_auto_on_the_scripts_nccl_group_calibrates_and_probes(tmp_path: Path) -> None:
+    """``stratagem run --strategy Auto`` (``STRATAGEM_STRATEGY``) on two GPU replicas whose
+    script asks for ``"nccl"``: the group has gloo beside NCCL, so Auto plans on the first
+    batch with the ranks' calibration and a measured link probe (a group of NCCL alone
+    skips both), and every sample is trained once."""
+    out = tmp_path / "out"
+    out.mkdir()
+    log = tmp_path / "run.log"
+    args = ["--out", str(out), "--epochs", "1"]
+    extra = {"STRATAGEM_STRATEGY": "Auto", "STRATAGEM_LOG_LEVEL": "debug"}
+    codes = finish(standalone(2, tmp_path / "ckpt", args, log, gpu=True, nodes=2,
+                              extra=extra), out)
+    text = logs(log)
+    assert codes == [0, 0], text[-3000:]
+    print("\n".join(line for line in text.splitlines() if "Auto" in line or "link" in line))
+    assert devices(out) == {"cuda:0"}
+    chain.check_every_sample_once(out)
+    assert "Auto chose" in text and "calibrated in" in text, text[-3000:]
+    assert "links measured" in text, text[-3000:]  # the explanation, logged at debug level
+
+
 def test_single_replica_plain_python_on_the_gpu(tmp_path: Path) -> None:
     """One replica, no launcher: the script's ``nccl`` group of one on the GPU (gloo beside
     it)."""
