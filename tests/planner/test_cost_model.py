@@ -192,6 +192,31 @@ def test_every_embedding_call_is_a_pull_round() -> None:
     assert f.parts["sparse_push"] - e.parts["sparse_push"] == pytest.approx(50 * 3e-6)
 
 
+def test_a_table_with_one_owner_pays_the_measured_one_owner_round() -> None:
+    """A table split over both workers pays the shared round (both ask and serve); the same
+    table on one owner pays the one-owner round where the probe measured one, else the
+    shared one."""
+    s = spec(2)
+    w0, w1 = s.replicas
+    split = _two_owner_rows(s)
+    whole = Strategy(node_config=(
+        NodeConfig("emb", PSSynchronizer(reduction_destination=w0)),
+        NodeConfig("fc", AllReduceSynchronizer()))).with_replicas(s.replicas)
+    prof = _profile().with_access([AccessStats("emb", 1000, 100.0, calls=3)])
+    both = links(s, latency_s=1e-4, message_cpu_s=5e-5, all_to_all_s=2e-3,
+                 pull_round_s=7e-3, pull_round_one_s=3e-3)
+    shared_only = links(s, latency_s=1e-4, message_cpu_s=5e-5, all_to_all_s=2e-3,
+                        pull_round_s=7e-3)
+    a, b, c = (predict(st, prof, s, _cal(), lk) for st, lk in
+               ((split, both), (whole, both), (whole, shared_only)))
+    assert c.parts["sparse_pull"] - b.parts["sparse_pull"] == pytest.approx(3 * 4e-3)
+    # (the rows' wire time differs a little: one direction carries them all)
+    assert a.parts["sparse_pull"] - b.parts["sparse_pull"] == pytest.approx(3 * 4e-3, rel=0.05)
+    # a split table's rounds do not use the one-owner price
+    assert a.parts["sparse_pull"] == pytest.approx(
+        predict(split, prof, s, _cal(), shared_only).parts["sparse_pull"])
+
+
 def test_the_closing_round_hides_behind_backward_and_delays_the_push_past_it() -> None:
     """The runtime runs a forward's closing pull round in the background while backward
     computes (``PSEngine.after_forward``) and pushes the rows once it is done: a closing

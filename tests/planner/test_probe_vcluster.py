@@ -63,6 +63,8 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     assert 0 < probe["all_to_all_s"] < 0.05
     # a pull round is two all-to-alls and the runtime's work around them
     assert probe["all_to_all_s"] < probe["pull_round_s"] < 0.05
+    # ... and where the table has one owner (timed beside it; the rows' share taken off)
+    assert 0 < probe["pull_round_one_s"] < 0.05
     # the rest of the step's fixed part is the smaller of two fitted readings (more rows
     # never cost less): under the full suite's load it read 0.76 ms against a chained
     # all-to-all's 0.88, so it is bounded, not ranked

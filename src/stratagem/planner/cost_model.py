@@ -131,8 +131,25 @@ def _touched(piece: PSPiece, info_rows: int, stats: AccessStats | None,
 def pull_calls(ps: Any, access: dict[str, AccessStats]) -> int:
     """Pull rounds of one forward: a round per embedding call of every table pulled on
     demand (``AccessStats.calls``; one call where not measured)."""
-    tables = {p.param for p in ps.sparse if not p.local_replication and not p.rows_from_grad}
-    return sum(access[t].calls if t in access else 1 for t in tables)
+    return sum(pull_rounds(ps, access))
+
+
+def _pulled_owners(ps: Any) -> dict[str, set[int]]:
+    """The owners of each table pulled on demand."""
+    owners: dict[str, set[int]] = {}
+    for p in ps.sparse:
+        if not p.local_replication and not p.rows_from_grad:
+            owners.setdefault(p.param, set()).add(p.owner)
+    return owners
+
+
+def pull_rounds(ps: Any, access: dict[str, AccessStats]) -> tuple[int, int]:
+    """(rounds of tables split over several owners, rounds of tables with one owner) of one
+    forward, as :func:`pull_calls` counts them."""
+    owners = _pulled_owners(ps)
+    calls = {t: access[t].calls if t in access else 1 for t in owners}
+    return (sum(n for t, n in calls.items() if len(owners[t]) > 1),
+            sum(n for t, n in calls.items() if len(owners[t]) == 1))
 
 
 def plan_for(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec) -> Plan:
@@ -216,6 +233,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         ref_flows: list[tuple[str, str, float]] = []
         on_demand = replicated = False
         asked = pushed = 0.0  # rows a worker asks for in the forward, pushes after backward
+        asked_one = 0.0  # of them, rows of tables with one owner
+        alone_tables = {t for t, o in _pulled_owners(ps).items() if len(o) == 1}
         for p in ps.sparse:
             pinfo = info[p.param]
             rows = pinfo.shape[0]
@@ -229,6 +248,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             pushed += u * remote
             if not p.local_replication:
                 asked += u * remote
+                if p.param in alone_tables:
+                    asked_one += u * remote
             for w in replicas:
                 if w == owner:
                     continue
@@ -249,7 +270,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
                 on_demand = True
             owned_bytes[p.owner] += u * row_bytes * W
         peers = ps.size - 1
-        calls = pull_calls(ps, access) if on_demand else 0
+        shared, alone = pull_rounds(ps, access) if on_demand else (0, 0)
+        calls = shared + alone
         closing = 1 if on_demand else 0
         n_coll = (SPARSE_COLLECTIVES_PULL * calls + closing + SPARSE_COLLECTIVES_PUSH
                   + (SPARSE_COLLECTIVES_REFRESH if replicated else 0)) if ps.sparse else 0
@@ -260,13 +282,17 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         else:
             lat = links.latency_s
         # a pull round (an embedding call): measured in a chain, or its two all-to-alls;
-        # the push likewise (the probe's sparse step, or its collectives)
+        # the push likewise (the probe's sparse step, or its collectives). A table with
+        # one owner has its own measured round: no exchange carries rows both ways
         round_s = links.pull_round_s or SPARSE_COLLECTIVES_PULL * lat
+        round_one_s, row_one_s = ((links.pull_round_one_s, links.pull_row_one_s)
+                                  if links.pull_round_one_s else (round_s, links.pull_row_s))
         fwd_pull_s = links.transfer_time(fwd_flows) if fwd_flows else 0.0
         sparse_push_s = links.transfer_time(push_flows) if ps.sparse else 0.0
         refresh_s = links.transfer_time(ref_flows) if ref_flows else 0.0
         if ps.sparse:
-            fwd_pull_s += round_s * calls + links.pull_row_s * asked
+            fwd_pull_s += (round_s * shared + round_one_s * alone
+                           + links.pull_row_s * (asked - asked_one) + row_one_s * asked_one)
             # the closing round: started in the background as forward ends, done before
             # the push (below: it runs from the start of backward); a probe that did not
             # time it apart counted it in its push

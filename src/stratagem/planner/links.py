@@ -71,6 +71,12 @@ class LinkModel:
     """Measured seconds of one on-demand pull round of the sparse exchange in a chain (an
     embedding call's: two all-to-alls and the work between them); 0: not measured, priced
     as its two all-to-alls."""
+    pull_round_one_s: float = 0.0
+    """Measured seconds of such a round where the table has one owner (the others ask, it
+    serves: no exchange carries rows both ways); 0: not measured, priced as
+    ``pull_round_s``."""
+    pull_row_one_s: float = 0.0
+    """Its measured seconds per row asked (with ``pull_round_one_s``)."""
     sparse_push_s: float = 0.0
     """Measured seconds of the rest of such a sparse step after its closing round (push,
     the owners' sparse update); 0: not measured, priced as its two all-to-alls."""
@@ -180,6 +186,8 @@ class LinkModel:
         out = replace(self, latency_s=probe.collective_s / (2 * (n - 1)),
                       message_cpu_s=probe.message_s,
                       all_to_all_s=probe.all_to_all_s, pull_round_s=probe.pull_round_s,
+                      pull_round_one_s=probe.pull_round_one_s,
+                      pull_row_one_s=probe.pull_row_one_s,
                       sparse_push_s=probe.sparse_push_s, closing_s=probe.closing_s,
                       pull_row_s=probe.pull_row_s,
                       push_row_s=probe.push_row_s,

@@ -189,6 +189,11 @@ class LinkProbe:
     pull_round_s: float = 0.0
     """One on-demand pull round of the runtime's sparse exchange, in a chain of them
     (small rows; 0: not measured)."""
+    pull_round_one_s: float = 0.0
+    """The same round where the table has one owner (rank 0 serves, the others ask), timed
+    beside the shared rounds with as many rows (0: not measured)."""
+    pull_row_one_s: float = 0.0
+    """Its seconds per row a worker asks for (the rows' wire time not)."""
     sparse_push_s: float = 0.0
     """The rest of that sparse step after its closing round: the gradient rows pushed to
     their owners, the owners' sparse update (0: not measured)."""
@@ -224,6 +229,8 @@ class LinkProbe:
         return {"world": self.world, "collective_s": self.collective_s,
                 "bus_bps": self.bus_bps, "message_s": self.message_s,
                 "all_to_all_s": self.all_to_all_s, "pull_round_s": self.pull_round_s,
+                "pull_round_one_s": self.pull_round_one_s,
+                "pull_row_one_s": self.pull_row_one_s,
                 "sparse_push_s": self.sparse_push_s, "closing_s": self.closing_s,
                 "pull_row_s": self.pull_row_s,
                 "push_row_s": self.push_row_s, "big_rate": self.big_rate,
@@ -644,15 +651,27 @@ class SparseSteps:
     push_s: float
     push_row_s: float
     closing_s: float = 0.0
+    round_one_s: float = 0.0
+    """A pull round's fixed seconds where the table has one owner (0: not measured)."""
+    round_one_row_s: float = 0.0
+    """Its seconds per row asked."""
 
 
-def _sparse_step(chain: int, repeats: int, rows: int
+def _sparse_step(chain: int, repeats: int, rows: int, one_owner: bool = False
                  ) -> tuple[list[float], list[float], int, list[float]]:
     """(seconds of one on-demand pull round among ``chain`` chained ones, seconds of the
     rest of the step after its closing round, rows this worker pushed, seconds of the
     closing round; each timed ``repeats`` times) of the runtime's own
     :class:`~stratagem.runtime.ps.sparse.SparseExchange` over the default group, every
-    worker owning a piece of one table and asking ``rows`` rows of every other per round.
+    worker owning a piece of one table and asking ``rows`` rows of every other per round;
+    ``one_owner``: rank 0 owns the whole table and every other worker asks it as many rows
+    per round, ``rows`` times the other workers.
+
+    The two layouts differ in more than their rows: with every worker both asking and
+    serving, each exchange carries rows both ways at once, and where a worker has one core
+    gloo's I/O thread spins while it waits for the worker's main thread (measured on the
+    virtual cluster: 2.5-3 ms a round at 2 nodes against 1.1-1.3 with one owner, at 2 and
+    at 1 Gbit/s; 0.85-0.9 of it at 4 nodes, two workers to a core).
 
     A round is what an embedding call of a parameter-server table costs in the forward:
     ids made unique and split by owner, counts and rows exchanged, the peers' ids served,
@@ -668,20 +687,28 @@ def _sparse_step(chain: int, repeats: int, rows: int
     world, rank, dim = dist.get_world_size(), dist.get_rank(), 16
     per = 4 * chain * rows  # few repeats among a forward's lookups
     weight = nn.Parameter(torch.zeros(world * per, dim))
-    pieces = [PSPiece(id=i, param="w", index=0, shape=(per, dim), dtype="float32",
-                      owner=i, destination=f"w{i}", axis=0, start=i * per, length=per,
-                      part=i, sparse=True) for i in range(world)]
-    shard = torch.zeros(per, dim)
+    if one_owner:
+        pieces = [PSPiece(id=0, param="w", index=0, shape=(world * per, dim),
+                          dtype="float32", owner=0, destination="w0", axis=0, start=0,
+                          length=world * per, part=0, sparse=True)]
+        asks = rows * (world - 1)
+    else:
+        pieces = [PSPiece(id=i, param="w", index=0, shape=(per, dim), dtype="float32",
+                          owner=i, destination=f"w{i}", axis=0, start=i * per, length=per,
+                          part=i, sparse=True) for i in range(world)]
+        asks = rows
+    shards = {p.id: torch.zeros(p.rows, dim) for p in pieces if p.owner == rank}
     sx = SparseExchange(pieces, _WorldGroup(), rank, world,  # type: ignore[arg-type]
-                        {"w": weight}, {rank: shard}, CommStats())
+                        {"w": weight}, shards, CommStats())
     gen = torch.Generator().manual_seed(rank)
-    lookups = [torch.cat([torch.randint(p.row_start, p.row_start + p.rows, (rows,),
+    lookups = [torch.cat([torch.randint(p.row_start, p.row_start + p.rows, (asks,),
                                         generator=gen) for p in pieces])
                for _ in range(chain)]
     touched = torch.unique(torch.cat(lookups))
     grad = torch.zeros(len(touched), dim)
-    mine = pieces[rank]
-    pushed = int(((touched < mine.row_start) | (touched >= mine.row_start + per)).sum())
+    pushed = len(touched) - sum(
+        int(((touched >= p.row_start) & (touched < p.row_start + p.rows)).sum())
+        for p in pieces if p.owner == rank)
 
     def forward() -> None:
         sx.begin_pulls()
@@ -699,7 +726,9 @@ def _sparse_step(chain: int, repeats: int, rows: int
         sx.stash_grad(pieces, touched, grad)
         sx.push()
         if sx.attach_grads():  # the update: plain SGD, the least an optimizer does
-            shard.add_(shard.grad, alpha=-0.0)
+            for shard in shards.values():
+                if shard.grad is not None:
+                    shard.add_(shard.grad, alpha=-0.0)
         sx.clear()
 
     forward()  # warm-up (and each round's agreed capacity)
@@ -743,6 +772,9 @@ class _SmallOps:
     chained: list[float] = field(default_factory=list)
     steps: dict[int, tuple[list[float], list[float], int, list[float]]] = field(
         default_factory=dict)
+    ones: dict[int, list[float]] = field(default_factory=dict)
+    """Pull rounds where the table has one owner, by rows asked per peer
+    (:func:`_sparse_step`)."""
     pings: list[float] = field(default_factory=list)
     """Each pass's median one-way message time (:func:`_ping_pong`; rank 0's, 0 on the
     other ranks)."""
@@ -759,7 +791,7 @@ class _SmallOps:
     def take(self) -> None:
         """One pass: ``TINY_REPEATS`` ping-pongs, ``QUEUED_REPEATS`` rounds of queued
         all-reduces, ``CHAIN_REPEATS`` of chained all-to-alls, ``SPARSE_REPEATS`` sparse
-        steps with each row count."""
+        steps with each row count, and as many with one owner."""
         self.pings.append(_ping_pong(TINY_REPEATS))
         self.queued += _queued_allreduce(QUEUED_REPEATS)
         self.chained += _chained_all_to_all(CHAIN, CHAIN_REPEATS)
@@ -767,6 +799,8 @@ class _SmallOps:
             rounds, rests, pushed, closings = _sparse_step(CHAIN, SPARSE_REPEATS, n)
             r0, p0, _, c0 = self.steps.get(n, ([], [], 0, []))
             self.steps[n] = (r0 + rounds, p0 + rests, pushed, c0 + closings)
+            self.ones[n] = self.ones.get(n, []) + _sparse_step(
+                CHAIN, SPARSE_REPEATS, n, one_owner=True)[0]
 
     def message_s(self) -> float:
         """A message's own cost: the faster pass's median. A whole pass's ping-pongs can
@@ -783,11 +817,14 @@ class _SmallOps:
             rounds, rests, pushed, _ = self.steps[n]
             return n, _steady(rounds), _steady(rests), pushed
 
-        fit = fit_sparse(dist.get_world_size(), ROW_BYTES / bus_bps, at(self.few),
-                         at(self.many))
+        world, wire = dist.get_world_size(), ROW_BYTES / bus_bps
+        fit = fit_sparse(world, wire, at(self.few), at(self.many))
+        # one owner: its askers ask as many rows as in the shared rounds (no push fitted)
+        one = fit_sparse(world, wire, (self.few, _steady(self.ones[self.few]), 0.0, 0),
+                         (self.many, _steady(self.ones[self.many]), 0.0, 0))
         # the closing round asks nothing in either: readings of one cost
-        return replace(fit, closing_s=_steady(self.steps[self.few][3]
-                                              + self.steps[self.many][3]))
+        return replace(fit, round_one_s=one.round_s, round_one_row_s=one.round_row_s,
+                       closing_s=_steady(self.steps[self.few][3] + self.steps[self.many][3]))
 
 
 def fit_sparse(world: int, wire: float, few: tuple[int, float, float, int],
@@ -862,7 +899,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     figures = torch.tensor([fixed, bus, message * world, chained, sp.round_s,
                             sp.round_row_s, sp.push_s, sp.push_row_s, fp16_rate, bf16_rate,
                             big_rate, group_fixed, interference, link * world, sp.closing_s,
-                            queued],
+                            queued, sp.round_one_s, sp.round_one_row_s],
                            dtype=torch.float64)
     dist.all_reduce(figures)
     figures /= world  # the ranks' mean (the message and the one link: rank 0's measure)
@@ -874,7 +911,9 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
                       fp16_rate=float(figures[8]), bf16_rate=float(figures[9]),
                       big_rate=float(figures[10]), group_fixed_s=float(figures[11]),
                       interference=float(figures[12]), link_bps=float(figures[13]),
-                      closing_s=float(figures[14]), group_period_s=float(figures[15]))
+                      closing_s=float(figures[14]), group_period_s=float(figures[15]),
+                      pull_round_one_s=float(figures[16]),
+                      pull_row_one_s=float(figures[17]))
     if use_cache:
         _LINKS[key] = probe
     return probe
