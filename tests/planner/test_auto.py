@@ -171,6 +171,8 @@ def test_autodist_with_auto_agrees_across_ranks_and_explains(tmp_path) -> None: 
     # each step's forward timed apart (the pulls' own rounds: the refinement's pull factor)
     assert all(0 < t["measured_forward_s"] <= t["measured_s"] for t in trials[0])
     assert "trial steps" in results[0]["explain"]
+    assert "with one owner" in results[0]["explain"]  # both pull rounds probed
+    assert 0 < links[0]["pull_round_one_s"] < 1
     # a cost model rigged to rank AllReduce of a 25 MB embedding first is corrected
     rigged = [r["rigged"] for r in results]
     assert rigged[0]["strategy"] == rigged[1]["strategy"]
