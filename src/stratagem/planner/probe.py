@@ -819,8 +819,10 @@ class _SmallOps:
 
         world, wire = dist.get_world_size(), ROW_BYTES / bus_bps
         fit = fit_sparse(world, wire, at(self.few), at(self.many))
-        # one owner: its askers ask as many rows as in the shared rounds (no push fitted)
-        one = fit_sparse(world, wire, (self.few, _steady(self.ones[self.few]), 0.0, 0),
+        # one owner: its askers ask as many rows as in the shared rounds (no push fitted);
+        # the owner's link carries every asker's rows, (world - 1) per row asked
+        one = fit_sparse(world, wire * (world - 1),
+                         (self.few, _steady(self.ones[self.few]), 0.0, 0),
                          (self.many, _steady(self.ones[self.many]), 0.0, 0))
         # the closing round asks nothing in either: readings of one cost
         return replace(fit, round_one_s=one.round_s, round_one_row_s=one.round_row_s,
