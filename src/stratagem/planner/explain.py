@@ -157,9 +157,8 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
                        + (f", chained all-to-all {p.all_to_all_s * 1e6:.0f} us"
                           if p.all_to_all_s else ""), WIDTH)]
         if p.pull_round_s:
-            lines.append(_cut(f"  embedding pull round: {p.pull_round_s * 1e6:.0f} us with "
-                              "tables split over owners"
-                              + (f", {p.pull_round_one_s * 1e6:.0f} us with one owner"
+            lines.append(_cut(f"  pull round: {p.pull_round_s * 1e6:.0f} us split over owners"
+                              + (f"; {p.pull_round_one_s * 1e6:.0f} us with one owner"
                                  if p.pull_round_one_s else ""), WIDTH))
         if p.interference:
             lines.append(_cut(f"  overlap: compute beside a transfer loses "

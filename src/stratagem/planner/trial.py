@@ -45,7 +45,6 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem import env
-from stratagem.elastic.wire import broadcast_bytes
 from stratagem.planner.calibrate import call_model, default_loss
 from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import HYBRID, Candidate, Choice, all_reduce_only
@@ -375,11 +374,15 @@ def prefer_all_reduce(best_i: int, families: list[str], measured: list[float | N
 
 
 def _broadcast_json(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (JSON bytes, parsed strictly)."""
-    if dist.get_rank() == 0:
-        broadcast_bytes(json.dumps(obj).encode())
-        return obj
-    return json.loads(broadcast_bytes(None).decode())
+    """Rank 0's ``obj`` on every rank (JSON bytes, parsed strictly; on the CPU: trials run
+    only where the group has gloo)."""
+    payload = json.dumps(obj).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, 0)
+    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if dist.get_rank() == 0
+           else torch.empty(int(size.item()), dtype=torch.uint8))
+    dist.broadcast(buf, 0)
+    return obj if dist.get_rank() == 0 else json.loads(bytes(buf.tolist()).decode())
 
 
 def model_device(model: nn.Module) -> torch.device:
