@@ -143,10 +143,12 @@ def _pulled_owners(ps: Any) -> dict[str, set[int]]:
     return owners
 
 
-def pull_rounds(ps: Any, access: dict[str, AccessStats]) -> tuple[int, int]:
+def pull_rounds(ps: Any, access: dict[str, AccessStats],
+                owners: dict[str, set[int]] | None = None) -> tuple[int, int]:
     """(rounds of tables split over several owners, rounds of tables with one owner) of one
-    forward, as :func:`pull_calls` counts them."""
-    owners = _pulled_owners(ps)
+    forward, as :func:`pull_calls` counts them (``owners``: :func:`_pulled_owners`, when
+    the caller has it)."""
+    owners = _pulled_owners(ps) if owners is None else owners
     calls = {t: access[t].calls if t in access else 1 for t in owners}
     return (sum(n for t, n in calls.items() if len(owners[t]) > 1),
             sum(n for t, n in calls.items() if len(owners[t]) == 1))
@@ -234,7 +236,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         on_demand = replicated = False
         asked = pushed = 0.0  # rows a worker asks for in the forward, pushes after backward
         asked_one = 0.0  # of them, rows of tables with one owner
-        alone_tables = {t for t, o in _pulled_owners(ps).items() if len(o) == 1}
+        owners = _pulled_owners(ps)
+        alone_tables = {t for t, o in owners.items() if len(o) == 1}
         for p in ps.sparse:
             pinfo = info[p.param]
             rows = pinfo.shape[0]
@@ -270,7 +273,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
                 on_demand = True
             owned_bytes[p.owner] += u * row_bytes * W
         peers = ps.size - 1
-        shared, alone = pull_rounds(ps, access) if on_demand else (0, 0)
+        shared, alone = pull_rounds(ps, access, owners) if on_demand else (0, 0)
         calls = shared + alone
         closing = 1 if on_demand else 0
         n_coll = (SPARSE_COLLECTIVES_PULL * calls + closing + SPARSE_COLLECTIVES_PUSH
