@@ -20,6 +20,7 @@ from stratagem.launch.agent import (
     _shutdown_timeout,
     bound_failure_shutdown,
     read_key,
+    tolerate_torn_error_files,
     untraced_failures,
 )
 from stratagem.launch.job import AgentLaunch, LaunchPlan
@@ -201,3 +202,50 @@ def test_shutdown_timeout_takes_a_users_whole_seconds_and_replaces_a_bad_value(
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='2.5' is not a whole number" in capsys.readouterr().err
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     assert _shutdown_timeout() == 3
+
+
+def test_a_torn_error_file_is_a_worker_without_one_not_an_agent_crash(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """torch elastic's own process context (real processes): worker 1 fails; worker 0 had
+    begun its error file (empty, as when stopped between open and write) and is stopped.
+    torch re-reads the failures after the stop and re-raised the JSON error, ending the agent
+    with a traceback instead of the summary; now worker 0 counts as one without a file."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from torch.distributed.elastic.multiprocessing.api import PContext
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    monkeypatch.setattr(PContext, "close", PContext.close)  # undone after the test
+    monkeypatch.setattr(ProcessFailure, "__post_init__", ProcessFailure.__post_init__)
+    bound_failure_shutdown(3)
+    tolerate_torn_error_files()
+    torn = ': > "$TORCHELASTIC_ERROR_FILE"; echo begun; exec sleep 30'
+    pc = start_processes(name="t", entrypoint="/bin/sh",
+                         args={0: ("-c", torn), 1: ("-c", "sleep 1; exit 1")},
+                         envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(str(tmp_path)))
+    result = pc.wait(60, period=0.05)
+    assert result is not None and sorted(result.failures) == [0, 1]
+    assert result.failures[0].exitcode == -signal.SIGTERM
+    exc = SimpleNamespace(failures=result.failures)
+    records = untraced_failures(exc, {result.failures[0].pid})
+    assert sorted((r["rank"], r["kind"]) for r in records) == [("0", "stopped"), ("1", "exit")]
+
+
+def test_a_worker_error_file_is_whole_or_absent(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    """torch elastic reads the file as soon as it exists: a write cut short leaves none."""
+    from stratagem.launch import worker
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    assert worker._write_error_file(ValueError("boom"), None)
+    assert json.loads(path.read_text())["message"]["message"] == "ValueError: boom"
+    path.unlink()
+
+    def cut_short(obj: Any, fp: Any) -> None:
+        fp.write('{"message": {"mess')
+        fp.flush()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(worker.json, "dump", cut_short)
+    assert not worker._write_error_file(ValueError("boom"), None)
+    assert list(tmp_path.iterdir()) == []

@@ -230,6 +230,32 @@ def bound_failure_shutdown(seconds: int) -> None:
     PContext.close = close  # type: ignore[method-assign]
 
 
+def tolerate_torn_error_files() -> None:
+    """Make torch elastic take a worker error file it cannot parse as no file at all.
+
+    After a failure torch stops the other workers and reads their error files again; a
+    worker stopped while writing its file (ours, or torch's own ``@record``) leaves it empty
+    or cut short, and torch 2.13 re-raises the JSON error, ending the agent with a traceback
+    instead of the failure records. Such a worker is reported like one killed by a signal
+    (:func:`untraced_failures`). Idempotent."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    original = ProcessFailure.__post_init__
+    original = getattr(original, "_stratagem_original", original)
+
+    def post_init(self: Any) -> None:
+        if self.error_file and os.path.isfile(self.error_file):
+            try:
+                with open(self.error_file) as fp:
+                    json.load(fp)
+            except (OSError, ValueError):  # read before torch, which would log and raise
+                self.error_file = ""  # then torch's own message for a signal or exit code
+        original(self)
+
+    post_init._stratagem_original = original  # type: ignore[attr-defined]
+    ProcessFailure.__post_init__ = post_init  # type: ignore[method-assign]
+
+
 def _shutdown_timeout() -> int:
     """torch elastic's SIGTERM-to-SIGKILL grace for this agent's workers: a user's
     ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` when it is a whole number of seconds, else ours (a
@@ -255,6 +281,7 @@ def _run_torchrun(args: list[str], untraced: list[dict[str, Any]], summary: bool
 
     stopped = StoppedPids().install()
     bound_failure_shutdown(_shutdown_timeout())
+    tolerate_torn_error_files()
     try:
         torchrun_main(args)
         return 0

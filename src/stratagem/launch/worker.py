@@ -52,10 +52,14 @@ def _write_error_file(exc: BaseException, tb: TracebackType | None) -> bool:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
-    try:
-        with open(path, "w") as fp:
+    partial = f"{path}.{os.getpid()}.partial"
+    try:  # whole or absent: torch elastic reads it as soon as it exists
+        with open(partial, "w") as fp:
             json.dump(error_record(exc, tb), fp)
+        os.replace(partial, path)
     except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
         print(f"stratagem: could not write error file {path}: {err}", file=sys.stderr)
         return False
     return True
