@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # dotted module names below ``stratagem`` (a package covers its submodules).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "env", "safeload"),
-    ("process_group", "peer_watchdog", "resource", "checkpoint", "observe"),
+    ("process_group", "gloo_threads", "peer_watchdog", "resource", "checkpoint", "observe"),
     ("analysis",),
     ("strategy",),
     ("runtime",),

@@ -37,6 +37,7 @@ PG_TIMEOUT = "STRATAGEM_PG_TIMEOUT_S"
 PEER_TIMEOUT = "STRATAGEM_PEER_TIMEOUT_S"
 PS_TIMEOUT_DEPRECATED = "STRATAGEM_PS_TIMEOUT"  # the parameter server's older name
 PS_PACE_BYTES = "STRATAGEM_PS_PACE_BYTES"
+GLOO_YIELD = "STRATAGEM_GLOO_YIELD"
 HINTS_FILE = "STRATAGEM_HINTS_FILE"
 HINTS_PORT = "STRATAGEM_HINTS_PORT"
 HINTS_ADDR = "STRATAGEM_HINTS_ADDR"
@@ -289,6 +290,20 @@ def log_level() -> str:
     if value not in LOG_LEVELS:
         raise StratagemError(f"{LOG_LEVEL}={value!r} is not a log level", where=LOG_LEVEL,
                              fix=f"use one of {', '.join(LOG_LEVELS)}")
+    return value
+
+
+GLOO_YIELD_MODES = ("auto", "on", "off")
+
+
+def gloo_yield() -> str:
+    """``STRATAGEM_GLOO_YIELD``: whether gloo's I/O threads yield the CPU while the main
+    thread waits on them (:mod:`stratagem.gloo_threads`): ``auto`` (default: when the
+    process may run on one CPU only), ``on`` or ``off``."""
+    value = (_first(GLOO_YIELD) or "auto").lower()
+    if value not in GLOO_YIELD_MODES:
+        raise StratagemError(f"{GLOO_YIELD}={value!r} is not a mode", where=GLOO_YIELD,
+                             fix=f"use one of {', '.join(GLOO_YIELD_MODES)}")
     return value
 
 

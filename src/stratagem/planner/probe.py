@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stratagem.gloo_threads import Yielding, unclaimed_loops
 from stratagem.planner.links import GBIT_BYTES, LINK_EFFICIENCY
 from stratagem.resource import ResourceSpec
 from stratagem.runtime.plan import compile_plan
@@ -513,14 +514,16 @@ class _HalfRates:
                 took[torch.float32] / took[torch.bfloat16])
 
 
-def _interference(fixed: float, bus_bps: float, ring: float, repeats: int = 3) -> float:
+def _interference(fixed: float, bus_bps: float, ring: float, waits: Yielding,
+                  repeats: int = 3) -> float:
     """Share of an overlapped all-reduce's time that a compute loop running beside it
     loses: (loop under the all-reduce - loop alone) / the all-reduce's time alone, in
     [0, 1]. The all-reduce takes about ``INTERFERE_S``; the loop (``WORK_N`` matmuls) is
     sized to match. Where the wire bounds the transfer the CPU is free and the loop runs
     at full speed (about 0); where moving the bytes is CPU work on the same cores, the
     loop waits for it (about 1). Medians over ``repeats`` rounds of (loop alone,
-    all-reduce alone, both at once)."""
+    all-reduce alone, both at once). ``waits``: as the runtime's waits (the loop runs
+    outside them, as backward does)."""
     lo, hi = (int(m * 2 ** 20) for m in INTERFERE_MIB)
     nbytes = int(agreed(min(hi, max(lo, bus_bps * INTERFERE_S / ring)))) // 4 * 4
     buf = torch.zeros(nbytes // 4)
@@ -532,7 +535,8 @@ def _interference(fixed: float, bus_bps: float, ring: float, repeats: int = 3) -
             torch.mm(a, b)
         return time.perf_counter() - s
 
-    dist.all_reduce(buf)  # warm-up
+    with waits:
+        dist.all_reduce(buf)  # warm-up
     per = work(16) / 16
     ring_s = ring * nbytes / bus_bps + fixed
     n = max(4, int(agreed(ring_s / max(per, 1e-7))))
@@ -541,13 +545,15 @@ def _interference(fixed: float, bus_bps: float, ring: float, repeats: int = 3) -
         dist.barrier()
         alone.append(work(n))
         dist.barrier()
-        s = time.perf_counter()
-        dist.all_reduce(buf)
-        comm.append(time.perf_counter() - s)
+        with waits:
+            s = time.perf_counter()
+            dist.all_reduce(buf)
+            comm.append(time.perf_counter() - s)
         dist.barrier()
         handle = dist.all_reduce(buf, async_op=True)
         under.append(work(n))
-        handle.wait()
+        with waits:
+            handle.wait()
     return interference_share(statistics.median(alone), statistics.median(comm),
                               statistics.median(under))
 
@@ -867,32 +873,37 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
                if multi else 40.0 * GBIT_BYTES)
     ring = 2 * (world - 1) / world
     dist.barrier()
-    tiny = torch.zeros(1)
-    _timed_allreduce(tiny, 3)  # warm-up: connections, allocator
-    fixed = statistics.median(_timed_allreduce(tiny, TINY_REPEATS))
-    budget = PROBE_BUDGET_S * 0.8
-    bus, sizes = _bus_rate(fixed, nominal, ring, budget - (time.perf_counter() - started))
-    if multi and agreed(float(bus < SUSPECT_RATE * nominal), dist.ReduceOp.MAX):
-        again, more = _bus_rate(fixed, nominal, ring, budget)
-        if again > bus:
-            bus, sizes = again, more
-    big_rate = _big_rate(fixed, bus, ring, PROBE_BUDGET_S - (time.perf_counter() - started)) \
-        if agreed(float(sizes == len(SIZES_MIB))) else 0.0
-    half = _HalfRates.sized(
-        fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
-        bus / ring)
-    if half is not None:
-        half.take()
-    small = _SmallOps.rows(bus)
-    small.take()
-    interference = _interference(fixed, bus, ring)
-    link_bytes = int(agreed(min(LINK_MIB * 2 ** 20, max(2 ** 20, bus * LINK_S)))) // 4 * 4
-    link = _one_link(_peer(spec), link_bytes, LINK_REPEATS)
-    small.take()  # the second passes, seconds after the first
-    fp16_rate, bf16_rate = (0.0, 0.0)
-    if half is not None:
-        half.take()
-        fp16_rate, bf16_rate = half.rates()
+    # the runtime's waits on the default group yield gloo's I/O threads; the probe's too
+    waits = Yielding(unclaimed_loops())
+    with waits:
+        tiny = torch.zeros(1)
+        _timed_allreduce(tiny, 3)  # warm-up: connections, allocator
+        fixed = statistics.median(_timed_allreduce(tiny, TINY_REPEATS))
+        budget = PROBE_BUDGET_S * 0.8
+        bus, sizes = _bus_rate(fixed, nominal, ring, budget - (time.perf_counter() - started))
+        if multi and agreed(float(bus < SUSPECT_RATE * nominal), dist.ReduceOp.MAX):
+            again, more = _bus_rate(fixed, nominal, ring, budget)
+            if again > bus:
+                bus, sizes = again, more
+        big_rate = _big_rate(fixed, bus, ring,
+                             PROBE_BUDGET_S - (time.perf_counter() - started)) \
+            if agreed(float(sizes == len(SIZES_MIB))) else 0.0
+        half = _HalfRates.sized(
+            fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
+            bus / ring)
+        if half is not None:
+            half.take()
+        small = _SmallOps.rows(bus)
+        small.take()
+    interference = _interference(fixed, bus, ring, waits)  # computes beside a transfer
+    with waits:
+        link_bytes = int(agreed(min(LINK_MIB * 2 ** 20, max(2 ** 20, bus * LINK_S)))) // 4 * 4
+        link = _one_link(_peer(spec), link_bytes, LINK_REPEATS)
+        small.take()  # the second passes, seconds after the first
+        fp16_rate, bf16_rate = (0.0, 0.0)
+        if half is not None:
+            half.take()
+            fp16_rate, bf16_rate = half.rates()
     queued = max(fixed, _steady(small.queued))
     group_fixed = max(fixed, queued - ring * QUEUED_KIB * 1024 / bus)
     chained = _steady(small.chained)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.errors import DistributedError, StrategyError
+from stratagem.gloo_threads import Yielding, new_loops, unclaimed_loops
 from stratagem.process_group import hold
 from stratagem.runtime.plan import Plan
 from stratagem.runtime.stats import CommStats
@@ -20,10 +21,12 @@ BROADCAST_CHUNK_BYTES = 64 * 2**20
 class Comm:
     """One process group whose collectives are counted in a :class:`CommStats`."""
 
-    def __init__(self, group: dist.ProcessGroup, backend: str, stats: CommStats) -> None:
+    def __init__(self, group: dist.ProcessGroup, backend: str, stats: CommStats,
+                 io_threads: frozenset[int] = frozenset()) -> None:
         self.group: dist.ProcessGroup | None = group
         self.backend = backend
         self.stats = stats
+        self.yielding = Yielding(io_threads)  # gloo's, while this process waits on them
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.root = dist.get_global_rank(group, 0)
@@ -53,7 +56,8 @@ class Comm:
 
     def wait(self, work: dist.Work) -> None:
         t0 = time.perf_counter()
-        work.wait()
+        with self.yielding:
+            work.wait()
         self.stats.wait_seconds += time.perf_counter() - t0
 
 
@@ -79,7 +83,7 @@ def make_comms(plan: Plan, process_group: dist.ProcessGroup | None, stats: CommS
             f"{rank} of {size} in its process group", where="DistributedModel",
             fix="compile the plan with this process's rank and world size")
     default_backend = str(dist.get_backend(group)).lower()
-    default = Comm(group, default_backend, stats)
+    default = Comm(group, default_backend, stats, unclaimed_loops())
     comms: dict[str, Comm] = {}
     ranks = dist.get_process_group_ranks(group)
     for backend in plan.backends:
@@ -90,7 +94,8 @@ def make_comms(plan: Plan, process_group: dist.ProcessGroup | None, stats: CommS
             raise StrategyError("the plan asks for NCCL, but this PyTorch build has no NCCL",
                                 where="DistributedModel",
                                 fix="use spec 'gloo' or 'auto', or install a CUDA build")
-        comms[backend] = Comm(dist.new_group(ranks=ranks, backend=backend), backend, stats)
+        made, loops = new_loops(lambda b=backend: dist.new_group(ranks=ranks, backend=b))
+        comms[backend] = Comm(made, backend, stats, loops)
     return default, comms
 
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from stratagem import env
 from stratagem.errors import DistributedError
+from stratagem.gloo_threads import Yielding, new_loops
 from stratagem.process_group import init_process_group, watch_world
 
 ENV_ROLE = env.ROLE
@@ -325,10 +326,12 @@ class Group:
         self.size = len(members)
         store = dist.PrefixStore(f"{prefix}/", cluster.store)
         try:
-            self.pg: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
-                store, self.rank, self.size, timeout)
+            self.pg: dist.ProcessGroupGloo | None
+            self.pg, loops = new_loops(lambda: dist.ProcessGroupGloo(
+                store, self.rank, self.size, timeout))
         except RuntimeError as exc:
             raise cluster.explain(exc, f"connecting group {prefix}", members) from None
+        self.yielding = Yielding(loops)  # gloo's I/O threads, while this process waits
 
     def index(self, rank: int) -> int:
         """Group rank of logical rank ``rank``."""
@@ -368,7 +371,8 @@ class Group:
 
     def wait(self, work: dist.Work, what: str = "") -> None:
         try:
-            work.wait()
+            with self.yielding:
+                work.wait()
         except RuntimeError as exc:
             raise self.cluster.explain(exc, what or f"waiting on group {self.name}",
                                        self.members) from None
