@@ -331,14 +331,18 @@ class SparseExchange:
             return True
         if int(recv[:W, 1].sum()) == 0:
             return False
-        n_from = recv[:, PULL_HEADER:H].sum(dim=1)
+        # the counts as Python ints, once: indexing a tensor per (worker, piece) cost
+        # 0.6 ms of CPU a round at 4 workers and 36 pieces
+        asked_of = recv[:, PULL_HEADER:H].tolist()  # [q][i]: rows q asks of piece i
+        asks = send[:, PULL_HEADER:H].tolist()  # [q][i]: rows this worker asks of q
+        n_from = [sum(row) for row in asked_of]
         rest = None
         if bool(recv[:, 2].any()):  # somebody asked for more than ``cap``: the rest now
             sends = [[_bytes(asked[q][cap:])] if q in asked and len(asked[q]) > cap else []
                      for q in range(size)]
             in_bytes = [max(0, len(asked[q]) - cap) * I64 if q in asked else 0
                         for q in range(size)]
-            out_bytes = [max(0, int(n_from[q]) - cap) * I64 for q in range(size)]
+            out_bytes = [max(0, n_from[q] - cap) * I64 for q in range(size)]
             rest = self._a2a_bytes(sends, in_bytes, out_bytes, "requesting embedding rows")
             for q in range(size):
                 if q != self.rank:
@@ -348,7 +352,7 @@ class SparseExchange:
         reply_bytes = [0] * size
         off_rest = 0
         for q in range(size):
-            nq = int(n_from[q])
+            nq = n_from[q]
             if nq <= 0:
                 continue
             ids_q = recv[q, H:H + min(nq, cap)]
@@ -358,10 +362,10 @@ class SparseExchange:
                                               torch.int64, (k,))])
                 off_rest += k * I64
             o = 0
-            for i, p in enumerate(self.pieces):
-                n = int(recv[q, PULL_HEADER + i])
+            for i, n in enumerate(asked_of[q]):
                 if n <= 0:
                     continue
+                p = self.pieces[i]
                 ids = ids_q[o:o + n].clone()
                 o += n
                 self.expected.setdefault((q, i), []).append(ids)
@@ -369,13 +373,12 @@ class SparseExchange:
                 rows = shard.index_select(0, (ids - p.row_start).to(shard.device)).cpu()
                 replies[q].append(_bytes(rows))
                 reply_bytes[q] += n * self.row_bytes[i]
-        expect = [sum(int(send[q, PULL_HEADER + i]) * self.row_bytes[i] for i in range(P))
+        expect = [sum(n * b for n, b in zip(asks[q], self.row_bytes, strict=True))
                   for q in range(size)]
         rows_in = self._a2a_bytes(replies, reply_bytes, expect, "pulling embedding rows")
         off = 0
         for q in range(size):
-            for i in range(P):
-                n = int(send[q, PULL_HEADER + i])
+            for i, n in enumerate(asks[q]):
                 if n <= 0:
                     continue
                 nb = n * self.row_bytes[i]
@@ -426,9 +429,8 @@ class SparseExchange:
         self.refresh_pending = None
         self.group.wait(work, "receiving updated embedding rows")
         off = 0
-        for q in range(self.size):
-            for i in range(self.P):
-                n = int(recv[q, i])
+        for counts in recv.tolist():
+            for i, n in enumerate(counts):
                 if n <= 0:
                     continue
                 idx = _as(out[off:off + n * I64], torch.int64, (n,))
