@@ -149,6 +149,17 @@ HALF_FP32_ALLREDUCES = 48
 """fp32 all-reduces' time at the measured rate the half-precision passes are sized for."""
 
 
+_WAITS = [Yielding(())]
+"""The running probe's waits (:func:`probe_links` sets it): each wait yields gloo's I/O
+threads exactly as the runtime's waits do (``Comm.wait``), the rest of the probe does not,
+so the probe pays what training pays between its waits."""
+
+
+def _wait(work: Any) -> None:
+    with _WAITS[0]:
+        work.wait()
+
+
 class _WorldGroup:
     """The default process group as the runtime's sparse exchange uses a group."""
 
@@ -162,10 +173,10 @@ class _WorldGroup:
                                       async_op=True)
 
     def run(self, fn, what: str) -> None:  # noqa: ANN001 - as Group.run
-        fn().wait()
+        _wait(fn())
 
     def wait(self, work: Any, what: str = "") -> None:
-        work.wait()
+        _wait(work)
 
 _OWNER: dict[bool, list[float]] = {}  # owner_piece_cost's timed rounds, by together
 _RUNTIME: dict[bool, dict[int, list[float]]] = {}
@@ -403,7 +414,7 @@ def _timed_allreduce(t: torch.Tensor, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
         s = time.perf_counter()
-        dist.all_reduce(t)
+        _wait(dist.all_reduce(t, async_op=True))
         out.append(time.perf_counter() - s)
     return out
 
@@ -514,16 +525,14 @@ class _HalfRates:
                 took[torch.float32] / took[torch.bfloat16])
 
 
-def _interference(fixed: float, bus_bps: float, ring: float, waits: Yielding,
-                  repeats: int = 3) -> float:
+def _interference(fixed: float, bus_bps: float, ring: float, repeats: int = 3) -> float:
     """Share of an overlapped all-reduce's time that a compute loop running beside it
     loses: (loop under the all-reduce - loop alone) / the all-reduce's time alone, in
     [0, 1]. The all-reduce takes about ``INTERFERE_S``; the loop (``WORK_N`` matmuls) is
     sized to match. Where the wire bounds the transfer the CPU is free and the loop runs
     at full speed (about 0); where moving the bytes is CPU work on the same cores, the
     loop waits for it (about 1). Medians over ``repeats`` rounds of (loop alone,
-    all-reduce alone, both at once). ``waits``: as the runtime's waits (the loop runs
-    outside them, as backward does)."""
+    all-reduce alone, both at once)."""
     lo, hi = (int(m * 2 ** 20) for m in INTERFERE_MIB)
     nbytes = int(agreed(min(hi, max(lo, bus_bps * INTERFERE_S / ring)))) // 4 * 4
     buf = torch.zeros(nbytes // 4)
@@ -535,8 +544,7 @@ def _interference(fixed: float, bus_bps: float, ring: float, waits: Yielding,
             torch.mm(a, b)
         return time.perf_counter() - s
 
-    with waits:
-        dist.all_reduce(buf)  # warm-up
+    _wait(dist.all_reduce(buf, async_op=True))  # warm-up
     per = work(16) / 16
     ring_s = ring * nbytes / bus_bps + fixed
     n = max(4, int(agreed(ring_s / max(per, 1e-7))))
@@ -545,15 +553,13 @@ def _interference(fixed: float, bus_bps: float, ring: float, waits: Yielding,
         dist.barrier()
         alone.append(work(n))
         dist.barrier()
-        with waits:
-            s = time.perf_counter()
-            dist.all_reduce(buf)
-            comm.append(time.perf_counter() - s)
+        s = time.perf_counter()
+        _wait(dist.all_reduce(buf, async_op=True))
+        comm.append(time.perf_counter() - s)
         dist.barrier()
         handle = dist.all_reduce(buf, async_op=True)
         under.append(work(n))
-        with waits:
-            handle.wait()
+        _wait(handle)
     return interference_share(statistics.median(alone), statistics.median(comm),
                               statistics.median(under))
 
@@ -572,11 +578,11 @@ def _ping_pong(repeats: int) -> float:
     for _ in range(repeats):
         s = time.perf_counter()
         if rank == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
+            _wait(dist.isend(t, 1))
+            _wait(dist.irecv(t, 1))
         elif rank == 1:
-            dist.recv(t, 0)
-            dist.send(t, 0)
+            _wait(dist.irecv(t, 0))
+            _wait(dist.isend(t, 0))
         times.append((time.perf_counter() - s) / 2)
     return statistics.median(times) if rank == 0 else 0.0
 
@@ -597,11 +603,11 @@ def _one_link(peer: int | None, nbytes: int, repeats: int) -> float:
         dist.barrier()
         s = time.perf_counter()
         if rank == 0:
-            dist.send(buf, peer)
-            dist.recv(ack, peer)
+            _wait(dist.isend(buf, peer))
+            _wait(dist.irecv(ack, peer))
         elif rank == peer:
-            dist.recv(buf, 0)
-            dist.send(ack, 0)
+            _wait(dist.irecv(buf, 0))
+            _wait(dist.isend(ack, 0))
         if i:
             times.append(time.perf_counter() - s)
     return nbytes / max(statistics.median(times), 1e-9) if rank == 0 else 0.0
@@ -623,7 +629,7 @@ def _queued_allreduce(repeats: int) -> list[float]:
         s = time.perf_counter()
         works = [dist.all_reduce(b, async_op=True) for b in bufs]
         for w in works:
-            w.wait()
+            _wait(w)
         return (time.perf_counter() - s) / QUEUED
 
     once()
@@ -642,7 +648,7 @@ def _chained_all_to_all(chain: int, repeats: int) -> list[float]:
         dist.barrier()
         s = time.perf_counter()
         for _ in range(chain):
-            dist.all_to_all_single(dst, src)
+            _wait(dist.all_to_all_single(dst, src, async_op=True))
         times.append((time.perf_counter() - s) / chain)
     return times
 
@@ -874,36 +880,33 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     ring = 2 * (world - 1) / world
     dist.barrier()
     # the runtime's waits on the default group yield gloo's I/O threads; the probe's too
-    waits = Yielding(unclaimed_loops())
-    with waits:
-        tiny = torch.zeros(1)
-        _timed_allreduce(tiny, 3)  # warm-up: connections, allocator
-        fixed = statistics.median(_timed_allreduce(tiny, TINY_REPEATS))
-        budget = PROBE_BUDGET_S * 0.8
-        bus, sizes = _bus_rate(fixed, nominal, ring, budget - (time.perf_counter() - started))
-        if multi and agreed(float(bus < SUSPECT_RATE * nominal), dist.ReduceOp.MAX):
-            again, more = _bus_rate(fixed, nominal, ring, budget)
-            if again > bus:
-                bus, sizes = again, more
-        big_rate = _big_rate(fixed, bus, ring,
-                             PROBE_BUDGET_S - (time.perf_counter() - started)) \
-            if agreed(float(sizes == len(SIZES_MIB))) else 0.0
-        half = _HalfRates.sized(
-            fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
-            bus / ring)
-        if half is not None:
-            half.take()
-        small = _SmallOps.rows(bus)
-        small.take()
-    interference = _interference(fixed, bus, ring, waits)  # computes beside a transfer
-    with waits:
-        link_bytes = int(agreed(min(LINK_MIB * 2 ** 20, max(2 ** 20, bus * LINK_S)))) // 4 * 4
-        link = _one_link(_peer(spec), link_bytes, LINK_REPEATS)
-        small.take()  # the second passes, seconds after the first
-        fp16_rate, bf16_rate = (0.0, 0.0)
-        if half is not None:
-            half.take()
-            fp16_rate, bf16_rate = half.rates()
+    _WAITS[0] = Yielding(unclaimed_loops())
+    tiny = torch.zeros(1)
+    _timed_allreduce(tiny, 3)  # warm-up: connections, allocator
+    fixed = statistics.median(_timed_allreduce(tiny, TINY_REPEATS))
+    budget = PROBE_BUDGET_S * 0.8
+    bus, sizes = _bus_rate(fixed, nominal, ring, budget - (time.perf_counter() - started))
+    if multi and agreed(float(bus < SUSPECT_RATE * nominal), dist.ReduceOp.MAX):
+        again, more = _bus_rate(fixed, nominal, ring, budget)
+        if again > bus:
+            bus, sizes = again, more
+    big_rate = _big_rate(fixed, bus, ring, PROBE_BUDGET_S - (time.perf_counter() - started)) \
+        if agreed(float(sizes == len(SIZES_MIB))) else 0.0
+    half = _HalfRates.sized(
+        fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
+        bus / ring)
+    if half is not None:
+        half.take()
+    small = _SmallOps.rows(bus)
+    small.take()
+    interference = _interference(fixed, bus, ring)
+    link_bytes = int(agreed(min(LINK_MIB * 2 ** 20, max(2 ** 20, bus * LINK_S)))) // 4 * 4
+    link = _one_link(_peer(spec), link_bytes, LINK_REPEATS)
+    small.take()  # the second passes, seconds after the first
+    fp16_rate, bf16_rate = (0.0, 0.0)
+    if half is not None:
+        half.take()
+        fp16_rate, bf16_rate = half.rates()
     queued = max(fixed, _steady(small.queued))
     group_fixed = max(fixed, queued - ring * QUEUED_KIB * 1024 / bus)
     chained = _steady(small.chained)
