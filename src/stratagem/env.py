@@ -293,14 +293,14 @@ def log_level() -> str:
     return value
 
 
-GLOO_YIELD_MODES = ("auto", "on", "off")
+GLOO_YIELD_MODES = ("off", "auto", "on")
 
 
 def gloo_yield() -> str:
     """``STRATAGEM_GLOO_YIELD``: whether gloo's I/O threads yield the CPU while the main
-    thread waits on them (:mod:`stratagem.gloo_threads`): ``auto`` (default: when the
-    process may run on one CPU only), ``on`` or ``off``."""
-    value = (_first(GLOO_YIELD) or "auto").lower()
+    thread waits on them (:mod:`stratagem.gloo_threads`): ``off`` (default), ``auto``
+    (when the process may run on one CPU only) or ``on``."""
+    value = (_first(GLOO_YIELD) or "off").lower()
     if value not in GLOO_YIELD_MODES:
         raise StratagemError(f"{GLOO_YIELD}={value!r} is not a mode", where=GLOO_YIELD,
                              fix=f"use one of {', '.join(GLOO_YIELD_MODES)}")

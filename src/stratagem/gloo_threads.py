@@ -16,7 +16,9 @@ the core at once, and while it computes, the transfers it overlaps keep their fa
 
 Leaving ``SCHED_IDLE`` needs CAP_SYS_NICE or an RLIMIT_NICE of 20 (``ulimit -e 20``); a
 process without either leaves its waits as they are. ``STRATAGEM_GLOO_YIELD`` chooses:
-``auto`` (default: when the process may run on one CPU only), ``on`` or ``off``.
+``off`` (default), ``auto`` (when the process may run on one CPU only) or ``on``. Off by
+default because the planner's link probe, which yields the same way, then reads some small
+operations cheaper than training pays for them (docs/concepts/allreduce-runtime.md).
 """
 
 from __future__ import annotations

@@ -71,16 +71,28 @@ def test_the_main_threads_wait_idles_the_threads_and_restores_them(
         stand_in.join()
 
 
-@pytest.mark.parametrize("mode", ["off", "auto"])
-def test_off_or_on_several_cpus_nothing_changes(fresh: None, mode: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STRATAGEM_GLOO_YIELD", mode)
-    monkeypatch.setattr(gloo_threads, "one_cpu", lambda: False)
+@pytest.mark.parametrize(("mode", "one_cpu"), [(None, True), ("off", True), ("auto", False)])
+def test_off_by_default_or_on_several_cpus_nothing_changes(
+        fresh: None, mode: str | None, one_cpu: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if mode is None:
+        monkeypatch.delenv("STRATAGEM_GLOO_YIELD", raising=False)
+    else:
+        monkeypatch.setenv("STRATAGEM_GLOO_YIELD", mode)
+    monkeypatch.setattr(gloo_threads, "one_cpu", lambda: one_cpu)
     calls = []
     monkeypatch.setattr(os, "sched_setscheduler", lambda *a: calls.append(a))
     with gloo_threads.Yielding([os.getpid()]):
         pass
     assert calls == []
+
+
+def test_auto_yields_where_the_process_has_one_cpu(fresh: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _allowed():
+        pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE)")
+    monkeypatch.setenv("STRATAGEM_GLOO_YIELD", "auto")
+    monkeypatch.setattr(gloo_threads, "one_cpu", lambda: True)
+    assert gloo_threads.enabled()
 
 
 def test_without_the_right_to_leave_idle_it_stays_off_and_says_so(
