@@ -130,3 +130,13 @@ def test_a_real_wait_on_a_two_process_group(tmp_path: Path, mode: str, waiter: s
     assert seen["threads"] == {1}  # the default group's I/O thread
     assert seen["before"] == {OTHER} and seen["after"] == {OTHER}
     assert seen["during"] == during
+
+
+def test_a_parameter_server_groups_wait_idles_its_own_thread(tmp_path: Path) -> None:
+    if not _allowed():
+        pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE)")
+    seen = spawn(yield_workers.policies_during_a_wait, 2, tmp_path, mode="on",
+                 waiter="main", through="ps")[0]
+    assert seen["threads"] == {1}
+    assert seen["before"] == {OTHER} and seen["after"] == {OTHER}
+    assert seen["during"] == {IDLE}
