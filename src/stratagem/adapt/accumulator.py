@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.elastic import State, current_epoch, current_job, load_state, unique_name
-from stratagem.elastic.wire import all_gather_bytes
+from stratagem.process_group import all_gather_bytes
 
 Number = int | float
 

@@ -13,42 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.process_group import comm_device
+from stratagem.process_group import broadcast_bytes, comm_device
 
 _T = "__tensor__"
-
-
-def _bytes_tensor(data: bytes, size: int, device: torch.device) -> torch.Tensor:
-    buf = torch.zeros(size, dtype=torch.uint8, device=device)
-    if data:
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    return buf
-
-
-def broadcast_bytes(data: bytes | None, src: int = 0, group: Any = None) -> bytes:
-    """``data`` of rank ``src`` on every rank (others pass None)."""
-    device = comm_device(group)
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64,
-                        device=device)
-    dist.broadcast(size, src=src, group=group)
-    n = int(size.item())
-    buf = _bytes_tensor(data or b"", n, device)
-    dist.broadcast(buf, src=src, group=group)
-    return buf.cpu().numpy().tobytes()
-
-
-def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
-    """Every rank's ``data``, in rank order."""
-    device = comm_device(group)
-    world = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    lengths = [int(s.item()) for s in sizes]
-    buf = _bytes_tensor(data, max(lengths), device)
-    bufs = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(bufs, buf, group=group)
-    return [b[:n].cpu().numpy().tobytes() for b, n in zip(bufs, lengths, strict=True)]
 
 
 def split_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:

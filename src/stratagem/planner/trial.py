@@ -48,6 +48,7 @@ from stratagem import env
 from stratagem.planner.calibrate import call_model, default_loss
 from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import HYBRID, Candidate, Choice, all_reduce_only
+from stratagem.process_group import broadcast_bytes
 from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import server_devices, validate
 
@@ -374,15 +375,11 @@ def prefer_all_reduce(best_i: int, families: list[str], measured: list[float | N
 
 
 def _broadcast_json(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (JSON bytes, parsed strictly; on the CPU: trials run
-    only where the group has gloo)."""
-    payload = json.dumps(obj).encode() if dist.get_rank() == 0 else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    dist.broadcast(size, 0)
-    buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if dist.get_rank() == 0
-           else torch.empty(int(size.item()), dtype=torch.uint8))
-    dist.broadcast(buf, 0)
-    return obj if dist.get_rank() == 0 else json.loads(bytes(buf.tolist()).decode())
+    """Rank 0's ``obj`` on every rank (JSON bytes, parsed strictly)."""
+    if dist.get_rank() == 0:
+        broadcast_bytes(json.dumps(obj).encode())
+        return obj
+    return json.loads(broadcast_bytes(None).decode())
 
 
 def model_device(model: nn.Module) -> torch.device:
