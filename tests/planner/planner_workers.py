@@ -413,3 +413,33 @@ def suspect_bus_case(rank: int, world: int, readings: list[float]) -> dict[str, 
         p._bus_rate = real
     assert probe is not None
     return {"fits": len(calls), "bus_bps": probe.bus_bps}
+
+
+def disturbed_link_case(rank: int, world: int, bus: float, readings: list[float]
+                        ) -> dict[str, Any]:
+    """Probe 2 nodes specified at 10 Gbit/s over loopback, the bus-rate fit replaced by
+    ``bus`` and rank 0's link-alone timings by ``readings`` in turn (0 on the other rank,
+    as the real one returns): how many timings ran and the link rate the probe kept."""
+    import importlib
+
+    from stratagem.resource import ResourceSpec
+
+    p = importlib.import_module("stratagem.planner.probe")
+    spec = ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.0.0.{i + 1}", "chief": i == 0, "workers": 1,
+         "network_bandwidth": 10.0, "cpus": [0]} for i in range(world)]})
+    timed = iter(readings)
+    calls = []
+
+    def one_link(*_: Any) -> float:
+        calls.append(1)
+        return next(timed) if rank == 0 else 0.0
+
+    real = p._bus_rate, p._one_link
+    p._bus_rate, p._one_link = (lambda *_: (bus, 1)), one_link
+    try:
+        probe = p.probe_links(spec, use_cache=False)
+    finally:
+        p._bus_rate, p._one_link = real
+    assert probe is not None
+    return {"timings": len(calls), "link_bps": probe.link_bps}

@@ -677,3 +677,31 @@ def test_a_bus_rate_far_below_the_spec_is_measured_again(
                          _spawn.Setup(args=(2,), local_rank=True, init_group=True))
     for r in results:
         assert r["fits"] == fits and r["bus_bps"] == pytest.approx(kept), r
+
+
+@pytest.mark.parametrize(("bus", "readings", "timings", "kept"), [
+    (1.0e9, (1.1e9,), 1, 1.1e9),         # alone faster than in the ring: trusted
+    (6.4e8, (2.6e8, 1.15e9), 2, 1.15e9),  # read below the bus: timed again, faster kept
+    (6.4e8, (2.6e8, 3.0e8), 2, 6.4e8),   # slow twice: not below what the ring carries
+    (6.4e8, (6.0e8,), 1, 6.4e8),         # a little below the bus: not retimed, floored
+])
+def test_a_link_alone_read_below_the_bus_rate_is_timed_again(
+        tmp_path, bus: float, readings: tuple[float, ...], timings: int,
+        kept: float) -> None:
+    import _spawn
+    import planner_workers as pw
+
+    results = _spawn.run(pw.disturbed_link_case, 2, tmp_path,
+                         {"bus": bus, "readings": list(readings)},
+                         _spawn.Setup(args=(2,), local_rank=True, init_group=True))
+    for r in results:
+        assert r["timings"] == timings and r["link_bps"] == pytest.approx(kept), r
+
+
+def test_link_disturbed_and_settled_known_answers() -> None:
+    from stratagem.planner.probe import LINK_BELOW_BUS, link_disturbed, settled_link
+
+    assert link_disturbed(0.5e9, 1e9) and not link_disturbed(LINK_BELOW_BUS * 1e9, 1e9)
+    assert not link_disturbed(0.0, 1e9)  # not measured on this rank
+    assert settled_link([2e8, 9e8], 1e9) == 1e9 and settled_link([2e8, 1.2e9], 1e9) == 1.2e9
+    assert settled_link([0.0], 1e9) == 0.0
