@@ -554,6 +554,12 @@ def test_a_job_without_a_spec_spans_nodes_like_this_one(monkeypatch: pytest.Monk
         ("node0", 2, True), ("node1", 2, False), ("node2", 1, False)]
     assert cpu.replicas[:3] == ["node0:CPU:0", "node0:CPU:1", "node1:CPU:0"]
     assert not cpu.uses_gpus and cpu.source.startswith(ResourceSpec.JOB_SOURCE)
+    assert cpu.of_this_job and not ResourceSpec.local(3).of_this_job
+    # a spec file's source that spells the same words is still a spec file's
+    spoof = ResourceSpec.from_dict({"nodes": [{"address": "10.0.0.1", "chief": True},
+                                              {"address": "10.0.0.2"}]},
+                                   source=f"{ResourceSpec.JOB_SOURCE}: 2 nodes like this one>")
+    assert not spoof.of_this_job
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert not ResourceSpec.local(16).uses_gpus  # one machine, 16 workers, 8 GPUs

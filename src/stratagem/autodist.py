@@ -219,7 +219,7 @@ class AutoDist:
             node = addresses.index(mine)
         elif spec.is_local:
             node = 0
-        elif spec.source.startswith(ResourceSpec.JOB_SOURCE):
+        elif spec.of_this_job:
             # no spec given, several nodes: torch elastic's group rank says which
             node = env.job_node_rank(self.rank, self.world_size, len(spec.nodes))
         else:

@@ -90,6 +90,10 @@ class ResourceSpec:
     nodes: tuple[Node, ...]
     ssh: Mapping[str, SSHConfig] = field(default_factory=dict)
     source: str = "<resource spec>"
+    of_this_job: bool = False
+    """Made by :meth:`of_job` (no spec given, several nodes): ranks find their node from
+    torch elastic's group rank, not from an address. A flag, not a source string a spec
+    file could spell."""
     JOB_SOURCE: ClassVar[str] = "<this job"  # the source of :meth:`of_job`'s specs
 
     # -- construction -------------------------------------------------------------------
@@ -151,7 +155,8 @@ class ResourceSpec:
         counts = [min(per_node, world_size - i * per_node) for i in range(nodes)]
         shaped = tuple(replace(this, address=f"node{i}", chief=i == 0, workers=count)
                        for i, count in enumerate(counts) if count > 0)
-        return cls(nodes=shaped, source=f"{cls.JOB_SOURCE}: {len(shaped)} nodes like this one>")
+        return cls(nodes=shaped, source=f"{cls.JOB_SOURCE}: {len(shaped)} nodes like this one>",
+                   of_this_job=True)
 
     def with_local_workers(self, workers: int) -> ResourceSpec:
         """This single-node spec running ``workers`` processes (``--nproc``); on CPU when
