@@ -388,17 +388,22 @@ def shared_core_calibration_case(rank: int, world: int) -> dict[str, Any]:
             "beside_compute_bps": statistics.median(rates) if rates else None}
 
 
+def _ten_gbit_nodes(world: int) -> Any:
+    """A spec of ``world`` one-worker nodes at 10 Gbit/s (the probe runs over loopback)."""
+    from stratagem.resource import ResourceSpec
+
+    return ResourceSpec.from_dict({"nodes": [
+        {"address": f"10.0.0.{i + 1}", "chief": i == 0, "workers": 1,
+         "network_bandwidth": 10.0, "cpus": [0]} for i in range(world)]})
+
+
 def suspect_bus_case(rank: int, world: int, readings: list[float]) -> dict[str, Any]:
     """Probe 2 nodes specified at 10 Gbit/s over loopback, the bus-rate fits replaced by
     ``readings`` in turn: how many fits ran and the bus rate the probe kept."""
     import importlib
 
-    from stratagem.resource import ResourceSpec
-
     p = importlib.import_module("stratagem.planner.probe")
-    spec = ResourceSpec.from_dict({"nodes": [
-        {"address": f"10.0.0.{i + 1}", "chief": i == 0, "workers": 1,
-         "network_bandwidth": 10.0, "cpus": [0]} for i in range(world)]})
+    spec = _ten_gbit_nodes(world)
     fits = iter(readings)
     calls = []
 
@@ -422,12 +427,8 @@ def disturbed_link_case(rank: int, world: int, bus: float, readings: list[float]
     as the real one returns): how many timings ran and the link rate the probe kept."""
     import importlib
 
-    from stratagem.resource import ResourceSpec
-
     p = importlib.import_module("stratagem.planner.probe")
-    spec = ResourceSpec.from_dict({"nodes": [
-        {"address": f"10.0.0.{i + 1}", "chief": i == 0, "workers": 1,
-         "network_bandwidth": 10.0, "cpus": [0]} for i in range(world)]})
+    spec = _ten_gbit_nodes(world)
     timed = iter(readings)
     calls = []
 
