@@ -21,12 +21,14 @@ from stratagem.planner.links import LinkModel
 from stratagem.planner.search import Hybrid, all_reduce_only, build_hybrid, search
 from stratagem.planner.trial import (
     ALL_REDUCE,
+    DOMINATED,
     FACTOR_RANGE,
     SERVERS,
     Trial,
     family,
     fastest,
     fit,
+    passed_over,
     prefer_all_reduce,
     prefer_named,
     pull_factor,
@@ -372,6 +374,39 @@ def test_shortlist_has_distinct_strategies_and_a_builtin() -> None:
     assert any(all_reduce_only(c.strategy) for c in short)
     assert short[0] is choice.best and len(short) <= 5
     assert not {"AllReduce", "Parallax"} <= {c.name for c in short}
+
+
+def test_shortlist_passes_over_candidates_predicted_far_slower() -> None:
+    """A candidate predicted over ``DOMINATED`` times the best is not tried, even as the
+    best built-in or all-reduce one; the passed-over guards are named with their ratio."""
+    profile = analyze(pw.make("dense"))
+    choice = search(profile, spec(2), estimate(profile, 8))
+    best = choice.best.cost.total_s
+
+    def priced(c, ratio: float):
+        return replace(c, cost=replace(c.cost, compute_s=c.cost.compute_s
+                                       + best * ratio - c.cost.total_s))
+
+    # every candidate but the chosen one predicted 2.5x the best, or just under the bound
+    for ratio, tried in ((2.5, False), (DOMINATED * 0.99, True)):
+        others = tuple(priced(c, ratio) for c in choice.candidates if c is not choice.best)
+        # the chosen one a hybrid with servers: both guards (built-in, all-reduce) wanted
+        ps = next(c for c in choice.candidates if not all_reduce_only(c.strategy))
+        first = replace(priced(ps, 1.0), name="hybrid")
+        others = tuple(c for c in others if c.name != ps.name)
+        rigged = replace(choice, best=first, candidates=(first, *others))
+        short = shortlist(rigged, 3)
+        assert short[0] is rigged.best
+        assert (len(short) > 1) is tried
+        named = passed_over(rigged, short)
+        if tried:
+            assert named == []
+        else:
+            assert short == [rigged.best]
+            # the best built-in here all-reduces everything: one name serves both guards
+            builtin = next(c for c in rigged.candidates if c.name != "hybrid")
+            assert all_reduce_only(builtin.strategy)
+            assert named == [f"{builtin.name} (2.5x)"]
 
 
 def test_lossy_allowed_adds_allreduce_with_each_compressor() -> None:

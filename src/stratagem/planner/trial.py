@@ -5,10 +5,10 @@ larger than the gap between them, a few measured steps decide. With a process gr
 (AutoDist builds the strategy inside the workers), every worker runs, for each of the top
 ``k`` predicted candidates (distinct strategies) plus the best built-in builder and the
 best all-reduce-only candidate (so Auto is never slower than them by more than the
-trials' noise), a copy of the model wrapped by the runtime under that strategy, for one
-warm-up and ``steps`` timed training steps on its sample batch (forward, backward with the
-strategy's synchronization, an update with learning rate 0 on the copy); short steps are
-repeated up to ``MEASURE_S`` of them.
+trials' noise) -- none predicted over ``DOMINATED`` times the best -- a copy of the model
+wrapped by the runtime under that strategy, for one warm-up and ``steps`` timed training
+steps on its sample batch (forward, backward with the strategy's synchronization, an update
+with learning rate 0 on the copy); short steps are repeated up to ``MEASURE_S`` of them.
 
 Candidates small enough are built at once and stepped in turn, the order rotating each
 round (as the benchmarks interleave variants: load that comes and goes hits all alike);
@@ -94,6 +94,13 @@ SECOND_MEASURE_S = 1.0
 """...aiming at this many seconds of timed steps each, at the refined rate."""
 Z = 2.0
 """Standard errors by which a raced candidate must beat the winner (about 95%)."""
+DOMINATED = 2.0
+"""A candidate predicted slower than this many times the best prediction is not tried, not
+even as the best built-in or all-reduce one (the second look still races it if the
+trials' refinement brings it within ``SECOND_LOOK`` of the winner). In the eight
+benchmark runs of bench/results, none of the 271 trials predicted over 2x the best
+measured within 1.63x of the winner (of the 420 over 1.3x, none within 1.13x); on the
+LSTM LM at 4 nodes and 1 Gbit/s such trials (3.9x predicted) took most of a 58 s build."""
 RACED = "second look"
 """The note of a trial run in the second look's race (the explanation marks them)."""
 
@@ -273,11 +280,20 @@ def _key(strategy: Strategy) -> str:
     return json.dumps([nc.to_dict() for nc in strategy.node_config], sort_keys=True)
 
 
+def dominated(choice: Choice, c: Candidate) -> float | None:
+    """``c``'s prediction over the best prediction of ``choice`` when that is more than
+    ``DOMINATED`` (not worth a trial), else None."""
+    best = min(o.cost.total_s for o in choice.candidates)
+    ratio = c.cost.total_s / best if best > 0 else 1.0
+    return ratio if ratio > DOMINATED else None
+
+
 def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
     """The ``k`` best-predicted candidates with distinct strategies (the chosen one first),
     plus the best-predicted built-in builder and the best-predicted all-reduce-only
     candidate when none is among them: the model errs most on parameter servers (their
-    per-piece work), and all-reduce is what a user would run without Auto."""
+    per-piece work), and all-reduce is what a user would run without Auto. None predicted
+    more than ``DOMINATED`` times the best (:func:`dominated`), whatever it is."""
     out: list[Candidate] = []
     seen: set[str] = set()
     wants = [lambda c: c.name != HYBRID, lambda c: all_reduce_only(c.strategy)]
@@ -285,12 +301,28 @@ def shortlist(choice: Choice, k: int = TOP_K) -> list[Candidate]:
         key = _key(c.strategy)
         if key in seen:  # the same strategy under another name (AllReduce = Parallax ...)
             continue
+        if c is not choice.best and dominated(choice, c) is not None:
+            continue
         missing = [w for w in wants if not any(w(o) for o in out)]
         if len(out) < k or any(w(c) for w in missing):
             out.append(c)
             seen.add(key)
         if len(out) >= k and all(any(w(o) for o in out) for w in wants):
             break
+    return out
+
+
+def passed_over(choice: Choice, short: list[Candidate]) -> list[str]:
+    """The best-predicted built-in builder and all-reduce-only candidate, where ``short``
+    has none of their kind because they are :func:`dominated`: ``name (ratio x)`` each."""
+    out: list[str] = []
+    for want in (lambda c: c.name != HYBRID, lambda c: all_reduce_only(c.strategy)):
+        if any(want(c) for c in short):
+            continue
+        c = next((c for c in choice.candidates if want(c)), None)
+        ratio = dominated(choice, c) if c is not None else None
+        if c is not None and ratio is not None and f"{c.name} ({ratio:.1f}x)" not in out:
+            out.append(f"{c.name} ({ratio:.1f}x)")
     return out
 
 
@@ -576,18 +608,20 @@ def _entry(c: Candidate, steps: int) -> dict[str, Any]:
             "split": split(c.cost), "pulls": pulls(c.cost), "strategy": c.strategy.to_dict()}
 
 
-def _first_plan(choice: Choice, k: int, steps: int, budget_s: float) -> list[dict[str, Any]]:
-    """Rank 0's shortlist with the steps each, within the budget (predicted)."""
+def _first_plan(choice: Choice, k: int, steps: int, budget_s: float) -> dict[str, Any]:
+    """Rank 0's shortlist with the steps each, within the budget (predicted), and what it
+    passed over (:func:`passed_over`)."""
     picked: list[dict[str, Any]] = []
     spent = 0.0
-    for c in shortlist(choice, k):
+    short = shortlist(choice, k)
+    for c in short:
         n = min(MAX_STEPS, max(steps, math.ceil(MEASURE_S / max(c.cost.total_s, 1e-6))))
         cost = (WARMUP + n) * c.cost.total_s
         if picked and spent + cost > budget_s:
             continue
         picked.append(_entry(c, n))
         spent += cost
-    return picked
+    return {"plan": picked, "passed_over": passed_over(choice, short)}
 
 
 def second_look(choice: Choice, trials: list[Trial], winner: dict[str, Any],
@@ -647,7 +681,8 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
             f"does not fit beside it on {model_device(model)} on every rank; the prediction "
             "decides")))
     # Rank 0's shortlist (its predictions) on every rank.
-    plan = _broadcast_json(_first_plan(choice, k, steps, budget_s) if rank0 else None)
+    first = _broadcast_json(_first_plan(choice, k, steps, budget_s) if rank0 else None)
+    plan = first["plan"]
 
     def strategies_of(entries: list[dict[str, Any]]) -> list[Strategy]:
         return [validate(Strategy.from_dict(e["strategy"], source="rank 0's trial candidate"),
@@ -674,6 +709,9 @@ def refine(choice: Choice, model: nn.Module, sample_input: Any, *,
     how = "interleaved" if _interleave(plan, model, room) else "in turn"
     note = (f"trial steps: {len(trials)} candidates {how}, {WARMUP}+{steps}..{MAX_STEPS} "
             f"steps each, {time.perf_counter() - started:.1f} s; kept {entry['name']}")
+    if first["passed_over"]:
+        note += (f"; not tried, predicted over {DOMINATED:g}x the best: "
+                 f"{', '.join(first['passed_over'])}")
     # The second look: what the trials' rates put level with the winner, raced against it.
     race = None
     if rank0 and trials[best_i].measured_s is not None:
