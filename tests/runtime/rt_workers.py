@@ -173,6 +173,42 @@ def sparse_adam_case(rank: int, world: int) -> dict:
     return out
 
 
+class GatherRows:
+    """AllReduce's strategy, with every sparse-gradient parameter's rows all-gathered
+    (each in its own group) instead of summed densely."""
+
+    def build(self, profile: Any, spec: ResourceSpec) -> Any:
+        from dataclasses import replace
+
+        from stratagem.strategy import AllReduceSynchronizer
+
+        s = AllReduce(chunk_size=2).build(profile, spec)
+        return replace(s, node_config=tuple(
+            replace(nc, synchronizer=AllReduceSynchronizer(gather_rows=True, group=100 + i))
+            if profile.get(nc.var_name).sparse else nc
+            for i, nc in enumerate(s.node_config)))
+
+
+def gather_rows_case(rank: int, world: int) -> dict:
+    """The sparse embedding's rows all-gathered: plain SGD and SparseAdam take the summed
+    rows as a sparse gradient, as in single-process training."""
+    sgd = train(rank, world, "sparse", "plain_sgd", GatherRows(), steps=8)
+    dm = wrap(make_model("sparse", seed=rank), rank, world, GatherRows())
+    opts = sparse_adam(dm.module)
+    sl = local_slice(rank, world)
+    sparse_grads = []
+    for step in range(6):
+        x, y = batch("sparse", step)
+        for o in opts:
+            o.zero_grad()
+        loss_fn("sparse", dm(x[sl]), y[sl]).backward()
+        sparse_grads.append(dm.module.emb.weight.grad.is_sparse)
+        for o in opts:
+            o.step()
+    return {"sgd": sgd, "sparse_adam": state(dm), "sparse_grads": sparse_grads,
+            "summary": dm.plan.summary()}
+
+
 def sparse_columns_case(rank: int, world: int) -> dict:
     """The sparse embedding split along its columns (axis 1, 5 parts; seed 0)."""
     return train(rank, world, "sparse", "plain_sgd",
@@ -312,6 +348,7 @@ def world2(rank: int, world: int, ckpt_dir: str) -> dict:
                      ("unused", unused_case), ("sparse", sparse_case),
                      ("sparse_adam", sparse_adam_case),
                      ("sparse_columns", sparse_columns_case),
+                     ("gather_rows", gather_rows_case),
                      ("wrong_rank", wrong_rank_case), ("compressors", compressors),
                      ("powersgd_roundtrip", powersgd_roundtrip)]:
         out[name] = guarded(lambda fn=fn: fn(rank, world))
@@ -321,4 +358,5 @@ def world2(rank: int, world: int, ckpt_dir: str) -> dict:
 def world4(rank: int, world: int) -> dict:
     out = equivalence(rank, world)
     out["batchnorm"] = guarded(lambda: batchnorm_case(rank, world))
+    out["gather_rows"] = guarded(lambda: gather_rows_case(rank, world))
     return out

@@ -114,6 +114,21 @@ def test_sparse_embedding_densified(world2: list[dict], case: str) -> None:
     assert_state_close(per_rank[0], ref("sparse", "plain_sgd", steps=8))
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_gathered_rows_train_as_one_process(world: int, request: pytest.FixtureRequest
+                                            ) -> None:
+    """``gather_rows``: the sparse embedding's rows all-gathered (DDP's way) and summed on
+    every rank; the optimizer gets a sparse gradient, plain SGD and SparseAdam train to
+    single-process training's parameters."""
+    per_rank = [check(r["gather_rows"]) for r in request.getfixturevalue(f"world{world}")]
+    assert all(all(r["sparse_grads"]) for r in per_rank)
+    assert "rows all-gathered" in per_rank[0]["summary"]
+    assert_replicas_equal([r["sgd"] for r in per_rank])
+    assert_state_close(per_rank[0]["sgd"], ref("sparse", "plain_sgd", steps=8))
+    assert_replicas_equal([r["sparse_adam"] for r in per_rank])
+    assert_state_close(per_rank[0]["sparse_adam"], reference_sparse_adam(steps=6))
+
+
 def test_sparse_adam_gets_row_sparse_gradients(world2: list[dict]) -> None:
     """SparseAdam refuses dense gradients: its step gets the rows of the embedding
     gradient all-reduced densely, and training matches single-process SparseAdam."""

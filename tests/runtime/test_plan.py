@@ -240,3 +240,56 @@ def test_plan_is_printable_data() -> None:
     assert "launch order" in text and "fc1.weight[axis 0: 0:6]" in text
     json.dumps(plan.to_dict())
     assert compressor_names() == ["bf16", "fp16", "none", "powersgd"]
+
+
+def _gather_strategy(profile, **overrides) -> Strategy:
+    """AllReduce of every parameter, the sparse embedding's rows gathered (group 9)."""
+    sync = {"emb.weight": AllReduceSynchronizer(gather_rows=True, group=9, **overrides)}
+    return Strategy(tuple(NodeConfig(n, synchronizer=sync.get(n, AllReduceSynchronizer()))
+                          for n in profile.names))
+
+
+def test_gathered_rows_get_their_own_group_and_are_not_densified() -> None:
+    profile = analyze(make_model("sparse", 0))
+    plan = compile_plan(_gather_strategy(profile), profile, rank=0, world_size=2, device=CPU)
+    g = plan.group(9)
+    assert g.gather_rows and [m.param for m in g.members] == ["emb.weight"]
+    assert not plan.group(0).gather_rows and "emb.weight" not in plan.group(0).params
+    assert plan.densified == ()  # summed as rows, not made dense
+    assert "rows all-gathered" in plan.summary()
+
+
+def test_gathered_rows_errors_name_the_fix() -> None:
+    profile = analyze(make_model("sparse", 0))
+    with pytest.raises(StrategyError, match="compressor none"):
+        compile_plan(_gather_strategy(profile, compressor="fp16"), profile, rank=0,
+                     world_size=2, device=CPU)
+    dense = [NodeConfig(n, synchronizer=AllReduceSynchronizer(gather_rows=n == "fc.weight",
+                                                             group=int(n == "fc.weight")))
+             for n in profile.names]
+    with pytest.raises(StrategyError, match="its gradient is dense") as exc:
+        compile_plan(Strategy(tuple(dense)), profile, rank=0, world_size=2, device=CPU)
+    assert "row_sparse" in exc.value.fix
+    shared = [NodeConfig(n, synchronizer=AllReduceSynchronizer(
+        gather_rows=n == "emb.weight", group=0)) for n in profile.names]
+    with pytest.raises(StrategyError, match="group 0 mixes gather_rows"):
+        compile_plan(Strategy(tuple(shared)), profile, rank=0, world_size=2, device=CPU)
+    parts = PartitionedAR(chunk_size=3).build(profile, ResourceSpec.local(2))
+    emb = next(nc for nc in parts.node_config if nc.var_name == "emb.weight")
+    assert emb.partitioner is not None
+    from dataclasses import replace
+    split = replace(emb, part_config=tuple(
+        replace(pc, synchronizer=AllReduceSynchronizer(gather_rows=True, group=50 + i))
+        for i, pc in enumerate(emb.part_config)))
+    nodes = tuple(split if nc is emb else nc for nc in parts.node_config)
+    with pytest.raises(StrategyError, match="gather_rows on a part"):
+        compile_plan(replace(parts, node_config=nodes), profile, rank=0, world_size=2,
+                     device=CPU)
+
+
+def test_gather_rows_round_trips_and_is_written_only_when_set() -> None:
+    profile = analyze(make_model("sparse", 0))
+    s = _gather_strategy(profile)
+    again = Strategy.from_dict(json.loads(s.to_json()))
+    assert again.config_for("emb.weight").synchronizer.gather_rows
+    assert "gather_rows" not in json.dumps(again.config_for("fc.weight").synchronizer.to_dict())

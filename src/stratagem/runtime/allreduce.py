@@ -202,6 +202,102 @@ class _GroupRT:
             self.end_round()
 
 
+class _RowsMemberRT:
+    """A parameter whose sparse gradient is all-gathered as rows (``gather_rows``)."""
+
+    __slots__ = ("plan", "param", "as_grad", "captured", "rows", "values", "summed")
+
+    def __init__(self, plan: Member, param: nn.Parameter) -> None:
+        self.plan = plan
+        self.param = param
+        self.as_grad = False
+        self.captured = False
+        self.rows: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.summed: torch.Tensor | None = None
+
+    def capture(self, factor: float) -> None:
+        """This rank's rows (coalesced: each once) and ``factor`` x their values; none
+        where there is no gradient."""
+        grad = self.param.grad
+        width = self.plan.shape[1:]
+        if grad is None:
+            self.rows = torch.zeros(0, dtype=torch.int64, device=self.param.device)
+            self.values = torch.zeros((0, *width), dtype=self.param.dtype,
+                                      device=self.param.device)
+            return
+        if not grad.is_sparse:
+            raise DistributedError(
+                f"the gradient of {self.plan.param!r} is dense, but its strategy gathers its "
+                "rows", where="DistributedModel backward",
+                fix="declare the embedding sparse (nn.Embedding(sparse=True)), or drop "
+                    "gather_rows from its synchronizer")
+        grad = grad.coalesce()
+        self.rows = grad.indices()[0]
+        self.values = grad.values() * factor
+
+    def write_back(self, dense: Callable[[str, nn.Parameter], torch.Tensor]) -> None:
+        """The summed rows become the parameter's (sparse) gradient."""
+        self.param.grad = self.summed
+        self.summed = None
+
+
+class _RowsGroupRT:
+    """One ``gather_rows`` parameter: its rows' count is all-gathered first (the ranks'
+    rows differ in number), then the rows and their values, padded to the longest; every
+    rank sums the same rows in the same order (the ranks' gradients coalesced together)."""
+
+    __slots__ = ("plan", "buffer", "members", "comm", "pending", "launched", "work",
+                 "counts", "gathered_rows", "gathered_values")
+
+    def __init__(self, plan: GroupPlan, params: dict[str, nn.Parameter], comm: Comm,
+                 device: torch.device) -> None:
+        self.plan = plan
+        self.buffer = torch.zeros(0, device=device)  # nothing summed in place
+        self.members = [_RowsMemberRT(m, params[m.param]) for m in plan.members]
+        self.comm = comm
+        self.pending = len(self.members)
+        self.launched = False
+        self.work: list[Any] = []
+        self.counts: list[int] = []
+        self.gathered_rows: list[torch.Tensor] = []
+        self.gathered_values: list[torch.Tensor] = []
+
+    def start_round(self, round: int) -> None:
+        m = self.members[0]
+        assert m.rows is not None and m.values is not None
+        world = self.comm.world_size
+        count = torch.tensor([m.rows.numel()], dtype=torch.int64, device=m.rows.device)
+        counts = [torch.zeros_like(count) for _ in range(world)]
+        self.comm.wait(self.comm.all_gather(counts, count))
+        self.counts = [int(c.item()) for c in counts]
+        most = max(self.counts)
+        rows = torch.zeros(most, dtype=torch.int64, device=m.rows.device)
+        rows[:m.rows.numel()] = m.rows
+        values = m.values.new_zeros((most, *m.values.shape[1:]))
+        values[:m.values.shape[0]] = m.values
+        self.gathered_rows = [torch.empty_like(rows) for _ in range(world)]
+        self.gathered_values = [torch.empty_like(values) for _ in range(world)]
+        self.work = [self.comm.all_gather(self.gathered_rows, rows),
+                     self.comm.all_gather(self.gathered_values, values)]
+        m.rows = m.values = None  # copied into the padded tensors
+
+    def advance(self) -> None:
+        """One round only."""
+
+    def finish(self) -> None:
+        """Wait for the rows; the member's gradient is their sum (coalesced)."""
+        for work in self.work:
+            self.comm.wait(work)
+        self.work = []
+        m = self.members[0]
+        rows = torch.cat([r[:n] for r, n in zip(self.gathered_rows, self.counts, strict=True)])
+        values = torch.cat([v[:n] for v, n in zip(self.gathered_values, self.counts,
+                                                  strict=True)])
+        m.summed = torch.sparse_coo_tensor(rows[None], values, m.plan.shape).coalesce()
+        self.gathered_rows, self.gathered_values = [], []
+
+
 class AllReduceReducer:
     """Runs a :class:`Plan`'s groups for one model replica (see the module docstring)."""
 
@@ -211,7 +307,9 @@ class AllReduceReducer:
         self.stats = stats
         self.world_size = plan.world_size
         device = torch.device(plan.device)
-        self.groups = [_GroupRT(g, params, comms[g.backend], device) for g in plan.groups]
+        self.groups: list[Any] = [
+            (_RowsGroupRT if g.gather_rows else _GroupRT)(g, params, comms[g.backend], device)
+            for g in plan.groups]
         for n in plan.densified:  # (not where a PS piece of the parameter remains)
             if plan.ps is None or not plan.ps.pieces_of(n):
                 _mark_row_sparse(params[n])
@@ -225,7 +323,7 @@ class AllReduceReducer:
         sliced: dict[str, int] = {}
         for g in self.groups:
             for m in g.members:
-                if not m.as_grad:
+                if not m.as_grad and not g.plan.gather_rows:
                     sliced[m.plan.param] = sliced.get(m.plan.param, 0) + m.plan.numel
         self._covered = {n: total == params[n].numel() for n, total in sliced.items()}
         self._dense: dict[str, torch.Tensor] = {}
@@ -292,7 +390,7 @@ class AllReduceReducer:
 
     def _launch(self, g: _GroupRT) -> None:
         g.launched = True
-        if self.observers:  # (loss_scale: a GradScaler's, see runtime/amp.py)
+        if self.observers and not g.plan.gather_rows:  # (loss_scale: see runtime/amp.py)
             scale = self.grad_weight / self.world_size * self.loss_scale
             for fn in self.observers:
                 fn("local", g.plan, g.buffer, scale)
@@ -313,9 +411,10 @@ class AllReduceReducer:
             finish_extra = self.before_wait() if self.before_wait is not None else None
             for g in self.groups:
                 g.finish()
-            for fn in self.observers:
+            for fn in self.observers:  # (gathered rows are not observed: no buffer)
                 for g in self.groups:
-                    fn("reduced", g.plan, g.buffer, self.loss_scale)
+                    if not g.plan.gather_rows:
+                        fn("reduced", g.plan, g.buffer, self.loss_scale)
             for g in self.groups:
                 for m in g.members:
                     m.write_back(self._dense_grad)
@@ -349,6 +448,8 @@ class AllReduceReducer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
         for g in self.groups:
+            if g.plan.gather_rows:  # no compressor, no state
+                continue
             for key, value in g.compressor.state_dict().items():
                 out[f"group{g.plan.id}.{g.plan.compressor}.{key}"] = value
         return out
@@ -358,7 +459,7 @@ class AllReduceReducer:
         for key, value in state.items():
             prefix, _, rest = key.partition(".")
             per_group.setdefault(prefix, {})[rest] = value
-        known = {f"group{g.plan.id}": g for g in self.groups}
+        known = {f"group{g.plan.id}": g for g in self.groups if not g.plan.gather_rows}
         unknown = sorted(set(per_group) - set(known))
         if unknown:
             raise CheckpointError(f"synchronizer state for unknown groups {unknown}",

@@ -49,6 +49,12 @@ class Comm:
         self.stats.record(tensor.numel() * tensor.element_size(), self.world_size)
         return dist.all_reduce(tensor, group=self._group(), async_op=True)
 
+    def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> dist.Work:
+        """Async all-gather of equal-sized ``tensor``s into ``out`` (one per rank)."""
+        self.stats.record(tensor.numel() * tensor.element_size() * self.world_size,
+                          self.world_size, "all_gather")
+        return dist.all_gather(out, tensor, group=self._group(), async_op=True)
+
     def broadcast(self, tensor: torch.Tensor) -> dist.Work:
         """Async broadcast from the group's rank 0."""
         self.stats.record(tensor.numel() * tensor.element_size(), self.world_size, "broadcast")

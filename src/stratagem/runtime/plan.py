@@ -32,7 +32,7 @@ from stratagem.strategy.schema import (
     PSSynchronizer,
     Strategy,
 )
-from stratagem.strategy.validate import check_row_sparse
+from stratagem.strategy.validate import check_gather_rows, check_row_sparse
 
 BACKENDS = ("gloo", "nccl")
 
@@ -80,6 +80,8 @@ class GroupPlan:
     powersgd_rank: int
     dtype: str
     members: tuple[Member, ...]
+    gather_rows: bool = False
+    """The one member's sparse gradient is all-gathered as rows, not summed in a buffer."""
 
     @property
     def numel(self) -> int:
@@ -140,8 +142,12 @@ class Plan:
         for g in self.groups:
             comp = g.compressor + (f"(rank {g.powersgd_rank})" if g.compressor == "powersgd"
                                    else "")
-            lines.append(f"  group {g.id}: {g.backend} ({g.spec}), {comp}, {g.dtype}, "
-                         f"{g.numel:,} values in {len(g.members)} members")
+            if g.gather_rows:
+                lines.append(f"  group {g.id}: {g.backend} ({g.spec}), rows all-gathered, "
+                             f"{g.dtype}, of {g.numel:,} values")
+            else:
+                lines.append(f"  group {g.id}: {g.backend} ({g.spec}), {comp}, {g.dtype}, "
+                             f"{g.numel:,} values in {len(g.members)} members")
             lines.extend(f"    {m.describe()} @ {m.offset}" for m in g.members)
         if self.densified:
             lines.append(f"  sparse gradients reduced densely: {', '.join(self.densified)}")
@@ -205,6 +211,8 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
             if isinstance(sync, PSSynchronizer):
                 ps_leaves.append((sync, info, index, piece, nwhere))
                 continue
+            if sync.gather_rows:
+                check_gather_rows(sync, info, nwhere, partitioned="axis" in piece)
             check_compressor(sync.compressor, sync.powersgd_rank, info.sparse, nwhere)
             pieces.setdefault(sync.group, []).append(
                 (sync, {"param": info.name, "index": index, **piece}))
@@ -213,12 +221,16 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
     for gid, entries in pieces.items():
         first = entries[0][0]
         for sync, _ in entries:
-            for attr in ("spec", "compressor", "powersgd_rank"):
+            for attr in ("spec", "compressor", "powersgd_rank", "gather_rows"):
                 if getattr(sync, attr) != getattr(first, attr):
                     raise StrategyError(
                         f"group {gid} mixes {attr} {getattr(first, attr)!r} and "
                         f"{getattr(sync, attr)!r}", where=where,
                         fix="give each combination of spec/compressor its own group id")
+        if first.gather_rows and len(entries) > 1:
+            raise StrategyError(
+                f"group {gid} gathers the rows of {len(entries)} parameters", where=where,
+                fix="give each parameter whose rows are gathered its own group id")
         backend = resolve_backend(first.spec, device, f"{where}: group {gid}")
         dtypes = [getattr(torch, profile.params[e["index"]].dtype) for _, e in entries]
         dtype = dtypes[0]
@@ -233,11 +245,11 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
                                 compressor=first.compressor,
                                 powersgd_rank=first.powersgd_rank,
                                 dtype=str(dtype).removeprefix("torch."),
-                                members=tuple(members)))
+                                members=tuple(members), gather_rows=first.gather_rows))
     # Launch order = expected gradient-ready order: backward produces gradients roughly in
     # reverse registration order, and a group is ready once its earliest parameter is.
     groups.sort(key=lambda g: (-min(m.index for m in g.members), g.id))
-    ar_params = {m.param for g in groups for m in g.members}
+    ar_params = {m.param for g in groups for m in g.members if not g.gather_rows}
     ps = _compile_ps(ps_leaves, replicas, servers, world_size, where) if ps_leaves else None
     return Plan(rank=rank, world_size=world_size, device=str(device),
                 strategy_id=strategy.id, groups=tuple(groups),

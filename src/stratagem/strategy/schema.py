@@ -36,6 +36,10 @@ class AllReduceSynchronizer:
     ``group``: parameters with the same group id are fused into one collective.
     ``spec``: the collective backend ("auto" picks nccl on GPU, gloo on CPU).
     ``compressor``: none, fp16, bf16 or powersgd (rank ``powersgd_rank``, error feedback).
+    ``gather_rows``: for a sparse gradient (``nn.Embedding(sparse=True)``), all-gather each
+    worker's rows (indices + values) and sum them on every worker, as DDP does, instead of
+    summing the whole table densely; the optimizer then gets a sparse gradient, as in
+    single-process training. One such parameter per group, uncompressed, unpartitioned.
     """
 
     kind: ClassVar[str] = "AllReduce"
@@ -43,6 +47,7 @@ class AllReduceSynchronizer:
     compressor: str = "none"
     group: int = 0
     powersgd_rank: int = 1
+    gather_rows: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.kind, "spec": self.spec,
@@ -50,6 +55,8 @@ class AllReduceSynchronizer:
         # Written whenever it differs from the default too, so to_dict -> from_dict is lossless.
         if self.compressor == "powersgd" or self.powersgd_rank != 1:
             d["powersgd_rank"] = self.powersgd_rank
+        if self.gather_rows:  # written only when set: older readers keep parsing the rest
+            d["gather_rows"] = True
         return d
 
 

@@ -105,10 +105,11 @@ def _check_node(nc: NodeConfig, info: ParamInfo, destinations: set[str]) -> None
         if pc.partitioner is not None:
             raise StrategyError("nested partitioning", where=f"{where}.part_config[{i}]",
                                 fix="partition the parameter once")
-        _check_sync(pc, info, destinations, f"{where}.part_config[{i}]")
+        _check_sync(pc, info, destinations, f"{where}.part_config[{i}]", part=True)
 
 
-def _check_sync(nc: NodeConfig, info: ParamInfo, destinations: set[str], where: str) -> None:
+def _check_sync(nc: NodeConfig, info: ParamInfo, destinations: set[str], where: str,
+                part: bool = False) -> None:
     s = nc.synchronizer
     if s is None:
         raise StrategyError("no synchronizer", where=where, fix="add one, e.g. {type: AllReduce}")
@@ -123,6 +124,8 @@ def _check_sync(nc: NodeConfig, info: ParamInfo, destinations: set[str], where: 
             raise StrategyError(f"group {s.group} or powersgd_rank {s.powersgd_rank} too large",
                                 where=where, fix=f"use a group up to {MAX_GROUP} and a "
                                                  f"powersgd_rank up to {MAX_POWERSGD_RANK}")
+        if s.gather_rows:
+            check_gather_rows(s, info, where, partitioned=part)
     elif isinstance(s, PSSynchronizer):
         if s.reduction_destination not in destinations:
             raise StrategyError(
@@ -140,6 +143,24 @@ def _check_sync(nc: NodeConfig, info: ParamInfo, destinations: set[str], where: 
                                 where=where, fix="set staleness: 0 for asynchronous training")
         if s.row_sparse:
             check_row_sparse(s, info, where)
+
+
+def check_gather_rows(sync: AllReduceSynchronizer, info: ParamInfo, where: str,
+                      partitioned: bool) -> None:
+    """A ``gather_rows`` all-reduce must be runnable: a whole parameter whose gradient is
+    sparse (declared so), sent uncompressed."""
+    if not info.sparse:
+        raise StrategyError(
+            f"gather_rows on {info.name!r}: its gradient is dense (only a sparse gradient, "
+            "nn.Embedding(sparse=True)'s, comes as rows)", where=where,
+            fix="drop gather_rows, or send its touched rows to parameter servers "
+                "(PS with row_sparse: true)")
+    if partitioned:
+        raise StrategyError(f"gather_rows on a part of {info.name!r}", where=where,
+                            fix="gather the rows of the whole parameter (no partitioner)")
+    if sync.compressor != "none":
+        raise StrategyError(f"gather_rows with compressor {sync.compressor!r}", where=where,
+                            fix="use compressor none for gathered rows")
 
 
 def check_row_sparse(sync: PSSynchronizer, info: ParamInfo, where: str) -> None:
