@@ -45,9 +45,26 @@ class DenseNet(nn.Module):
         return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
+BAG_ROWS = 20000
+
+
+class SparseBag(nn.Module):
+    """A large table declared sparse (``nn.Embedding(sparse=True)``) and a small head:
+    a batch touches a few of its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(BAG_ROWS, DIM, sparse=True)
+        self.fc = nn.Linear(DIM, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(ids).sum(dim=1))
+
+
 def make(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return (SampledLM() if name == "sampled" else DenseNet()).double()
+    models = {"sampled": SampledLM, "bag": SparseBag}
+    return models.get(name, DenseNet)().double()
 
 
 def batch(name: str, step: int, n: int = BATCH) -> tuple[tuple[torch.Tensor, ...], Any]:
@@ -60,6 +77,9 @@ def batch(name: str, step: int, n: int = BATCH) -> tuple[tuple[torch.Tensor, ...
         neg = torch.randint(0, VOCAB, (NEG,), generator=g)
         cand, inverse = torch.unique(torch.cat([y, neg]), return_inverse=True)
         return (ids, cand), inverse[:n]
+    if name == "bag":
+        ids = torch.randint(0, BAG_ROWS, (n, 3), generator=g)
+        return (ids,), torch.randn(n, 4, generator=g, dtype=torch.float64)
     x = torch.randn(n, 6, generator=g, dtype=torch.float64)
     return (x,), torch.randn(n, 4, generator=g, dtype=torch.float64)
 
@@ -135,6 +155,15 @@ def train_steps(dm: Any, opt: torch.optim.Optimizer, name: str, rank: int, world
     dm.refresh_parameters()
     state = {k: v.detach().clone() for k, v in dm.state_dict().items()}
     return state
+
+
+def gather_strategy() -> Any:
+    """The bag's table with its rows all-gathered, the head all-reduced."""
+    from stratagem.strategy import AllReduceSynchronizer, NodeConfig, Strategy
+
+    return Strategy((NodeConfig("emb.weight", AllReduceSynchronizer(gather_rows=True, group=1)),
+                     NodeConfig("fc.weight", AllReduceSynchronizer()),
+                     NodeConfig("fc.bias", AllReduceSynchronizer())))
 
 
 def two_nodes() -> Any:

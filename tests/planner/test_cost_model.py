@@ -705,3 +705,47 @@ def test_link_disturbed_and_settled_known_answers() -> None:
     assert not link_disturbed(0.0, 1e9)  # not measured on this rank
     assert settled_link([2e8, 9e8], 1e9) == 1e9 and settled_link([2e8, 1.2e9], 1e9) == 1.2e9
     assert settled_link([0.0], 1e9) == 0.0
+
+
+def _sparse_profile() -> ModelProfile:
+    return ModelProfile(params=(
+        ParamInfo("emb", (1000, 125), "float32", 125000, 500000, sparse=True,
+                  embedding_like=True),
+        ParamInfo("fc", (250, 1000), "float32", 250000, 1000000)))
+
+
+def test_gathered_rows_known_answer() -> None:
+    """A sparse gradient's rows all-gathered: each link carries the other workers' rows
+    (values and an int64 index each), and the update touches only the gathered rows."""
+    from stratagem.planner.cost_model import GATHER_PASSES, gather_cost
+    from stratagem.runtime.plan import GroupPlan, Member
+
+    emb = Member(param="emb", index=0, shape=(1000, 125), offset=0)
+    group = GroupPlan(id=7, spec="auto", backend="gloo", compressor="none",
+                      powersgd_rank=1, dtype="float32", members=(emb,), gather_rows=True)
+    access = {"emb": AccessStats("emb", 1000, 100.0)}
+    row = 125 * 4 + 8
+    for n in (2, 4):
+        s = spec(n)
+        wire, work, flows, fixed = gather_cost(group, links(s, latency_s=0.0), s.replicas,
+                                               _cal(), access)
+        # a ring all-gather: every link carries (n-1) workers' 100 rows
+        assert wire == pytest.approx((n - 1) * 100 * row / GBIT_BYTES) and fixed == 0.0
+        assert [b for _, _, b in flows] == pytest.approx([(n - 1) * 100 * row] * n)
+        assert work == pytest.approx(GATHER_PASSES * n * 100 * row / 1e9)
+    # in a step: far less than the dense table's all-reduce, and no dense update of it
+    s = spec(2)
+    prof = _sparse_profile().with_access([AccessStats("emb", 1000, 100.0)])
+
+    def step(gather: bool) -> object:
+        strat = Strategy(node_config=(
+            NodeConfig("emb", AllReduceSynchronizer(group=1, gather_rows=gather)),
+            NodeConfig("fc", AllReduceSynchronizer(group=0))))
+        return predict(strat.with_replicas(s.replicas), prof, s, _cal(update_bps=1e9),
+                       links(s, latency_s=0.0))
+
+    gathered, dense = step(True), step(False)
+    assert gathered.link_bytes["10.0.0.1 tx"] == pytest.approx(1e6 + 100 * row)
+    assert dense.link_bytes["10.0.0.1 tx"] == pytest.approx(1.5e6)
+    assert gathered.parts["update"] < dense.parts["update"]
+    assert gathered.total_s < dense.total_s

@@ -26,20 +26,27 @@ def auto_cases() -> dict[str, tuple[str, str]]:
     assert all(getattr(s, "row_sparse", False) for s in rows), sampled.summary()
     dense = choose(pw.make("dense"), pw.two_nodes(),
                    sample_input=pw.batch("dense", 0)[0][0][: pw.BATCH // 2]).strategy
+    # a declared-sparse table of which a batch reads a few rows: Auto gathers its rows
+    bag = choose(pw.make("bag"), pw.two_nodes(),
+                 sample_input=pw.batch("bag", 0)[0][0][: pw.BATCH // 2]).strategy
+    assert bag.config_for("emb.weight").synchronizer.gather_rows, bag.summary()
     return {"auto/sampled": ("sampled", sampled.to_json()),
-            "auto/dense": ("dense", dense.to_json())}
+            "auto/dense": ("dense", dense.to_json()), "auto/bag": ("bag", bag.to_json())}
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    cases = {"rows/manual": ("sampled", pw.rows_strategy().to_json()), **auto_cases()}
+    cases = {"rows/manual": ("sampled", pw.rows_strategy().to_json()),
+             "gather/manual": ("bag", pw.gather_strategy().to_json()), **auto_cases()}
     return _spawn.run(pw.suite, 2, tmp_path_factory.mktemp("planner_eq"), {"cases": cases},
                       _spawn.Setup(args=(2,), local_rank=True, roles=("worker",) * 2))
 
 
-@pytest.mark.parametrize("case", ["rows/manual", "auto/sampled", "auto/dense"])
+@pytest.mark.parametrize("case", ["rows/manual", "gather/manual", "auto/sampled", "auto/dense",
+                                  "auto/bag"])
 def test_matches_single_process(trained: list[dict], case: str) -> None:
-    name = "dense" if case.endswith("dense") else "sampled"
+    name = ("dense" if case.endswith("dense") else "bag"
+            if case in ("gather/manual", "auto/bag") else "sampled")
     want = pw.reference(name)
     for rank in trained:
         got = rank[case]["state"]

@@ -57,6 +57,9 @@ ID_BYTES = 8  # a row index on the wire (int64)
 SPARSE_COLLECTIVES_PULL = 2  # per embedding call: ids, then rows (plus one closing round)
 SPARSE_COLLECTIVES_PUSH = 2  # headers/announced rows, then the extra rows
 SPARSE_COLLECTIVES_REFRESH = 2  # counts, then rows
+GATHER_ROUNDS = 2  # gathered rows: the counts, then the rows and their values (all-gathers:
+# half a ring all-reduce's hops each)
+GATHER_PASSES = 3  # padded in, concatenated, coalesced
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,34 @@ class StepCost:
 
 def _itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def gathered_rows(group: GroupPlan, access: dict[str, AccessStats], batch_size: int
+                  ) -> tuple[float, float]:
+    """(rows one worker sends, bytes of one row's values) of a ``gather_rows`` group: the
+    rows its batch touches (``AccessStats``; the batch size where not measured)."""
+    m = group.members[0]
+    total = m.shape[0] if m.shape else 1
+    stats = access.get(m.param)
+    rows = stats.rows_touched if stats is not None else float(min(total, batch_size))
+    return rows, m.numel / max(total, 1) * _itemsize(group.dtype)
+
+
+def gather_cost(group: GroupPlan, links: LinkModel, replicas: list[str], cal: Calibration,
+                access: dict[str, AccessStats]
+                ) -> tuple[float, float, list[tuple[str, str, float]], float]:
+    """:func:`group_cost` of a ``gather_rows`` group: every worker's rows (values and an
+    index each) all-gathered on the ring -- each link carries the other workers' rows,
+    what a ring all-reduce of half the gathered bytes carries -- in ``GATHER_ROUNDS``
+    collectives; then every worker concatenates and coalesces all of them
+    (``GATHER_PASSES`` passes over the gathered bytes)."""
+    rows, value_bytes = gathered_rows(group, access, cal.batch_size)
+    n = len(replicas)
+    gathered = n * rows * (value_bytes + ID_BYTES)
+    moving = ring_bytes_time(links, replicas, gathered / 2)
+    wire = queued_ring_time(links, n, moving, GATHER_ROUNDS)
+    work = GATHER_PASSES * gathered / cal.copy_bps
+    return wire, work, ring_flows(replicas, gathered / 2), max(0.0, wire - moving)
 
 
 def group_cost(group: GroupPlan, links: LinkModel, replicas: list[str], cal: Calibration
@@ -186,13 +217,18 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     sliced_bytes = sum(m.numel * _itemsize(g.dtype) for g in plan.groups for m in g.members
                        if not m.whole)
     for g in plan.groups:
-        wire, work, flows, fixed = group_cost(g, links, replicas, cal)
+        if g.gather_rows:
+            wire, work, flows, fixed = gather_cost(g, links, replicas, cal, access)
+            rows, value_bytes = gathered_rows(g, access, cal.batch_size)
+            ar_bytes += min(g.nbytes, W * rows * value_bytes)  # the rows updated
+        else:
+            wire, work, flows, fixed = group_cost(g, links, replicas, cal)
+            ar_bytes += g.nbytes
         moving = max(0.0, wire - fixed)
         events.append((_ready(cal, list(g.params)), f"allreduce group {g.id}", wire + work,
                        moving))
         all_flows += flows
         work_s += work
-        ar_bytes += g.nbytes
 
     pull_s = refresh_s = fwd_pull_s = sparse_push_s = scan_s = closing_s = 0.0
     in_collectives = 0  # messages priced inside the measured all-to-alls, not one by one
@@ -325,7 +361,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     # a sparse gradient all-reduced is first made dense (a pass over its bytes).
     local = ar_bytes + (max(owned_bytes) if owned_bytes else 0.0)
     densify = sum(info[m.param].bytes * m.numel / max(info[m.param].numel, 1)
-                  for g in plan.groups for m in g.members if info[m.param].sparse)
+                  for g in plan.groups for m in g.members
+                  if info[m.param].sparse and not g.gather_rows)
     update_s = cal.update_s(local + densify, profile.total_bytes)
     compute = cal.forward_s + cal.backward_s + update_s
     exposed_comm = backward_tail + contention_s + pull_s + refresh_s + fwd_pull_s

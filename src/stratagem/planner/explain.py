@@ -33,7 +33,10 @@ def groups(strategy: Strategy, choice: Choice) -> list[dict[str, Any]]:
     for nc in strategy.node_config:
         for leaf in nc.leaves():
             s = leaf.synchronizer
-            if isinstance(s, AllReduceSynchronizer):
+            if isinstance(s, AllReduceSynchronizer) and s.gather_rows:
+                key = "gathered rows"  # one collective each; shown together
+                how = "all-gathered"
+            elif isinstance(s, AllReduceSynchronizer):
                 key = f"allreduce {s.group}"
                 how = s.compressor
             elif isinstance(s, PSSynchronizer):

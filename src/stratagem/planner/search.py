@@ -3,7 +3,8 @@
 Candidates are every registered builder's strategy (with its defaults) and hybrids built
 here, per parameter: all-reduce in groups formed in gradient-ready order up to a byte cap
 (as DDP's buckets), or parameter servers as rows (declared sparse, or measured row-sparse)
-sharded evenly over the least-loaded owners; then a compressor per group when lossy ones
+sharded evenly over the least-loaded owners, or -- a declared-sparse gradient -- its rows
+all-gathered (``gather_rows``, as DDP does); then a compressor per group when lossy ones
 are allowed. Hybrids improve greedily (one parameter or group at a time, kept when the
 prediction drops), so the search is a few hundred predictions at most: bounded well under
 10 s for a model of 200 tensors.
@@ -38,6 +39,7 @@ MIB = 2 ** 20
 BYTE_CAPS = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, None)  # None: one group
 BUDGET_S = 8.0  # the search stops improving after this long (the bound is 10 s)
 TOLERANCE = 0.05  # predictions this close count as equal (see prefer_simple)
+GATHER_GROUP = 10_000  # group ids of gathered rows start here (one group each)
 HYBRID = "hybrid"
 """The name of the candidate made of per-parameter choices here (every other candidate is
 a named builder's strategy)."""
@@ -135,11 +137,14 @@ def all_reduce_only(strategy: Strategy) -> bool:
 
 
 def sends_rows(strategy: Strategy, profile: ModelProfile) -> bool:
-    """Whether a parameter of ``strategy`` goes to a parameter server as rows."""
+    """Whether a parameter of ``strategy`` goes to a parameter server as rows, or has its
+    rows all-gathered (either way the optimizer gets rows)."""
     for nc in strategy.node_config:
         info = profile.get(nc.var_name)
         for leaf in nc.leaves():
             s = leaf.synchronizer
+            if isinstance(s, AllReduceSynchronizer) and s.gather_rows:
+                return True
             if isinstance(s, PSSynchronizer) and (s.row_sparse or pullable(info)):
                 return True
     return False
@@ -154,9 +159,11 @@ class Hybrid:
     cap: int | None
     compressors: dict[int, str] = field(default_factory=dict)
     replicate: set[str] = field(default_factory=set)  # rows kept on every worker
+    gather: set[str] = field(default_factory=set)  # sparse gradients' rows all-gathered
 
     def copy(self) -> Hybrid:
-        return Hybrid(set(self.rows), self.cap, dict(self.compressors), set(self.replicate))
+        return Hybrid(set(self.rows), self.cap, dict(self.compressors), set(self.replicate),
+                      set(self.gather))
 
 
 def ready_order(profile: ModelProfile, cal: Calibration) -> list[ParamInfo]:
@@ -172,6 +179,10 @@ def build_hybrid(h: Hybrid, profile: ModelProfile, spec: ResourceSpec,
     group, filled = 0, 0
     for info in ready_order(profile, cal):
         if info.name in h.rows:
+            continue
+        if info.name in h.gather:
+            nodes[info.name] = NodeConfig(info.name, AllReduceSynchronizer(
+                gather_rows=True, group=GATHER_GROUP + len(nodes)))
             continue
         if filled and h.cap is not None and filled + info.bytes > h.cap:
             group += 1
@@ -317,6 +328,22 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
                                                    if r != (name in h.replicate))])
             if c.total_s < best_c.total_s:
                 best_h, best_s, best_c = h, s, c
+    # 2b. A declared-sparse gradient's rows all-gathered instead (DDP's way: no owner, no
+    # refresh; every worker receives every other's rows), one at a time, then all at once.
+    def gathered(h: Hybrid, names: list[str]) -> Hybrid:
+        h = h.copy()
+        for name in names:
+            h.rows.discard(name)
+            h.replicate.discard(name)
+            h.gather.add(name)
+        return h
+
+    sparse = [p.name for p in profile.params if p.sparse and p.shape] if options.rows else []
+    for name in sparse:
+        best_h, best_s, best_c = improve(best_h, best_s, best_c, [gathered(best_h, [name])])
+    if len(sparse) > 1:
+        best_h, best_s, best_c = improve(best_h, best_s, best_c,
+                                         [gathered(best_h, sparse), gathered(dense_h, sparse)])
     # 3. Once rows are settled, the cap again (the dense remainder changed).
     for cap in BYTE_CAPS:
         h = best_h.copy()
