@@ -19,6 +19,11 @@ Life of one synced backward pass:
    except that a ``SparseAdam`` step gets its non-zero rows, see
    :func:`_rows_for_sparse_adam`).
 
+A ``gather_rows`` group (one sparse-gradient parameter, :class:`_RowsGroupRT`) has no
+buffer: at its turn in the launch order the ranks' row counts are all-gathered (a small
+blocking collective), then their rows and values, padded to the longest; at the end of
+backward every rank coalesces them into the same sparse gradient.
+
 Assumption (as in DDP): every rank runs the same number of synced backward passes, and each
 of them produces a gradient for at least one parameter. Reentrant activation checkpointing
 (which runs a nested backward) is not supported; use ``use_reentrant=False``.
