@@ -293,3 +293,57 @@ def test_gather_rows_round_trips_and_is_written_only_when_set() -> None:
     again = Strategy.from_dict(json.loads(s.to_json()))
     assert again.config_for("emb.weight").synchronizer.gather_rows
     assert "gather_rows" not in json.dumps(again.config_for("fc.weight").synchronizer.to_dict())
+
+
+class _ScriptedComm:
+    """A two-rank communicator whose peer (rank 1) sends the given rows and values."""
+
+    world_size = 2
+
+    def __init__(self, rows: list[int]) -> None:
+        self.peer = torch.tensor(rows, dtype=torch.int64)
+
+    def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        out[0].copy_(tensor)
+        if tensor.numel() == 1:  # the counts round
+            out[1].fill_(len(self.peer))
+        elif tensor.dtype == torch.int64:
+            out[1][:len(self.peer)] = self.peer
+        else:
+            out[1].fill_(1.0)
+
+    def wait(self, work: object) -> None:
+        pass
+
+
+def _gathered_grad(peer_rows: list[int]) -> torch.Tensor:
+    from stratagem.runtime.allreduce import _RowsGroupRT
+
+    model = make_model("sparse", 0)
+    profile = analyze(model)
+    plan = compile_plan(_gather_strategy(profile), profile, rank=0, world_size=2, device=CPU)
+    params = dict(model.named_parameters())
+    model(torch.tensor([3, 3, 7])).sum().backward()
+    g = _RowsGroupRT(plan.group(9), params, _ScriptedComm(peer_rows), CPU)
+    g.members[0].capture(0.5)
+    g.start_round(0)
+    g.finish()
+    g.members[0].write_back(lambda *_: None)
+    return params["emb.weight"].grad
+
+
+def test_gathered_rows_sum_every_rank_and_refuse_rows_out_of_range() -> None:
+    from stratagem.errors import DistributedError
+
+    grad = _gathered_grad([7, 12])  # rank 1 touched rows 7 and 12 (values 1.0)
+    assert grad.is_sparse and grad.is_coalesced()
+    assert grad.indices()[0].tolist() == [3, 7, 12]
+    dense = grad.to_dense()
+    # this rank's, scaled by 0.5: row 3 read twice, row 7 once; d(sum)/d(row) = fc's sums
+    fc = make_model("sparse", 0).fc.weight.sum(0).detach()
+    torch.testing.assert_close(dense[3], 2 * fc * 0.5)
+    torch.testing.assert_close(dense[7], fc * 0.5 + 1.0)  # plus rank 1's
+    torch.testing.assert_close(dense[12], torch.ones_like(fc))
+    assert dense.abs().sum(1).nonzero().flatten().tolist() == [3, 7, 12]
+    with pytest.raises(DistributedError, match="rank 1 sent rows of 'emb.weight' outside"):
+        _gathered_grad([7, 20])

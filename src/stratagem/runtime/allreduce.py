@@ -296,11 +296,20 @@ class _RowsGroupRT:
             self.comm.wait(work)
         self.work = []
         m = self.members[0]
-        rows = torch.cat([r[:n] for r, n in zip(self.gathered_rows, self.counts, strict=True)])
+        total = m.plan.shape[0]
+        parts = [r[:n] for r, n in zip(self.gathered_rows, self.counts, strict=True)]
+        for rank, r in enumerate(parts):
+            if r.numel() and (int(r.min()) < 0 or int(r.max()) >= total):
+                raise DistributedError(
+                    f"rank {rank} sent rows of {m.plan.param!r} outside its {total} rows",
+                    where="DistributedModel backward",
+                    fix="run the same model, with the same embedding sizes, on every worker")
         values = torch.cat([v[:n] for v, n in zip(self.gathered_values, self.counts,
                                                   strict=True)])
-        m.summed = torch.sparse_coo_tensor(rows[None], values, m.plan.shape).coalesce()
         self.gathered_rows, self.gathered_values = [], []
+        # the ids are checked above (torch's own invariant check would warn, or pass again)
+        m.summed = torch.sparse_coo_tensor(torch.cat(parts)[None], values, m.plan.shape,
+                                           check_invariants=False).coalesce()
 
 
 class AllReduceReducer:
