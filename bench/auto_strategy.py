@@ -261,7 +261,8 @@ class AutoWorker(Worker):
                 self.planner_info[label] = {
                     "chosen": choice.best.name,
                     "links_measured": probe.to_dict() if probe is not None else None,
-                    "trials": [t.to_dict() for t in getattr(choice, "trials", ())]}
+                    "trials": [t.to_dict() for t in getattr(choice, "trials", ())],
+                    "groups": _chosen_groups(choice)}
         except Exception as exc:  # noqa: BLE001 - reported, not raised
             if self.args.verbose_errors:
                 traceback.print_exc()
@@ -550,6 +551,14 @@ def ratio_interval(a: list[float], b: list[float], resamples: int = 2000,
     ratios = sorted(statistics.median(rng.choices(a, k=len(a)))
                     / statistics.median(rng.choices(b, k=len(b))) for _ in range(resamples))
     return ratios[int(0.05 * resamples)], ratios[int(0.95 * resamples) - 1]
+
+
+def _chosen_groups(choice: Any) -> list[dict[str, Any]]:
+    """The chosen strategy by parameter group, as the explanation shows it (how each group
+    is synchronized, its parameters, bytes and owners)."""
+    from stratagem.planner.explain import groups
+
+    return groups(choice.strategy, choice)
 
 
 def refined_errors(case: dict[str, Any]) -> list[float]:

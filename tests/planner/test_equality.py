@@ -8,7 +8,7 @@ import planner_workers as pw
 import pytest
 import torch
 
-from stratagem.planner import choose
+from stratagem.planner import choose, explain_text
 from stratagem.resource import ResourceSpec
 
 
@@ -27,9 +27,11 @@ def auto_cases() -> dict[str, tuple[str, str]]:
     dense = choose(pw.make("dense"), pw.two_nodes(),
                    sample_input=pw.batch("dense", 0)[0][0][: pw.BATCH // 2]).strategy
     # a declared-sparse table of which a batch reads a few rows: Auto gathers its rows
-    bag = choose(pw.make("bag"), pw.two_nodes(),
-                 sample_input=pw.batch("bag", 0)[0][0][: pw.BATCH // 2]).strategy
+    chosen = choose(pw.make("bag"), pw.two_nodes(),
+                    sample_input=pw.batch("bag", 0)[0][0][: pw.BATCH // 2])
+    bag = chosen.strategy
     assert bag.config_for("emb.weight").synchronizer.gather_rows, bag.summary()
+    assert "gathered rows  all-gather" in explain_text(chosen)
     return {"auto/sampled": ("sampled", sampled.to_json()),
             "auto/dense": ("dense", dense.to_json()), "auto/bag": ("bag", bag.to_json())}
 

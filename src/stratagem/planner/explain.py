@@ -35,7 +35,7 @@ def groups(strategy: Strategy, choice: Choice) -> list[dict[str, Any]]:
             s = leaf.synchronizer
             if isinstance(s, AllReduceSynchronizer) and s.gather_rows:
                 key = "gathered rows"  # one collective each; shown together
-                how = "all-gathered"
+                how = "all-gather"
             elif isinstance(s, AllReduceSynchronizer):
                 key = f"allreduce {s.group}"
                 how = s.compressor
