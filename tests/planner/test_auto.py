@@ -40,6 +40,7 @@ from stratagem.resource import ResourceSpec
 from stratagem.strategy import (
     AllReduceSynchronizer,
     Auto,
+    NodeConfig,
     PSSynchronizer,
     Strategy,
     builder_from_name,
@@ -407,6 +408,15 @@ def test_shortlist_passes_over_candidates_predicted_far_slower() -> None:
             builtin = next(c for c in rigged.candidates if c.name != "hybrid")
             assert all_reduce_only(builtin.strategy)
             assert named == [f"{builtin.name} (2.5x)"]
+
+
+def test_gathered_rows_are_not_a_group_to_compress() -> None:
+    from stratagem.planner.search import group_count
+
+    s = pw.gather_strategy()
+    assert group_count(s) == 1  # the head's group; the table's gathered rows are not one
+    summed = NodeConfig("emb.weight", AllReduceSynchronizer(group=1))  # the table summed
+    assert group_count(replace(s, node_config=(summed, *s.node_config[1:]))) == 2
 
 
 def test_lossy_allowed_adds_allreduce_with_each_compressor() -> None:

@@ -206,8 +206,10 @@ def build_hybrid(h: Hybrid, profile: ModelProfile, spec: ResourceSpec,
 
 
 def group_count(strategy: Strategy) -> int:
+    """All-reduce groups that sum a buffer (gathered rows take no compressor)."""
     return len({nc.synchronizer.group for nc in strategy.node_config
-                if isinstance(nc.synchronizer, AllReduceSynchronizer)})
+                if isinstance(nc.synchronizer, AllReduceSynchronizer)
+                and not nc.synchronizer.gather_rows})
 
 
 class _Pricer:
