@@ -210,7 +210,8 @@ class _GroupRT:
 class _RowsMemberRT:
     """A parameter whose sparse gradient is all-gathered as rows (``gather_rows``)."""
 
-    __slots__ = ("plan", "param", "as_grad", "captured", "rows", "values", "summed")
+    __slots__ = ("plan", "param", "as_grad", "captured", "rows", "values", "factor",
+                 "summed")
 
     def __init__(self, plan: Member, param: nn.Parameter) -> None:
         self.plan = plan
@@ -219,16 +220,17 @@ class _RowsMemberRT:
         self.captured = False
         self.rows: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.factor = 1.0  # applied as the values are copied out (_RowsGroupRT)
         self.summed: torch.Tensor | None = None
 
     def capture(self, factor: float) -> None:
-        """This rank's rows (coalesced: each once) and ``factor`` x their values; none
+        """This rank's rows (coalesced: each once), their values and ``factor``; none
         where there is no gradient."""
         grad = self.param.grad
-        width = self.plan.shape[1:]
+        self.factor = factor
         if grad is None:
             self.rows = torch.zeros(0, dtype=torch.int64, device=self.param.device)
-            self.values = torch.zeros((0, *width), dtype=self.param.dtype,
+            self.values = torch.zeros((0, *self.plan.shape[1:]), dtype=self.param.dtype,
                                       device=self.param.device)
             return
         if not grad.is_sparse:
@@ -239,7 +241,7 @@ class _RowsMemberRT:
                     "gather_rows from its synchronizer")
         grad = grad.coalesce()
         self.rows = grad.indices()[0]
-        self.values = grad.values() * factor
+        self.values = grad.values()
 
     def write_back(self, dense: Callable[[str, nn.Parameter], torch.Tensor]) -> None:
         """The summed rows become the parameter's (sparse) gradient."""
@@ -280,7 +282,7 @@ class _RowsGroupRT:
         rows = torch.zeros(most, dtype=torch.int64, device=m.rows.device)
         rows[:m.rows.numel()] = m.rows
         values = m.values.new_zeros((most, *m.values.shape[1:]))
-        values[:m.values.shape[0]] = m.values
+        torch.mul(m.values, m.factor, out=values[:m.values.shape[0]])  # scaled as copied
         self.gathered_rows = [torch.empty_like(rows) for _ in range(world)]
         self.gathered_values = [torch.empty_like(values) for _ in range(world)]
         self.work = [self.comm.all_gather(self.gathered_rows, rows),
@@ -298,17 +300,19 @@ class _RowsGroupRT:
         m = self.members[0]
         total = m.plan.shape[0]
         parts = [r[:n] for r, n in zip(self.gathered_rows, self.counts, strict=True)]
-        for rank, r in enumerate(parts):
-            if r.numel() and (int(r.min()) < 0 or int(r.max()) >= total):
-                raise DistributedError(
-                    f"rank {rank} sent rows of {m.plan.param!r} outside its {total} rows",
-                    where="DistributedModel backward",
-                    fix="run the same model, with the same embedding sizes, on every worker")
+        rows = torch.cat(parts)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= total):
+            rank = next(i for i, r in enumerate(parts)
+                        if r.numel() and (int(r.min()) < 0 or int(r.max()) >= total))
+            raise DistributedError(
+                f"rank {rank} sent rows of {m.plan.param!r} outside its {total} rows",
+                where="DistributedModel backward",
+                fix="run the same model, with the same embedding sizes, on every worker")
         values = torch.cat([v[:n] for v, n in zip(self.gathered_values, self.counts,
                                                   strict=True)])
         self.gathered_rows, self.gathered_values = [], []
         # the ids are checked above (torch's own invariant check would warn, or pass again)
-        m.summed = torch.sparse_coo_tensor(torch.cat(parts)[None], values, m.plan.shape,
+        m.summed = torch.sparse_coo_tensor(rows[None], values, m.plan.shape,
                                            check_invariants=False).coalesce()
 
 

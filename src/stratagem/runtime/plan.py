@@ -226,7 +226,8 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
                     raise StrategyError(
                         f"group {gid} mixes {attr} {getattr(first, attr)!r} and "
                         f"{getattr(sync, attr)!r}", where=where,
-                        fix="give each combination of spec/compressor its own group id")
+                        fix="give each combination of spec/compressor/gather_rows its own "
+                            "group id")
         if first.gather_rows and len(entries) > 1:
             raise StrategyError(
                 f"group {gid} gathers the rows of {len(entries)} parameters", where=where,
