@@ -120,13 +120,16 @@ stalls come in spells: at 2 nodes and 1 Gbit/s a round's mean read 0.5-3.8 ms wi
 one job, the trimmed mean of 9 rounds at once 0.65-2.9 ms from probe to probe in the
 same processes, and a median of 5 rounds 1.2-2.9 ms from job to job."""
 ROUND_ROWS = (32, 4096)
-"""Rows one worker asks of each other worker in a timed pull round (16 floats each): a
-few (the fixed cost of a round and a push), then many (the cost per row). The many must
-cost well over the rounds' noise: at 2 nodes and 10 Gbit/s 512 rows added 0.1-0.2 ms to
-a round that varied by 1-2 ms, and the slope read 0.4-3.3 us a row from run to run (the
-wide-and-deep model's pull mispriced by 10 ms); 4096 rows read 0.08-0.21 us. Fewer on a
-slow link, where each row's wire time adds to the signal: as many as take
-``ROUND_WIRE_S`` on the link (4 nodes at 1 Gbit/s: about 1100), 4 times the few at least."""
+"""Rows one worker asks in a timed pull round (16 floats each): a few of each other worker
+(the fixed cost of a round and a push), then many in all, split over the other workers (the
+cost per row). The many must cost well over the rounds' noise: at 2 nodes and 10 Gbit/s 512
+rows added 0.1-0.2 ms to a round that varied by 1-2 ms, and the slope read 0.4-3.3 us a row
+from run to run (the wide-and-deep model's pull mispriced by 10 ms); 4096 rows read
+0.08-0.21 us. The signal is the round's rows in all, so at 4 nodes each peer is asked a
+third of them: 4096 of each took 11 of the probe's 19 s there (4 nodes on 2 cores, 10
+Gbit/s), and a third of that read the slope at 1.6-2.0 us against 1.3-1.4. Fewer on a slow
+link, where each row's wire time adds to the signal: as many as take ``ROUND_WIRE_S`` on the
+link (4 nodes at 1 Gbit/s: about 900 of each peer), 4 times the few at least."""
 ROUND_WIRE_S = 0.002
 ROW_BYTES = 16 * 4 + 8  # a probe row and its id
 INTERFERE_S = 0.05
@@ -243,6 +246,8 @@ class LinkProbe:
     link_bps: float = 0.0
     """Bytes/s of one link alone: rank 0 sending to a rank on another node while the
     others wait (:func:`_one_link`; 0: one node, or not measured)."""
+    parts: tuple[tuple[str, float], ...] = ()
+    """Rank 0's seconds in each of the probe's phases, in order (where ``seconds`` went)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"world": self.world, "collective_s": self.collective_s,
@@ -257,7 +262,8 @@ class LinkProbe:
                 "group_fixed_s": self.group_fixed_s, "group_period_s": self.group_period_s,
                 "interference": self.interference,
                 "link_bps": self.link_bps, "seconds": self.seconds,
-                "nominal_bps": self.nominal_bps}
+                "nominal_bps": self.nominal_bps,
+                "parts_s": {k: round(v, 3) for k, v in self.parts}}
 
 
 class _DoneWork:
@@ -823,10 +829,11 @@ class _SmallOps:
     @classmethod
     def rows(cls, bus_bps: float) -> _SmallOps:
         """Empty, with the rows asked per peer: few, and as many as take
-        ``ROUND_WIRE_S`` on the link at ``bus_bps`` (agreed among the ranks)."""
+        ``ROUND_WIRE_S`` on the link at ``bus_bps``, at most ``ROUND_ROWS[1]`` in all and
+        4 times the few at least (agreed among the ranks)."""
         world, few = dist.get_world_size(), ROUND_ROWS[0]
-        many = int(agreed(min(ROUND_ROWS[1], max(
-            4 * few, bus_bps * ROUND_WIRE_S / (ROW_BYTES * (world - 1))))))
+        wire = bus_bps * ROUND_WIRE_S / (ROW_BYTES * (world - 1))
+        many = int(agreed(max(4 * few, min(ROUND_ROWS[1] // (world - 1), wire))))
         return cls(few, many)
 
     def take(self) -> None:
@@ -890,6 +897,23 @@ def fit_sparse(world: int, wire: float, few: tuple[int, float, float, int],
         push_s=max(0.0, min(p0 - push_row * n0, p1 - push_row * n1)), push_row_s=push_row)
 
 
+class _Clock:
+    """Seconds spent in each named phase, added up (a phase may come back)."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._spent: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        """Charge the seconds since the last mark to ``phase``."""
+        now = time.perf_counter()
+        self._spent[phase] = self._spent.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def parts(self) -> tuple[tuple[str, float], ...]:
+        return tuple(self._spent.items())
+
+
 def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     """Measure the links among the job's workers (call on every worker at once); None
     when no process group spans exactly the spec's workers."""
@@ -903,6 +927,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     if use_cache and key in _LINKS:
         return _LINKS[key]
     started = time.perf_counter()
+    clock = _Clock()
     multi = len(spec.nodes) > 1
     nominal = (min(n.network_bandwidth for n in spec.nodes) * GBIT_BYTES * LINK_EFFICIENCY
                if multi else 40.0 * GBIT_BYTES)
@@ -913,29 +938,38 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
     tiny = torch.zeros(1)
     _timed_allreduce(tiny, 3)  # warm-up: connections, allocator
     fixed = statistics.median(_timed_allreduce(tiny, TINY_REPEATS))
+    clock.mark("collective")
     budget = PROBE_BUDGET_S * 0.8
     bus, sizes = _bus_rate(fixed, nominal, ring, budget - (time.perf_counter() - started))
     if multi and agreed(float(bus < SUSPECT_RATE * nominal), dist.ReduceOp.MAX):
         again, more = _bus_rate(fixed, nominal, ring, budget)
         if again > bus:
             bus, sizes = again, more
+    clock.mark("bus")
     big_rate = _big_rate(fixed, bus, ring, PROBE_BUDGET_S - (time.perf_counter() - started)) \
         if agreed(float(sizes == len(SIZES_MIB))) else 0.0
+    clock.mark("big")
     half = _HalfRates.sized(
         fixed, max(HALF_BUDGET_S, PROBE_BUDGET_S - (time.perf_counter() - started)),
         bus / ring)
     if half is not None:
         half.take()
+    clock.mark("half")
     small = _SmallOps.rows(bus)
     small.take()
+    clock.mark("small")
     interference = _interference(fixed, bus, ring)
+    clock.mark("interference")
     link_bytes = int(agreed(min(LINK_MIB * 2 ** 20, max(2 ** 20, bus * LINK_S)))) // 4 * 4
     link = _link_rate(_peer(spec), link_bytes, bus)
+    clock.mark("link")
     small.take()  # the second passes, seconds after the first
+    clock.mark("small")
     fp16_rate, bf16_rate = (0.0, 0.0)
     if half is not None:
         half.take()
         fp16_rate, bf16_rate = half.rates()
+    clock.mark("half")
     queued = max(fixed, _steady(small.queued))
     group_fixed = max(fixed, queued - ring * QUEUED_KIB * 1024 / bus)
     chained = _steady(small.chained)
@@ -958,7 +992,7 @@ def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
                       interference=float(figures[12]), link_bps=float(figures[13]),
                       closing_s=float(figures[14]), group_period_s=float(figures[15]),
                       pull_round_one_s=float(figures[16]),
-                      pull_row_one_s=float(figures[17]))
+                      pull_row_one_s=float(figures[17]), parts=clock.parts())
     if use_cache:
         _LINKS[key] = probe
     return probe
