@@ -427,50 +427,73 @@ def _ten_gbit_nodes(world: int) -> Any:
          "network_bandwidth": 10.0, "cpus": [0]} for i in range(world)]})
 
 
-def suspect_bus_case(rank: int, world: int, readings: list[float]) -> dict[str, Any]:
-    """Probe 2 nodes specified at 10 Gbit/s over loopback, the bus-rate fits replaced by
-    ``readings`` in turn: how many fits ran and the bus rate the probe kept."""
+def _probe_with(p: Any, spec: Any, **fakes: Any) -> Any:
+    """``probe_links`` with the probe module's functions in ``fakes`` replaced, and its
+    phases that these cases do not read (half-precision rates, small operations,
+    interference) skipped, restored after."""
+    class NoSmall(p._SmallOps):
+        def take(self) -> None:
+            self.queued, self.chained = [0.0], [0.0]
+
+        def sparse(self, bus_bps: float) -> Any:
+            return p.SparseSteps(0.0, 0.0, 0.0, 0.0)
+
+    skipped = {"_HalfRates": type("NoHalf", (), {"sized": staticmethod(lambda *_: None)}),
+               "_SmallOps": NoSmall, "_interference": lambda *_: 0.0}
+    real = {k: getattr(p, k) for k in {**skipped, **fakes}}
+    for k, v in {**skipped, **fakes}.items():
+        setattr(p, k, v)
+    try:
+        return p.probe_links(spec, use_cache=False)
+    finally:
+        for k, v in real.items():
+            setattr(p, k, v)
+
+
+def suspect_bus_cases(rank: int, world: int, cases: list[list[float]]) -> list[dict[str, Any]]:
+    """Probe 2 nodes specified at 10 Gbit/s over loopback once per case, the bus-rate fits
+    replaced by the case's readings in turn: how many fits ran and the bus rate the probe
+    kept."""
     import importlib
 
     p = importlib.import_module("stratagem.planner.probe")
     spec = _ten_gbit_nodes(world)
-    fits = iter(readings)
-    calls = []
+    out = []
+    for readings in cases:
+        fits = iter(readings)
+        calls = []
 
-    def fit(*_: Any) -> tuple[float, int]:
-        calls.append(1)
-        return next(fits), 1  # one size: no 64 MiB follow-up
+        def fit(*_: Any, fits: Any = fits, calls: list = calls) -> tuple[float, int]:
+            calls.append(1)
+            return next(fits), 1  # one size: no 64 MiB follow-up
 
-    real, p._bus_rate = p._bus_rate, fit
-    try:
-        probe = p.probe_links(spec, use_cache=False)
-    finally:
-        p._bus_rate = real
-    assert probe is not None
-    return {"fits": len(calls), "bus_bps": probe.bus_bps}
+        probe = _probe_with(p, spec, _bus_rate=fit)
+        assert probe is not None
+        out.append({"fits": len(calls), "bus_bps": probe.bus_bps})
+    return out
 
 
-def disturbed_link_case(rank: int, world: int, bus: float, readings: list[float]
-                        ) -> dict[str, Any]:
-    """Probe 2 nodes specified at 10 Gbit/s over loopback, the bus-rate fit replaced by
-    ``bus`` and rank 0's link-alone timings by ``readings`` in turn (0 on the other rank,
-    as the real one returns): how many timings ran and the link rate the probe kept."""
+def disturbed_link_cases(rank: int, world: int, cases: list[tuple[float, list[float]]]
+                         ) -> list[dict[str, Any]]:
+    """Probe 2 nodes specified at 10 Gbit/s over loopback once per case ``(bus,
+    readings)``, the bus-rate fit replaced by ``bus`` and rank 0's link-alone timings by
+    ``readings`` in turn (0 on the other rank, as the real one returns): how many timings
+    ran and the link rate the probe kept."""
     import importlib
 
     p = importlib.import_module("stratagem.planner.probe")
     spec = _ten_gbit_nodes(world)
-    timed = iter(readings)
-    calls = []
+    out = []
+    for bus, readings in cases:
+        timed = iter(readings)
+        calls = []
 
-    def one_link(*_: Any) -> float:
-        calls.append(1)
-        return next(timed) if rank == 0 else 0.0
+        def one_link(*_: Any, timed: Any = timed, calls: list = calls) -> float:
+            calls.append(1)
+            return next(timed) if rank == 0 else 0.0
 
-    real = p._bus_rate, p._one_link
-    p._bus_rate, p._one_link = (lambda *_: (bus, 1)), one_link
-    try:
-        probe = p.probe_links(spec, use_cache=False)
-    finally:
-        p._bus_rate, p._one_link = real
-    assert probe is not None
-    return {"timings": len(calls), "link_bps": probe.link_bps}
+        probe = _probe_with(p, spec, _bus_rate=lambda *_, bus=bus: (bus, 1),
+                            _one_link=one_link)
+        assert probe is not None
+        out.append({"timings": len(calls), "link_bps": probe.link_bps})
+    return out

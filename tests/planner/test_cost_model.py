@@ -663,38 +663,48 @@ def test_steady_part_of_bimodal_waits() -> None:
     assert _steady([3e-3, 1e-3]) == pytest.approx(2e-3)  # too few to trim: all of them
 
 
-@pytest.mark.parametrize(("readings", "fits", "kept"), [
+SUSPECT_BUS = [
     ((1.0e9,), 1, 1.0e9),          # near the spec's 1.19 GB/s: trusted
     ((1.1e8, 9.0e8), 2, 9.0e8),    # one disturbed fit: timed again, the faster kept
     ((2.4e8, 2.3e8), 2, 2.4e8),    # a link slower than its spec reads slow twice
-])
-def test_a_bus_rate_far_below_the_spec_is_measured_again(
-        tmp_path, readings: tuple[float, ...], fits: int, kept: float) -> None:
-    import _spawn
-    import planner_workers as pw
-
-    results = _spawn.run(pw.suspect_bus_case, 2, tmp_path, {"readings": list(readings)},
-                         _spawn.Setup(args=(2,), local_rank=True, init_group=True))
-    for r in results:
-        assert r["fits"] == fits and r["bus_bps"] == pytest.approx(kept), r
-
-
-@pytest.mark.parametrize(("bus", "readings", "timings", "kept"), [
+]
+DISTURBED_LINK = [
     (1.0e9, (1.1e9,), 1, 1.1e9),         # alone faster than in the ring: trusted
     (6.4e8, (2.6e8, 1.15e9), 2, 1.15e9),  # read below the bus: timed again, faster kept
     (6.4e8, (2.6e8, 3.0e8), 2, 6.4e8),   # slow twice: not below what the ring carries
     (6.4e8, (6.0e8,), 1, 6.4e8),         # a little below the bus: not retimed, floored
-])
-def test_a_link_alone_read_below_the_bus_rate_is_timed_again(
-        tmp_path, bus: float, readings: tuple[float, ...], timings: int,
-        kept: float) -> None:
+]
+
+
+@pytest.fixture(scope="module")
+def faked_probes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[list[dict]]]:
+    """Every case below probed in one pair of spawned workers (a spawn per case took
+    4.5 s): each case's results, by rank."""
     import _spawn
     import planner_workers as pw
 
-    results = _spawn.run(pw.disturbed_link_case, 2, tmp_path,
-                         {"bus": bus, "readings": list(readings)},
-                         _spawn.Setup(args=(2,), local_rank=True, init_group=True))
-    for r in results:
+    setup = _spawn.Setup(args=(2,), local_rank=True, init_group=True)
+    bus = _spawn.run(pw.suspect_bus_cases, 2, tmp_path_factory.mktemp("bus"),
+                     {"cases": [list(r) for r, _, _ in SUSPECT_BUS]}, setup)
+    link = _spawn.run(pw.disturbed_link_cases, 2, tmp_path_factory.mktemp("link"),
+                      {"cases": [(b, list(r)) for b, r, _, _ in DISTURBED_LINK]}, setup)
+    return {"bus": [list(c) for c in zip(*bus, strict=True)],
+            "link": [list(c) for c in zip(*link, strict=True)]}
+
+
+@pytest.mark.parametrize("case", range(len(SUSPECT_BUS)))
+def test_a_bus_rate_far_below_the_spec_is_measured_again(
+        faked_probes: dict[str, list[list[dict]]], case: int) -> None:
+    _, fits, kept = SUSPECT_BUS[case]
+    for r in faked_probes["bus"][case]:
+        assert r["fits"] == fits and r["bus_bps"] == pytest.approx(kept), r
+
+
+@pytest.mark.parametrize("case", range(len(DISTURBED_LINK)))
+def test_a_link_alone_read_below_the_bus_rate_is_timed_again(
+        faked_probes: dict[str, list[list[dict]]], case: int) -> None:
+    _, _, timings, kept = DISTURBED_LINK[case]
+    for r in faked_probes["link"][case]:
         assert r["timings"] == timings and r["link_bps"] == pytest.approx(kept), r
 
 
