@@ -34,3 +34,18 @@ def need_vcluster() -> None:
     ok, reason = vcluster.VirtualCluster.available()
     if not ok:
         pytest.skip(f"virtual cluster unavailable: {reason}")
+
+
+SHARED_HOST = "shared-host"
+"""The xdist group of tests that take host-wide things (network namespaces, bridges and
+routes of a virtual cluster; a local Ray cluster): under ``pytest -n 2 --dist loadgroup``
+they run one after another on one worker, while the other worker runs the rest."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.fspath))
+        if ("need_vcluster" in getattr(item, "fixturenames", ())
+                or item.get_closest_marker("vcluster") is not None
+                or "vcluster" in path.name or path.parent.name == "service"):
+            item.add_marker(pytest.mark.xdist_group(SHARED_HOST))

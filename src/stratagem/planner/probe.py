@@ -911,7 +911,10 @@ class _Clock:
         self._last = now
 
     def parts(self) -> tuple[tuple[str, float], ...]:
-        return tuple(self._spent.items())
+        """Rank 0's seconds by phase, on every rank (every rank plans with one probe)."""
+        spent = torch.tensor(list(self._spent.values()), dtype=torch.float64)
+        dist.broadcast(spent, 0)
+        return tuple(zip(self._spent, (float(x) for x in spent), strict=True))
 
 
 def probe_links(spec: ResourceSpec, use_cache: bool = True) -> LinkProbe | None:
