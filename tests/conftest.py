@@ -43,9 +43,13 @@ they run one after another on one worker, while the other worker runs the rest."
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test in an xdist group: :data:`SHARED_HOST`, or its module's (so that a
+    module's fixtures, some of them whole multi-process runs, are set up once, not once
+    per worker)."""
     for item in items:
         path = Path(str(item.fspath))
-        if ("need_vcluster" in getattr(item, "fixturenames", ())
-                or item.get_closest_marker("vcluster") is not None
-                or "vcluster" in path.name or path.parent.name == "service"):
-            item.add_marker(pytest.mark.xdist_group(SHARED_HOST))
+        shared = ("need_vcluster" in getattr(item, "fixturenames", ())
+                  or item.get_closest_marker("vcluster") is not None
+                  or "vcluster" in path.name or path.parent.name == "service")
+        group = SHARED_HOST if shared else str(path.relative_to(TESTS))
+        item.add_marker(pytest.mark.xdist_group(group))
