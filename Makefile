@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/stratagem run --nproc 2 examples/train_mlp.py --epochs 5
 
 # Two pytest workers: the suite's processes leave a core idle about a third of the time
-# (1316 s alone, 1066 s so, on 2 cores). Tests that take host-wide things (virtual
+# (1316 s alone, 1055 s so, on 2 cores). Tests that take host-wide things (virtual
 # clusters, Ray) run one after another on one worker (tests/conftest.py, SHARED_HOST).
 TEST_WORKERS ?= 2
 
