@@ -639,6 +639,22 @@ def test_message_cost_is_the_faster_pass_median() -> None:
     assert _SmallOps(32, 512, pings=[0.0, 0.0]).message_s() == 0.0  # (not rank 0)
 
 
+@pytest.mark.parametrize(("world", "bus_bps", "many"), [
+    (2, 1.2e9, 4096),   # a fast link: 4096 rows of the one peer
+    (4, 0.6e9, 1365),   # 4096 in all, a third of each peer (4096 of each took 11 s)
+    (4, 0.1e9, 925),    # a slow link: what takes ROUND_WIRE_S on it (2 ms / 72 B / 3)
+    (40, 1.0e9, 128),   # many peers: 4 times the few at least
+])
+def test_many_rows_of_a_timed_round_are_capped_in_all(
+        monkeypatch: pytest.MonkeyPatch, world: int, bus_bps: float, many: int) -> None:
+    from stratagem.planner import probe
+
+    monkeypatch.setattr(probe, "agreed", lambda value, op=None: value)  # one rank's view
+    monkeypatch.setattr(probe.dist, "get_world_size", lambda: world)
+    small = probe._SmallOps.rows(bus_bps)
+    assert (small.few, small.many) == (32, many)
+
+
 def test_interference_share_known_answers() -> None:
     from stratagem.planner.probe import interference_share
 

@@ -43,6 +43,9 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     # small operations' second pass (probe._SmallOps) added 0.2-0.6 s, the half-precision
     # all-reduces' second pass (probe._HalfRates, sized for at least 1.3 s) up to 0.4 s
     assert probe["world"] == 2 and probe["seconds"] <= 30.0  # a bound, not a timing
+    parts = probe["parts_s"]  # where the seconds went, phase by phase
+    assert set(parts) == {"collective", "bus", "big", "half", "small", "interference", "link"}
+    assert 0 < sum(parts.values()) <= probe["seconds"] + 0.01
     # shaped at 200 Mbit/s (gloo reaches ~95% of a shaped link, bench/link_rate.py)
     assert 0.75 * SHAPED_BPS < probe["bus_bps"] < 1.05 * SHAPED_BPS, probe
     assert probe["nominal_bps"] > 4 * SHAPED_BPS  # the spec's 1 Gbit/s
