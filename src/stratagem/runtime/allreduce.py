@@ -301,9 +301,15 @@ class _RowsGroupRT:
         total = m.plan.shape[0]
         parts = [r[:n] for r, n in zip(self.gathered_rows, self.counts, strict=True)]
         rows = torch.cat(parts)
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= total):
-            rank = next(i for i, r in enumerate(parts)
-                        if r.numel() and (int(r.min()) < 0 or int(r.max()) >= total))
+
+        def outside(ids: torch.Tensor) -> bool:
+            if not ids.numel():
+                return False
+            lo, hi = torch.aminmax(ids)  # one pass
+            return int(lo) < 0 or int(hi) >= total
+
+        if outside(rows):  # all ranks' ids at once; the sender found only on error
+            rank = next(i for i, r in enumerate(parts) if outside(r))
             raise DistributedError(
                 f"rank {rank} sent rows of {m.plan.param!r} outside its {total} rows",
                 where="DistributedModel backward",
