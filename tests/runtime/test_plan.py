@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -296,40 +297,72 @@ def test_gather_rows_round_trips_and_is_written_only_when_set() -> None:
 
 
 class _ScriptedComm:
-    """A two-rank communicator whose peer (rank 1) sends the given rows and values."""
+    """A two-rank communicator whose peer (rank 1) follows the gathered rows' protocol with
+    the rows ``peer`` holds (values 1.0): its count and as many rows as fit in the first
+    round, the rest in the second. Records each all-gather's (dtype, numel)."""
 
     world_size = 2
 
-    def __init__(self, rows: list[int]) -> None:
+    def __init__(self) -> None:
+        self.peer = torch.zeros(0, dtype=torch.int64)
+        self.first = True  # the next int64 all-gather is the first round's
+        self.sent = 0  # peer rows sent in earlier rounds of this step
+        self.last = 0  # peer rows in the latest round
+        self.calls: list[tuple[torch.dtype, int]] = []
+
+    def step(self, rows: list[int]) -> None:
         self.peer = torch.tensor(rows, dtype=torch.int64)
+        self.first, self.sent = True, 0
 
     def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        self.calls.append((tensor.dtype, tensor.numel()))
         out[0].copy_(tensor)
-        if tensor.numel() == 1:  # the counts round
-            out[1].fill_(len(self.peer))
-        elif tensor.dtype == torch.int64:
-            out[1][:len(self.peer)] = self.peer
-        else:
-            out[1].fill_(1.0)
+        out[1].zero_()
+        if tensor.dtype != torch.int64:
+            out[1][:self.last] = 1.0
+            return
+        head = 1 if self.first else 0
+        room = tensor.numel() - head
+        send = self.peer[self.sent:self.sent + room]
+        if self.first:
+            out[1][0] = len(self.peer)
+        out[1][head:head + len(send)] = send
+        self.first, self.last = False, len(send)
+        self.sent += len(send)
 
     def wait(self, work: object) -> None:
         pass
 
 
-def _gathered_grad(peer_rows: list[int]) -> torch.Tensor:
+def _gathered_grads(steps: list[tuple[list[int], list[int]]]
+                    ) -> tuple[list[torch.Tensor], list[list[tuple[torch.dtype, int]]]]:
+    """Each step: (this rank's ids, the peer's rows) -> the summed gradients, and each
+    step's all-gathers."""
     from stratagem.runtime.allreduce import _RowsGroupRT
 
     model = make_model("sparse", 0)
     profile = analyze(model)
     plan = compile_plan(_gather_strategy(profile), profile, rank=0, world_size=2, device=CPU)
     params = dict(model.named_parameters())
-    model(torch.tensor([3, 3, 7])).sum().backward()
-    g = _RowsGroupRT(plan.group(9), params, _ScriptedComm(peer_rows), CPU)
-    g.members[0].capture(0.5)
-    g.start_round(0)
-    g.finish()
-    g.members[0].write_back(lambda *_: None)
-    return params["emb.weight"].grad
+    comm = _ScriptedComm()
+    g = _RowsGroupRT(plan.group(9), params, comm, CPU)
+    grads, calls = [], []
+    for mine, peer in steps:
+        model.zero_grad(set_to_none=True)
+        model(torch.tensor(mine)).sum().backward()
+        comm.step(peer)
+        comm.calls = []
+        g.members[0].capture(0.5)
+        g.start_round(0)
+        g.finish()
+        g.members[0].write_back(lambda *_: None)
+        grads.append(params["emb.weight"].grad)
+        calls.append(comm.calls)
+    return grads, calls
+
+
+def _gathered_grad(peer_rows: list[int]) -> torch.Tensor:
+    return _gathered_grads([([3, 3, 7], peer_rows)])[0][0]
 
 
 def test_gathered_rows_sum_every_rank_and_refuse_rows_out_of_range() -> None:
@@ -347,3 +380,31 @@ def test_gathered_rows_sum_every_rank_and_refuse_rows_out_of_range() -> None:
     assert dense.abs().sum(1).nonzero().flatten().tolist() == [3, 7, 12]
     with pytest.raises(DistributedError, match="rank 1 sent rows of 'emb.weight' outside"):
         _gathered_grad([7, 20])
+
+
+def test_gathered_rows_fit_one_round_after_the_first_step() -> None:
+    """The first step sends counts, then the rows; later steps send up to the last step's
+    most rows (with headroom) in the first round, and only the rows beyond it in a second.
+    Every step's sum is the two ranks' rows, whichever round carried them."""
+    from stratagem.runtime.allreduce import GATHER_HEADROOM
+
+    fc = make_model("sparse", 0).fc.weight.sum(0).detach()
+    steps = [([3, 3, 7], [7, 12]),           # counts 2 and 2: capacity then 3 (2 x 1.125)
+             ([5], [1, 2, 4]),               # 1 and 3 rows: fit
+             ([0, 1, 2, 3, 4], [9, 10, 11, 12, 13, 14, 15])]  # 5 and 7: beyond 4
+    grads, calls = _gathered_grads(steps)
+    i64, f, d = torch.int64, fc.dtype, fc.numel()
+    assert calls[0] == [(i64, 1), (i64, 2), (f, 2 * d)]  # the counts, then the rows
+    assert math.ceil(2 * GATHER_HEADROOM) == 3
+    assert calls[1] == [(i64, 1 + 3), (f, 3 * d)]  # one round
+    cap = math.ceil(3 * GATHER_HEADROOM)
+    assert calls[2] == [(i64, 1 + cap), (f, cap * d), (i64, 7 - cap), (f, (7 - cap) * d)]
+    for (mine, peer), grad in zip(steps, grads, strict=True):
+        want = torch.zeros(20, d, dtype=f)
+        for i in mine:
+            want[i] += 0.5 * fc
+        for i in peer:
+            want[i] += 1.0
+        assert grad.is_sparse and grad.is_coalesced()
+        assert grad.indices()[0].tolist() == sorted(set(mine) | set(peer))
+        torch.testing.assert_close(grad.to_dense(), want)
