@@ -95,15 +95,18 @@ class SparseExchange:
     # -- worker: gradients ----------------------------------------------------------
     def stash_grad(self, pieces: list[PSPiece], idx: torch.Tensor | None,
                    vals: torch.Tensor | None) -> None:
-        """Record this worker's (global row ids, rows) for ``pieces`` (None: no gradient)."""
-        for p in pieces:
-            i = self.pos[p.id]
-            if idx is None:
-                self.stash[i] = None
-                continue
-            lo, hi = p.row_start, p.row_start + p.rows
-            mask = (idx >= lo) & (idx < hi)
-            self.stash[i] = (idx[mask], vals[mask])
+        """Record this worker's (global row ids, sorted; rows) for ``pieces`` (None: no
+        gradient). Each piece's rows are a slice: one search finds every piece's bounds."""
+        if idx is None or vals is None:
+            for p in pieces:
+                self.stash[self.pos[p.id]] = None
+            return
+        bounds = torch.tensor([b for p in pieces for b in (p.row_start, p.row_start + p.rows)],
+                              dtype=idx.dtype)
+        cuts = torch.searchsorted(idx, bounds).tolist()
+        for k, p in enumerate(pieces):
+            a, b = cuts[2 * k], cuts[2 * k + 1]
+            self.stash[self.pos[p.id]] = (idx[a:b], vals[a:b])
 
     def push(self) -> None:
         """Collective: send the stashed rows to their owners; owners accumulate them."""
@@ -142,6 +145,12 @@ class SparseExchange:
                     vals = torch.empty((0, *shape), dtype=dtype)
                 else:
                     idx, vals = entry[0], entry[1].to(dtype)
+                if not len(ann):  # none announced (a replicated piece): every row extra
+                    if len(idx):
+                        head[o, 1 + i] = len(idx)
+                        self.extras.setdefault(o, []).extend([_bytes(idx), _bytes(vals)])
+                        sent_rows += len(idx)
+                    continue
                 out = torch.zeros((len(ann), *shape), dtype=dtype)
                 found = torch.zeros(len(ann), dtype=torch.bool)
                 covered = torch.zeros(len(idx), dtype=torch.bool)
