@@ -744,6 +744,7 @@ def test_gathered_rows_known_answer() -> None:
     """A sparse gradient's rows all-gathered: each link carries the other workers' rows
     (values and an int64 index each), and the update touches only the gathered rows."""
     from stratagem.planner.cost_model import GATHER_PASSES, gather_cost
+    from stratagem.runtime.allreduce import GATHER_HEADROOM as H
     from stratagem.runtime.plan import GroupPlan, Member
 
     emb = Member(param="emb", index=0, shape=(1000, 125), offset=0)
@@ -755,10 +756,11 @@ def test_gathered_rows_known_answer() -> None:
         s = spec(n)
         wire, work, flows, fixed = gather_cost(group, links(s, latency_s=0.0), s.replicas,
                                                _cal(), access)
-        # a ring all-gather: every link carries (n-1) workers' 100 rows
-        assert wire == pytest.approx((n - 1) * 100 * row / GBIT_BYTES) and fixed == 0.0
-        assert [b for _, _, b in flows] == pytest.approx([(n - 1) * 100 * row] * n)
-        assert work == pytest.approx(GATHER_PASSES * n * 100 * row / 1e9)
+        # a ring all-gather: every link carries (n-1) workers' 100 rows, padded to the
+        # capacity (H x the rows)
+        assert wire == pytest.approx((n - 1) * 100 * H * row / GBIT_BYTES) and fixed == 0.0
+        assert [b for _, _, b in flows] == pytest.approx([(n - 1) * 100 * H * row] * n)
+        assert work == pytest.approx(GATHER_PASSES * n * 100 * H * row / 1e9)
     # in a step: far less than the dense table's all-reduce, and no dense update of it
     s = spec(2)
     prof = _sparse_profile().with_access([AccessStats("emb", 1000, 100.0)])
@@ -771,7 +773,35 @@ def test_gathered_rows_known_answer() -> None:
                        links(s, latency_s=0.0))
 
     gathered, dense = step(True), step(False)
-    assert gathered.link_bytes["10.0.0.1 tx"] == pytest.approx(1e6 + 100 * row)
+    assert gathered.link_bytes["10.0.0.1 tx"] == pytest.approx(1e6 + 100 * H * row)
     assert dense.link_bytes["10.0.0.1 tx"] == pytest.approx(1.5e6)
     assert gathered.parts["update"] < dense.parts["update"]
     assert gathered.total_s < dense.total_s
+
+
+def test_replicated_rows_pay_a_pull_rounds_share_per_blocking_all_to_all() -> None:
+    """Measured pull rounds of two collectives: each blocking all-to-all between a step's
+    own work costs half of one. A replicated table pays it twice in the refresh and once
+    more in the push (its rows, announced by no pull, follow the headers); a table pulled
+    on demand pays it in neither."""
+    s = spec(2)
+    w0, _ = s.replicas
+    prof = _sparse_profile().with_access([AccessStats("emb", 1000, 10.0)])
+
+    def parts(replicated: bool, round_s: float) -> dict[str, float]:
+        strat = Strategy(node_config=(
+            NodeConfig("emb", PSSynchronizer(reduction_destination=w0,
+                                             local_replication=replicated)),
+            NodeConfig("fc", AllReduceSynchronizer(group=0)))).with_replicas(s.replicas)
+        lm = links(s, latency_s=0.0, message_cpu_s=0.0, all_to_all_s=1e-3,
+                   pull_round_s=round_s, sparse_push_s=5e-3)
+        return predict(strat, prof, s, _cal(), lm).parts
+
+    for replicated, per_round in ((True, 3), (False, 0)):
+        slow, fast = parts(replicated, 8e-3), parts(replicated, 2e-3)
+        # a round's share: 4 ms, then 1 ms
+        assert slow["refresh"] - fast["refresh"] == pytest.approx(2 * per_round * 1e-3)
+        assert slow["sparse_push"] - fast["sparse_push"] == pytest.approx(per_round * 1e-3)
+    # (and its rows' ids on the wire: 10 rows of 8 bytes)
+    assert parts(True, 8e-3)["sparse_push"] - parts(False, 8e-3)["sparse_push"] == \
+        pytest.approx(4e-3, abs=1e-5)

@@ -23,6 +23,9 @@ exactly what the runtime would execute:
   each of the exchange's collectives costs that, a pull round what the probe's chained
   rounds cost, the closing round what the probe's cost, and the push what the rest of
   the probe's sparse step cost, the rounds and the push with the probe's cost per row;
+  a refresh's two all-to-alls, and the second all-to-all that replicated pieces' rows
+  take in the push (no pull announced them), each cost a pull round's share, as ranks
+  arrive at them unevenly from their own work;
 - **overlap**: transfers queue on one link in launch order (``timeline.schedule``);
   whatever ends after backward is exposed communication; of the time spent moving bytes
   during backward, the measured share the compute loses (``LinkModel.interference``) is
@@ -47,6 +50,7 @@ from stratagem.planner.links import (
 )
 from stratagem.planner.timeline import Slot, exposed, overlapped, schedule
 from stratagem.resource import ResourceSpec
+from stratagem.runtime.allreduce import GATHER_HEADROOM
 from stratagem.runtime.plan import GroupPlan, Plan, compile_plan
 from stratagem.runtime.ps.pacing import paced_buckets
 from stratagem.runtime.ps.plan import PSPiece
@@ -57,7 +61,7 @@ ID_BYTES = 8  # a row index on the wire (int64)
 SPARSE_COLLECTIVES_PULL = 2  # per embedding call: ids, then rows (plus one closing round)
 SPARSE_COLLECTIVES_PUSH = 2  # headers/announced rows, then the extra rows
 SPARSE_COLLECTIVES_REFRESH = 2  # counts, then rows
-GATHER_ROUNDS = 2  # gathered rows: the counts, then the rows and their values (all-gathers:
+GATHER_ROUNDS = 2  # gathered rows: the ids with the count, and the values (all-gathers:
 # half a ring all-reduce's hops each)
 GATHER_PASSES = 3  # padded in, concatenated, coalesced
 
@@ -104,11 +108,12 @@ def gather_cost(group: GroupPlan, links: LinkModel, replicas: list[str], cal: Ca
     """:func:`group_cost` of a ``gather_rows`` group: every worker's rows (values and an
     index each) all-gathered on the ring -- each link carries the other workers' rows,
     what a ring all-reduce of half the gathered bytes carries -- in ``GATHER_ROUNDS``
-    collectives; then every worker concatenates and coalesces all of them
-    (``GATHER_PASSES`` passes over the gathered bytes)."""
+    collectives, padded to the runtime's capacity (``GATHER_HEADROOM`` over the rows);
+    then every worker concatenates and coalesces all of them (``GATHER_PASSES`` passes
+    over the gathered bytes)."""
     rows, value_bytes = gathered_rows(group, access, cal.batch_size)
     n = len(replicas)
-    gathered = n * rows * (value_bytes + ID_BYTES)
+    gathered = n * rows * (value_bytes + ID_BYTES) * GATHER_HEADROOM
     moving = ring_bytes_time(links, replicas, gathered / 2)
     wire = queued_ring_time(links, n, moving, GATHER_ROUNDS)
     work = GATHER_PASSES * gathered / cal.copy_bps
@@ -324,6 +329,10 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
         # the push likewise (the probe's sparse step, or its collectives). A table with
         # one owner has its own measured round: no exchange carries rows both ways
         round_s = links.pull_round_s or SPARSE_COLLECTIVES_PULL * lat
+        # one blocking all-to-all between a step's own work: a pull round's share (ranks
+        # arrive at it unevenly, as they do at a pull round; the chained all-to-all of the
+        # probe runs in step)
+        step_coll_s = round_s / SPARSE_COLLECTIVES_PULL
         round_one_s, row_one_s = ((links.pull_round_one_s, links.pull_row_one_s)
                                   if links.pull_round_one_s else (round_s, links.pull_row_s))
         fwd_pull_s = links.transfer_time(fwd_flows) if fwd_flows else 0.0
@@ -339,7 +348,11 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
                 closing_s = links.closing_s or (0.0 if links.sparse_push_s else lat)
             sparse_push_s += (links.sparse_push_s or lat * SPARSE_COLLECTIVES_PUSH
                               ) + links.push_row_s * pushed
-            refresh_s += lat * (SPARSE_COLLECTIVES_REFRESH if replicated else 0)
+            if replicated and links.sparse_push_s:
+                # the probe's push carries rows its pulls announced; rows of replicated
+                # pieces, never announced, follow the headers in a second all-to-all
+                sparse_push_s += step_coll_s
+            refresh_s += step_coll_s * (SPARSE_COLLECTIVES_REFRESH if replicated else 0)
             # the owners post the dense values before they wait for the sparse rows'
             # push: the values' hop waits that out; their bytes still take the link
             pull_s = max(pull_wire_s, pull_s - sparse_push_s)
