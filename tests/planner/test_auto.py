@@ -534,7 +534,8 @@ def test_a_group_without_gloo_is_not_probed_or_trialled(monkeypatch) -> None:  #
 def test_trial_copies_fit_in_the_room_every_rank_has(monkeypatch) -> None:  # noqa: ANN001
     """Trial steps run copies of the model on its own device: on the CPU, half the host's
     available memory shared by the workers on this machine; on a GPU, half its free memory
-    (tests/gpu); on a device a copy cannot run on (meta here), no room, no trials."""
+    and at most that host share (tests/gpu); on a device a copy cannot run on (meta here),
+    no room, no trials."""
     from stratagem.planner import trial
 
     linear = torch.nn.Linear(256, 256)  # 257 KiB of parameters
@@ -545,6 +546,17 @@ def test_trial_copies_fit_in_the_room_every_rank_has(monkeypatch) -> None:  # no
     assert trial.trial_room(linear) == 4 * 2 ** 30
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four workers make their copies at once
     assert trial.trial_room(linear) == 2 ** 30
+    # on a GPU: half its free memory, and no more than the host's share (PS staging)
+    monkeypatch.setattr(trial, "model_device", lambda m: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (16 * 2 ** 30, 80 * 2 ** 30))
+    assert trial.trial_room(linear) == 2 ** 30  # the host's share of 8 GiB over 4 workers
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert trial.trial_room(linear) == 4 * 2 ** 30
+    monkeypatch.setattr(trial, "host_available_bytes", lambda: 64 * 2 ** 30)
+    assert trial.trial_room(linear) == 8 * 2 ** 30  # now the GPU's half is the bound
+    monkeypatch.setattr(trial, "host_available_bytes", lambda: None)
+    assert trial.trial_room(linear) == 8 * 2 ** 30
+    monkeypatch.undo()
     monkeypatch.setattr(trial, "host_available_bytes", lambda: None)
     assert trial.trial_room(linear) == trial.UNKNOWN_ROOM
     assert trial.trial_room(torch.nn.Linear(2, 2, device="meta")) == 0

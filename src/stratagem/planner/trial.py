@@ -67,7 +67,8 @@ COPIES = 3
 """Candidates are stepped in turn (all built at once) while their copies -- about
 ``COPIES`` times the parameters each: values, gradients, buffers -- fit in
 ``INTERLEAVE_BYTES`` per process and in the room every rank has for them
-(:func:`trial_room`: a share of the GPU's free memory, or of the host's available memory);
+(:func:`trial_room`: a share of the host's available memory, and on a GPU of its free
+memory too);
 else one at a time, and not at all where one copy does not fit."""
 GPU_SHARE = 0.5
 """Of a GPU's free memory, what trial copies may take (the rest: their activations, the
@@ -440,20 +441,27 @@ def host_available_bytes() -> int | None:
         return None
 
 
+def _host_room() -> int:
+    """``HOST_SHARE`` of the host's available memory divided among the workers on this
+    machine (each makes its copies at the same time); ``UNKNOWN_ROOM`` where not known."""
+    free = host_available_bytes()
+    if free is None:
+        return UNKNOWN_ROOM
+    return int(free * HOST_SHARE / env.local_workers())
+
+
 def trial_room(model: nn.Module) -> int:
-    """Bytes this rank can give trial copies of ``model``: on a GPU, ``GPU_SHARE`` of its
-    free memory; on the CPU, ``HOST_SHARE`` of the host's available memory divided among
-    the workers on this machine (each makes its copies at the same time); none on any
-    other device (a copy could not run there)."""
+    """Bytes this rank can give trial copies of ``model``: on the CPU, its share of the
+    host's memory (:func:`_host_room`); on a GPU, ``GPU_SHARE`` of its free memory, and no
+    more than that host share either (a GPU worker's parameter-server traffic is staged in
+    host buffers: a copy under such a strategy holds its pushed and pulled bytes there);
+    none on any other device (a copy could not run there)."""
     device = model_device(model)
     if device.type == "cpu":
-        free = host_available_bytes()
-        if free is None:
-            return UNKNOWN_ROOM
-        return int(free * HOST_SHARE / env.local_workers())
+        return _host_room()
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * GPU_SHARE)
+        return min(int(free * GPU_SHARE), _host_room())
     return 0
 
 
