@@ -66,8 +66,8 @@ def new_loops(create: Callable[[], T]) -> tuple[T, frozenset[int]]:
     """``create()`` (which makes a process group) and the I/O threads it started, claimed
     for that group: :func:`unclaimed_loops` no longer lists them. Waits (up to
     ``NAMING_S``) until the threads it started no longer carry their creator's name."""
-    before = set(_names())
-    inherited = _names().get(threading.get_native_id())
+    names = _names()
+    before, inherited = set(names), names.get(threading.get_native_id())
     made = create()
     deadline = time.monotonic() + NAMING_S
     while True:
