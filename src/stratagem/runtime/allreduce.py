@@ -341,17 +341,17 @@ class _RowsGroupRT:
         m = self.members[0]
         total = m.plan.shape[0]
         heads = self.gathered_rows
-        counts = [int(c) for c in torch.stack([h[0] for h in heads]).tolist()]
+        counts = torch.stack([h[0] for h in heads]).tolist()
         extra_ids, extra_values = self._overflow(counts)
         cap = self.capacity
         ids_parts, value_parts = [], []
         for r, (h, n) in enumerate(zip(heads, counts, strict=True)):
-            ids_parts.append(h[1:1 + min(n, cap)])
-            value_parts.append(self.gathered_values[r][:min(n, cap)] if cap else None)
-            if n > cap:
-                ids_parts[-1] = torch.cat([ids_parts[-1], extra_ids[r][:n - cap]])
-                more = extra_values[r][:n - cap]
-                value_parts[-1] = more if not cap else torch.cat([value_parts[-1], more])
+            ids, vals = h[1:1 + min(n, cap)], self.gathered_values[r][:min(n, cap)]
+            if n > cap:  # (with its rows of the second round)
+                ids = torch.cat([ids, extra_ids[r][:n - cap]])
+                vals = torch.cat([vals, extra_values[r][:n - cap]])
+            ids_parts.append(ids)
+            value_parts.append(vals)
         rows = torch.cat(ids_parts)
 
         def outside(ids: torch.Tensor) -> bool:
@@ -366,9 +366,7 @@ class _RowsGroupRT:
                 f"rank {rank} sent rows of {m.plan.param!r} outside its {total} rows",
                 where="DistributedModel backward",
                 fix="run the same model, with the same embedding sizes, on every worker")
-        values = torch.cat([v for v in value_parts if v is not None]) if rows.numel() else (
-            torch.zeros((0, *m.plan.shape[1:]), dtype=getattr(torch, self.plan.dtype),
-                        device=rows.device))
+        values = torch.cat(value_parts)  # (every part has the value rows' shape, if empty)
         self.gathered_rows, self.gathered_values, self.rest = [], [], None
         # the next step's first round: room for this step's most rows, and some more
         self.capacity = min(total, math.ceil(max(counts) * GATHER_HEADROOM))

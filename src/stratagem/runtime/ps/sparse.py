@@ -154,7 +154,7 @@ class SparseExchange:
                 out = torch.zeros((len(ann), *shape), dtype=dtype)
                 found = torch.zeros(len(ann), dtype=torch.bool)
                 covered = torch.zeros(len(idx), dtype=torch.bool)
-                if len(ann) and len(idx):  # (idx is sorted: a coalesced gradient's)
+                if len(idx):  # (idx is sorted: a coalesced gradient's)
                     pos = torch.searchsorted(idx, ann).clamp_max(len(idx) - 1)
                     found = idx[pos] == ann
                     out[found] = vals[pos[found]]
