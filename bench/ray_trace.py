@@ -34,10 +34,10 @@ from pathlib import Path
 
 import ray
 
-from stratagem.sched.service import store as st
-from stratagem.sched.service.jobfile import parse_job
-from stratagem.sched.service.ray_backend import RayBackend
-from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions, job_dirs, job_env
+from stratagem.service import store as st
+from stratagem.service.jobfile import parse_job
+from stratagem.service.ray_backend import RayBackend
+from stratagem.service.scheduler import Scheduler, SchedulerOptions, job_dirs, job_env
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "cluster" / "classify.py"
 TRAINING = re.compile(r"training on (\d+) replicas at ([0-9.]+)")

@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # dotted module names below ``stratagem`` (a package covers its submodules).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "env", "safeload"),
-    ("process_group", "gloo_threads", "peer_watchdog", "resource", "checkpoint", "observe"),
+    ("distributed", "resource", "checkpoint", "observe"),
     ("analysis",),
     ("strategy",),
     ("runtime",),
@@ -25,10 +25,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("adapt",),
     ("sched",),
+    ("service",),
     ("autodist",),
     ("adaptdl",),
     # "": the package's own __init__ (public API)
-    ("plan_command", "plan_picture", "report_command", "cli", "__main__", ""),
+    ("cli", "__main__", ""),
 )
 ENV_NAME = re.compile(r"(STRATAGEM|ADAPTDL)_[A-Z0-9_]+")
 

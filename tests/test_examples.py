@@ -27,7 +27,7 @@ PLANS = {
 }
 SCRIPTS = {"train_mlp.py": ["--epochs", "1"]}
 # The cluster service's example job files (checked below) and the script its end-to-end
-# tests train (tests/sched/service); KubeRay manifests (parsed below: no Kubernetes here).
+# tests train (tests/service); KubeRay manifests (parsed below: no Kubernetes here).
 JOB_FILES = ("cluster/job-a.yaml", "cluster/job-b.yaml")
 SERVICE_SCRIPT = "cluster/classify.py"
 MANIFESTS = ("kuberay/raycluster.yaml", "kuberay/scheduler.yaml")
@@ -83,7 +83,7 @@ def test_example_script_trains_alone_and_on_the_local_spec(name: str, tmp_path: 
 
 @pytest.mark.parametrize("rel", JOB_FILES)
 def test_cluster_job_files_parse_and_name_the_service_script(rel: str) -> None:
-    from stratagem.sched.service.jobfile import load_job_file
+    from stratagem.service.jobfile import load_job_file
 
     spec = load_job_file(EXAMPLES / rel)
     assert Path(spec.script).resolve() == (EXAMPLES / SERVICE_SCRIPT).resolve()

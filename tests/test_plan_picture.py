@@ -16,9 +16,8 @@ import matplotlib.image as mpimg  # noqa: E402
 
 from stratagem.analysis import ModelProfile, ParamInfo, analyze  # noqa: E402
 from stratagem.cli import main  # noqa: E402
-from stratagem.errors import StratagemError  # noqa: E402
-from stratagem.plan_command import load_model  # noqa: E402
-from stratagem.plan_picture import (  # noqa: E402
+from stratagem.cli.plan import load_model  # noqa: E402
+from stratagem.cli.plan_picture import (  # noqa: E402
     KIND_COLOURS,
     MAX_BLOCKS,
     MAX_PER_BLOCK,
@@ -27,6 +26,7 @@ from stratagem.plan_picture import (  # noqa: E402
     save_picture,
     treemap,
 )
+from stratagem.errors import StratagemError  # noqa: E402
 from stratagem.resource import ResourceSpec  # noqa: E402
 from stratagem.strategy import (  # noqa: E402
     AllReduceSynchronizer,

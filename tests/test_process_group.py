@@ -1,4 +1,4 @@
-"""stratagem.process_group's default backends, and its exit rule: the groups go before
+"""stratagem.distributed.process_group's default backends, and its exit rule: the groups go before
 interpreter teardown, with no handle left that would keep one alive past it (torch 2.13's
 gloo aborts a process whose group is destroyed during teardown: 5 of 50 successful
 2-worker runs under torchrun)."""
@@ -10,13 +10,13 @@ import sys
 
 import torch
 
-from stratagem import process_group
+from stratagem.distributed import process_group
 
 SCRIPT = """
 import gc, weakref
 import torch
 import torch.distributed as dist
-from stratagem import process_group
+from stratagem.distributed import process_group
 from stratagem.errors import DistributedError
 from stratagem.runtime.comm import Comm
 from stratagem.runtime.stats import CommStats

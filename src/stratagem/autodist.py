@@ -27,16 +27,16 @@ from stratagem.adapt.loop import AdaptiveTrainer, TrainerConfig
 from stratagem.adapt.step_metrics import StepRecorder
 from stratagem.analysis import ModelProfile, analyze
 from stratagem.data import DistributedDataLoader
-from stratagem.errors import StratagemError, install_excepthook
-from stratagem.launch.env import active_nodes, nproc_override
-from stratagem.observe import MetricsFile, ProgressDisplay, logger
-from stratagem.planner import Choice, choose, explain_text
-from stratagem.process_group import (
+from stratagem.distributed.process_group import (
     broadcast_bytes,
     comm_device,
     default_backend,
     init_process_group,
 )
+from stratagem.errors import StratagemError, install_excepthook
+from stratagem.launch.env import active_nodes, nproc_override
+from stratagem.observe import MetricsFile, ProgressDisplay, logger
+from stratagem.planner import Choice, choose, explain_text
 from stratagem.resource import ResourceSpec
 from stratagem.runtime import DistributedModel, compile_plan
 from stratagem.runtime.ps import Cluster, join_cluster, run_server

@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem import env
+from stratagem.distributed.process_group import comm_device
+from stratagem.distributed.process_group import rank_world as _rank_world
 from stratagem.errors import CheckpointError
-from stratagem.process_group import comm_device
-from stratagem.process_group import rank_world as _rank_world
 from stratagem.safeload import load_json
 
 META = "meta.json"

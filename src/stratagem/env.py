@@ -298,7 +298,7 @@ GLOO_YIELD_MODES = ("off", "auto", "on")
 
 def gloo_yield() -> str:
     """``STRATAGEM_GLOO_YIELD``: whether gloo's I/O threads yield the CPU while the main
-    thread waits on them (:mod:`stratagem.gloo_threads`): ``off`` (default), ``auto``
+    thread waits on them (:mod:`stratagem.distributed.gloo_threads`): ``off`` (default), ``auto``
     (when the process may run on one CPU only) or ``on``."""
     value = (_first(GLOO_YIELD) or "off").lower()
     if value not in GLOO_YIELD_MODES:

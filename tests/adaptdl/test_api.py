@@ -106,7 +106,7 @@ def test_a_script_asking_for_nccl_gets_nccl_with_gloo_beside_it() -> None:
     run on NCCL, and Stratagem's CPU tensors (the planner's probe and trial timings) have
     gloo; other requests are kept as asked (tests/gpu runs the drop-in on a GPU)."""
     from stratagem.adaptdl.torch.job import group_backend
-    from stratagem.process_group import GPU_BACKEND, default_backend
+    from stratagem.distributed.process_group import GPU_BACKEND, default_backend
 
     assert group_backend("nccl") == group_backend("NCCL") == GPU_BACKEND
     assert GPU_BACKEND == "cpu:gloo,cuda:nccl"

@@ -160,7 +160,7 @@ def test_a_frozen_member_is_detected_and_the_survivor_leaves(tmp_path: Path) -> 
     """Issue 15 section 3: members beat in the rescale store; a member frozen mid-training
     (SIGSTOP: no socket closes, gloo would wait for the whole collective timeout) is named by
     the survivor, which leaves its collective in seconds with the peer-lost exit code."""
-    from stratagem.peer_watchdog import EXIT_CODE as PEER_LOST
+    from stratagem.distributed.peer_watchdog import EXIT_CODE as PEER_LOST
 
     port = free_port()
     store = host_store("127.0.0.1", port)

@@ -17,7 +17,7 @@ import amp_workers  # noqa: E402
 from ps_common import spawn_ps  # noqa: E402
 from test_amp import _close, _workers  # noqa: E402
 
-from stratagem.process_group import GPU_BACKEND  # noqa: E402
+from stratagem.distributed.process_group import GPU_BACKEND  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CASES = ["allreduce", "allreduce-fp16", "partitioned_ps", "parallax"]

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from stratagem.analysis import analyze
+from stratagem.distributed.process_group import GPU_BACKEND
 from stratagem.planner import choose
 from stratagem.planner.calibrate import calibrate
-from stratagem.process_group import GPU_BACKEND
 from stratagem.strategy import (
     PS,
     AllReduce,

@@ -14,13 +14,13 @@ import pytest
 import torch.distributed as dist
 from launch_helpers import job_processes, stratagem_cmd
 
-from stratagem.peer_watchdog import PeerWatchdog
+from stratagem.distributed.peer_watchdog import PeerWatchdog
 
 PG_TIMEOUT_S = 600  # without the heartbeats the survivor would block this long
 
 FROZEN = """
 import os, signal, torch
-from stratagem.process_group import init_process_group
+from stratagem.distributed.process_group import init_process_group
 import torch.distributed as dist
 init_process_group("gloo")
 dist.barrier()

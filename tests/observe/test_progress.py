@@ -63,7 +63,7 @@ def test_pipe_gets_plain_lines_without_control_characters(tmp_path: Path) -> Non
         assert lines[done - 1].startswith(f"epoch {epoch} step 3/3")
     # the same run's metrics file renders (plots from a real run, not a hand-written file)
     pytest.importorskip("matplotlib")
-    from stratagem.report_command import PLOTS, render
+    from stratagem.cli.report import PLOTS, render
 
     render(tmp_path)
     assert all((tmp_path / "report" / f"{p}.png").stat().st_size > 5000 for p in PLOTS)

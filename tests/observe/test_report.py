@@ -13,7 +13,7 @@ pytest.importorskip("matplotlib")
 import matplotlib.image as mpimg  # noqa: E402
 
 from stratagem.cli import main  # noqa: E402
-from stratagem.report_command import PLOTS, render  # noqa: E402
+from stratagem.cli.report import PLOTS, render  # noqa: E402
 
 BLUE = np.array([0x1F, 0x77, 0xB4]) / 255  # tab:blue, the left series
 ORANGE = np.array([0xFF, 0x7F, 0x0E]) / 255  # tab:orange, the right series

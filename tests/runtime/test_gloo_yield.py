@@ -1,5 +1,6 @@
 """Gloo's I/O threads yield the CPU while the main thread waits on their group
-(stratagem.gloo_threads): the policy switch itself, on real groups, and when it must stay
+(stratagem.distributed.gloo_threads):
+the policy switch itself, on real groups, and when it must stay
 off. Timing is the benchmarks' business (bench/README.md); this checks the mechanism."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import yield_workers
 from rt_common import spawn
 
-from stratagem import gloo_threads
+from stratagem.distributed import gloo_threads
 from stratagem.errors import StratagemError
 
 pytestmark = pytest.mark.timeout(120)
@@ -134,7 +135,7 @@ def test_without_the_right_to_leave_idle_it_stays_off_and_says_so(
         real(tid, policy, param)
 
     monkeypatch.setattr(os, "sched_setscheduler", unprivileged)
-    with caplog.at_level(logging.WARNING, logger="stratagem.gloo_threads"):
+    with caplog.at_level(logging.WARNING, logger="stratagem.distributed.gloo_threads"):
         assert not gloo_threads.enabled()
     assert "CAP_SYS_NICE" in caplog.text
 

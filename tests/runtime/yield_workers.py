@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from stratagem import gloo_threads
+from stratagem.distributed import gloo_threads
 from stratagem.runtime.comm import Comm
 from stratagem.runtime.ps.cluster import cluster_from_default_group
 from stratagem.runtime.stats import CommStats

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stratagem.distributed.process_group import all_gather_bytes
 from stratagem.elastic import State, current_epoch, current_job, load_state, unique_name
-from stratagem.process_group import all_gather_bytes
 
 Number = int | float
 

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from stratagem import env as sg_env
-from stratagem import process_group
 from stratagem.adaptdl import env
+from stratagem.distributed import process_group
 
 __all__ = ["allreduce", "allreduce_async", "broadcast", "initialize", "is_initialized"]
 
@@ -97,7 +97,8 @@ def join_process_group(backend: str, master_addr: str | None = None,
                        master_port: int | None = None, replica_rank: int | None = None,
                        num_replicas: int | None = None) -> None:
     """Create the default process group (no-op when one exists) through Stratagem's one
-    set-up (:mod:`stratagem.process_group`, timeout ``STRATAGEM_PG_TIMEOUT_S``). AdaptDL's
+    set-up (:mod:`stratagem.distributed.process_group`, timeout
+    ``STRATAGEM_PG_TIMEOUT_S``). AdaptDL's
     rendezvous (``tcp://master_addr:master_port``, given or from ``ADAPTDL_MASTER_ADDR``/
     ``_PORT``) when set; else one replica alone, or torch elastic's ``env://``
     (``torchrun``, ``stratagem run``). Rank and world size default to

@@ -42,9 +42,9 @@ import torch.distributed as dist
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.distributed.process_group import rank_world
 from stratagem.elastic.context import current_job
 from stratagem.errors import CheckpointError
-from stratagem.process_group import rank_world
 
 KEY = "stratagem/background-checkpoint"
 POLL_S = 0.01  # rank 0 polls (store.wait would hold the store client's lock meanwhile,

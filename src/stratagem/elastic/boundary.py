@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from stratagem import env
+from stratagem.distributed.process_group import rank_world
 from stratagem.elastic.context import JobContext, current_job
 from stratagem.elastic.rescale import rescale_point
 from stratagem.elastic.signals import EXIT_CODE, install_signal_handler
 from stratagem.elastic.state import checkpoint_root, save_all_states
-from stratagem.process_group import rank_world
 
 clock = time.monotonic  # the periodic-checkpoint clock (a module attribute: tests set it)
 

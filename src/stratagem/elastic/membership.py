@@ -14,10 +14,10 @@ re-plan the epoch for the new world. The lifecycle layer knows none of them by t
 
 from __future__ import annotations
 
+from stratagem.distributed.process_group import rank_world
 from stratagem.elastic import wire
 from stratagem.elastic.context import JobContext, MembershipChange
 from stratagem.elastic.state import export_state, import_state
-from stratagem.process_group import rank_world
 
 
 def before_change(ctx: JobContext) -> None:

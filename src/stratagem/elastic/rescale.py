@@ -50,14 +50,18 @@ import torch
 import torch.distributed as dist
 
 from stratagem import env
+from stratagem.distributed.peer_watchdog import PeerWatchdog
+from stratagem.distributed.process_group import (
+    default_backend,
+    destroy_process_group,
+    init_process_group,
+)
+from stratagem.distributed.process_group import init_single_process_group as init_alone
 from stratagem.elastic.context import JobContext, MembershipChange, current_job
 from stratagem.elastic.membership import after_change, before_change
 from stratagem.elastic.signals import EXIT_CODE, install_signal_handler, request_exit
 from stratagem.elastic.state import checkpoint_root
 from stratagem.errors import DistributedError
-from stratagem.peer_watchdog import PeerWatchdog
-from stratagem.process_group import default_backend, destroy_process_group, init_process_group
-from stratagem.process_group import init_single_process_group as init_alone
 
 ENV_STORE = env.RESCALE_STORE
 ENV_HOST = env.RESCALE_HOST

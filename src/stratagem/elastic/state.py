@@ -28,10 +28,10 @@ import torch
 
 from stratagem import checkpoint as ckpt
 from stratagem import env
+from stratagem.distributed.process_group import rank_world
 from stratagem.elastic import background_save
 from stratagem.elastic.context import NOT_CHOSEN, current_job, drop_job
 from stratagem.errors import CheckpointError
-from stratagem.process_group import rank_world
 
 ENV_CHECKPOINT_DIR = env.CHECKPOINT_DIR
 ENV_ADAPTDL_CHECKPOINT = env.ADAPTDL_CHECKPOINT_PATH

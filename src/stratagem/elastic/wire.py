@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.process_group import broadcast_bytes, comm_device
+from stratagem.distributed.process_group import broadcast_bytes, comm_device
 
 _T = "__tensor__"
 

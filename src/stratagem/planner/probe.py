@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stratagem.gloo_threads import Yielding, unclaimed_loops
+from stratagem.distributed.gloo_threads import Yielding, unclaimed_loops
 from stratagem.planner.links import GBIT_BYTES, LINK_EFFICIENCY
 from stratagem.resource import ResourceSpec
 from stratagem.runtime.plan import compile_plan

@@ -45,10 +45,10 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem import env
+from stratagem.distributed.process_group import broadcast_bytes
 from stratagem.planner.calibrate import call_model, default_loss
 from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import HYBRID, Candidate, Choice, all_reduce_only
-from stratagem.process_group import broadcast_bytes
 from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import server_devices, validate
 

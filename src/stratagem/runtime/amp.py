@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stratagem.distributed.process_group import comm_device
 from stratagem.errors import StratagemError
-from stratagem.process_group import comm_device
 
 
 class ScalerLink:

@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from stratagem.distributed.gloo_threads import Yielding, new_loops, unclaimed_loops
+from stratagem.distributed.process_group import hold
 from stratagem.errors import DistributedError, StrategyError
-from stratagem.gloo_threads import Yielding, new_loops, unclaimed_loops
-from stratagem.process_group import hold
 from stratagem.runtime.plan import Plan
 from stratagem.runtime.stats import CommStats
 
@@ -33,7 +33,7 @@ class Comm:
         hold(self)  # the handle goes at exit, before the group is destroyed
 
     def release_groups(self) -> None:
-        """Drop the group's handle (at exit: :func:`stratagem.process_group.hold`)."""
+        """Drop the group's handle (at exit: :func:`stratagem.distributed.process_group.hold`)."""
         self.group = None
 
     def _group(self) -> dist.ProcessGroup:

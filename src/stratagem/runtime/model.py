@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stratagem.distributed.process_group import comm_device
 from stratagem.errors import StratagemError, UnsupportedModelError
-from stratagem.process_group import comm_device
 from stratagem.runtime.allreduce import AllReduceReducer, LocalReducer, check_params
 from stratagem.runtime.comm import BufferSync, broadcast_coalesced, make_comms
 from stratagem.runtime.plan import Plan

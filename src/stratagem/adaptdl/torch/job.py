@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from stratagem import env as sg_env
-from stratagem import process_group
 from stratagem.adaptdl import collective, env
+from stratagem.distributed import process_group
 from stratagem.elastic.state import restore_point
 
 _autodist: Any = None
@@ -74,7 +74,7 @@ def group_backend(requested: str | None) -> str:
     ``cpu:gloo,cuda:nccl``, which runs every CUDA collective on NCCL as asked and lets
     Stratagem's own CPU tensors (the planner's calibration, link probe and trial timings
     under ``stratagem run --strategy Auto``) travel too; anything else as asked, nothing
-    asked: :func:`stratagem.process_group.default_backend`."""
+    asked: :func:`stratagem.distributed.process_group.default_backend`."""
     if requested is None:
         return process_group.default_backend()
     if requested.strip().lower() == "nccl":

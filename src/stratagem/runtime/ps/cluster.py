@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from stratagem import env
+from stratagem.distributed.gloo_threads import Yielding, new_loops
+from stratagem.distributed.process_group import init_process_group, watch_world
 from stratagem.errors import DistributedError
-from stratagem.gloo_threads import Yielding, new_loops
-from stratagem.process_group import init_process_group, watch_world
 
 ENV_ROLE = env.ROLE
 ENV_NODE_ADDRESS = env.NODE_ADDRESS

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from _ray_service import FAKE_GPU, JOB_SCRIPT
 
-from stratagem.sched.service import store as st
-from stratagem.sched.service.jobfile import parse_job
-from stratagem.sched.service.ray_backend import RayBackend, store_name
-from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions, job_dirs, job_env
+from stratagem.service import store as st
+from stratagem.service.jobfile import parse_job
+from stratagem.service.ray_backend import RayBackend, store_name
+from stratagem.service.scheduler import Scheduler, SchedulerOptions, job_dirs, job_env
 
 pytestmark = pytest.mark.slow
 OPTS = SchedulerOptions(policy="pollux", interval=0.5, restart_delay=1.0, backoff=0.5,
@@ -140,7 +140,7 @@ def test_a_crashing_job_is_backed_off_then_failed_while_another_finishes(ray_clu
 
 
 def test_the_autoscaler_request_reaches_ray(ray_cluster):
-    from stratagem.sched.service.autoscale import request_nodes
+    from stratagem.service.autoscale import request_nodes
 
     # a live cluster accepts the request (locally no autoscaler acts on it); 0 withdraws it
     assert len(request_nodes(2, {"CPU": 1.0})) == 2

@@ -12,9 +12,9 @@ from _ray_service import JOB_SCRIPT
 
 from stratagem.cli import main
 from stratagem.errors import StratagemError
-from stratagem.sched.service import store as st
-from stratagem.sched.service.api import SERVICE_FILE, ControlServer, ServiceClient
-from stratagem.sched.service.jobfile import load_job_file, parse_job
+from stratagem.service import store as st
+from stratagem.service.api import SERVICE_FILE, ControlServer, ServiceClient
+from stratagem.service.jobfile import load_job_file, parse_job
 
 
 def write(tmp: Path, text: str) -> Path:

@@ -133,7 +133,7 @@ def _finish(lines: list[str], report: dict[str, Any], built: Any, profile: Any, 
         built.save(out)
         lines.append(f"strategy saved to {out} (edit it and pass it back with --strategy)")
     if picture:
-        from stratagem.plan_picture import save_picture
+        from stratagem.cli.plan_picture import save_picture
 
         saved = save_picture(built, profile, picture, title)
         lines.append(f"picture saved to {saved}")

@@ -2,5 +2,5 @@
 
 from pathlib import Path
 
-JOB_SCRIPT = Path(__file__).resolve().parents[3] / "examples" / "cluster" / "classify.py"
+JOB_SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "cluster" / "classify.py"
 FAKE_GPU = "fake_gpu"

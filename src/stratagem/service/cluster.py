@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from stratagem.errors import StratagemError
-from stratagem.sched.service.api import SERVICE_FILE, ServiceClient
+from stratagem.service.api import SERVICE_FILE, ServiceClient
 
 CLUSTER_FILE = "cluster.json"
 
@@ -92,7 +92,7 @@ def up(directory: str | Path, address: str | None = None, num_cpus: int | None =
         record.update(address=f"127.0.0.1:{port}", ray_pid=ray_proc.pid)
         (d / CLUSTER_FILE).write_text(json.dumps(record))
         _wait_for_head(ray_proc, d, timeout)
-    sched = [sys.executable, "-m", "stratagem.sched.service.daemon", "--dir", str(d),
+    sched = [sys.executable, "-m", "stratagem.service.daemon", "--dir", str(d),
              "--address", record["address"], "--host", host, "--policy", policy,
              "--interval", str(interval), "--gpu-resource", gpu_resource]
     if node_cost is not None:

@@ -3,8 +3,8 @@
 AutoDist (under ``stratagem run``/``torchrun``), AdaptDL's ``init_process_group``, the
 in-process rescale and the parameter-server start-up all join a default group here, with
 one timeout (:func:`stratagem.env.pg_timeout`), peer heartbeats under torch elastic
-(:mod:`stratagem.peer_watchdog`: a frozen or unreachable peer ends the job in seconds, not at
-the timeout) and one exit rule: a group created here is
+(:mod:`stratagem.distributed.peer_watchdog`: a frozen or unreachable peer ends the job in
+seconds, not at the timeout) and one exit rule: a group created here is
 destroyed before the interpreter tears down (left to interpreter exit, gloo's threads can
 be destroyed while joinable, which aborts the process with "terminate called without an
 active exception" after a successful run). Destroying it drops torch's own reference only;
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem import env
-from stratagem.peer_watchdog import PeerWatchdog, start_for_world
+from stratagem.distributed.peer_watchdog import PeerWatchdog, start_for_world
 
 _watchdogs: list[PeerWatchdog] = []  # the default group's, when it has one
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from _ray_service import FAKE_GPU, JOB_SCRIPT
 
-from stratagem.sched.service import store as st
+from stratagem.service import store as st
 
 DRIVER = Path(__file__).with_name("_autoscale_driver.py")
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from _ray_service import JOB_SCRIPT
 
-from stratagem.sched.service import store as st
-from stratagem.sched.service.jobfile import parse_job
-from stratagem.sched.service.ray_backend import LOST, Launched
-from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
+from stratagem.service import store as st
+from stratagem.service.jobfile import parse_job
+from stratagem.service.ray_backend import LOST, Launched
+from stratagem.service.scheduler import Scheduler, SchedulerOptions
 
 
 class FakeBackend:

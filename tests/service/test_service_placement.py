@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 from _ray_service import FAKE_GPU
 
-from stratagem.sched.service import store as st
-from stratagem.sched.service.jobfile import parse_job
-from stratagem.sched.service.ray_backend import Launched, NodeInfo, choose_nodes
-from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
+from stratagem.service import store as st
+from stratagem.service.jobfile import parse_job
+from stratagem.service.ray_backend import Launched, NodeInfo, choose_nodes
+from stratagem.service.scheduler import Scheduler, SchedulerOptions
 
 GPU = {FAKE_GPU: 1.0}
 

@@ -12,11 +12,11 @@ import time
 
 import ray
 
-from stratagem.sched.service import store as st
-from stratagem.sched.service.autoscale import AutoscaleOptions, request_nodes
-from stratagem.sched.service.jobfile import parse_job
-from stratagem.sched.service.ray_backend import Launched
-from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
+from stratagem.service import store as st
+from stratagem.service.autoscale import AutoscaleOptions, request_nodes
+from stratagem.service.jobfile import parse_job
+from stratagem.service.ray_backend import Launched
+from stratagem.service.scheduler import Scheduler, SchedulerOptions
 
 
 def gpu_nodes(gpu: str) -> list[dict]:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from stratagem import env as sg_env
 from stratagem.errors import StratagemError
-from stratagem.sched.service.jobfile import JobSpec
+from stratagem.service.jobfile import JobSpec
 
 NAMESPACE = "stratagem"
 LOST = -1000  # exit status reported for a replica whose actor or node is gone

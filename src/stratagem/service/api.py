@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.errors import StratagemError
-from stratagem.sched.service import store as st
-from stratagem.sched.service.jobfile import JobSpec, load_job_file, parse_job
-from stratagem.sched.service.scheduler import job_dirs, status_table
+from stratagem.service import store as st
+from stratagem.service.jobfile import JobSpec, load_job_file, parse_job
+from stratagem.service.scheduler import job_dirs, status_table
 
 MAX_BODY = 1 << 20
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from stratagem.errors import StratagemError
-from stratagem.sched.service.jobfile import JobSpec, spec_from_dict
+from stratagem.service.jobfile import JobSpec, spec_from_dict
 
 # Job states. ``pending``: waiting for replicas; ``running``; ``backoff``: crashed, retried
 # at ``retry_at``; ``stopping``: deletion requested; final: succeeded, failed, deleted.

@@ -13,7 +13,7 @@ import pytest
 from _ray_service import JOB_SCRIPT
 
 from stratagem.cli import main
-from stratagem.sched.service.api import ServiceClient
+from stratagem.service.api import ServiceClient
 
 pytestmark = pytest.mark.slow
 

@@ -36,13 +36,13 @@ from typing import Any
 from stratagem import env as sg_env
 from stratagem.errors import StratagemError
 from stratagem.sched.policy import ClusterSpec, JobView, make_policy
-from stratagem.sched.service import store as st
-from stratagem.sched.service.autoscale import AutoscaleOptions, request_nodes, target_nodes
-from stratagem.sched.service.hints_reader import read_hints
-from stratagem.sched.service.jobfile import JobSpec
-from stratagem.sched.service.ray_backend import LOST, Launched
+from stratagem.service import store as st
+from stratagem.service.autoscale import AutoscaleOptions, request_nodes, target_nodes
+from stratagem.service.hints_reader import read_hints
+from stratagem.service.jobfile import JobSpec
+from stratagem.service.ray_backend import LOST, Launched
 
-log = logging.getLogger("stratagem.sched.service")
+log = logging.getLogger("stratagem.service")
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Scheduler:
 
     def __init__(self, directory: str | Path, options: SchedulerOptions = SchedulerOptions(),
                  backend: Any = None) -> None:
-        from stratagem.sched.service.ray_backend import RayBackend
+        from stratagem.service.ray_backend import RayBackend
 
         self.directory = Path(directory)
         self.options = options

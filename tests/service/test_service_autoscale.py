@@ -5,7 +5,7 @@ from __future__ import annotations
 from stratagem.adapt import GoodputFunction, ThroughputParams
 from stratagem.adapt.noise_scale import GNSEstimate
 from stratagem.sched.policy import JobView
-from stratagem.sched.service.autoscale import (
+from stratagem.service.autoscale import (
     AutoscaleOptions,
     request_nodes,
     target_nodes,

@@ -1,6 +1,6 @@
 """The scheduler process: connect to Ray, serve the control plane, step until SIGTERM.
 
-``python -m stratagem.sched.service.daemon --dir DIR --address HOST:PORT [...]``; started by
+``python -m stratagem.service.daemon --dir DIR --address HOST:PORT [...]``; started by
 ``stratagem cluster up``. Stopping it leaves the jobs running (their workers are detached
 Ray actors); the next daemon on the same directory takes them over.
 """
@@ -13,8 +13,8 @@ import signal
 import threading
 from pathlib import Path
 
-from stratagem.sched.service.autoscale import AutoscaleOptions
-from stratagem.sched.service.scheduler import Scheduler, SchedulerOptions
+from stratagem.service.autoscale import AutoscaleOptions
+from stratagem.service.scheduler import Scheduler, SchedulerOptions
 
 
 def cluster_status(ray, gpu_resource: str) -> dict:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     import ray
 
-    from stratagem.sched.service.api import ControlServer
+    from stratagem.service.api import ControlServer
 
     ray.init(address=a.address, namespace="stratagem", log_to_driver=False)
     scale = (AutoscaleOptions(node_cost=a.node_cost, max_nodes=a.max_nodes,

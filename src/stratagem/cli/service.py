@@ -29,7 +29,7 @@ def _dir_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace):
-    from stratagem.sched.service.api import ServiceClient
+    from stratagem.service.api import ServiceClient
 
     return ServiceClient(args.dir or default_dir())
 
@@ -45,7 +45,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from stratagem.sched.service.store import FINAL
+    from stratagem.service.store import FINAL
 
     client, offset, after = _client(args), 0, 0
     while True:
@@ -68,7 +68,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from stratagem.sched.service import cluster
+    from stratagem.service import cluster
 
     d = args.dir or default_dir()
     if args.action == "up":

@@ -142,7 +142,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from stratagem.plan_command import explain, explain_script
+    from stratagem.cli.plan import explain, explain_script
 
     if (args.script is None) == (args.model is None):
         args.parser.error("give a training script or --model MODULE:CALLABLE (one of them)")
@@ -170,15 +170,15 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from stratagem.report_command import render
+    from stratagem.cli.report import render
 
     print(render(args.run_dir, args.out))
     return 0
 
 
-# -- simulate (parser and handler in stratagem.sched.cli) -----------------------------------
-from stratagem.sched.cli import add_simulate_parser  # noqa: E402 - light: imports on use
-from stratagem.sched.service.cli import add_service_parsers  # noqa: E402 - ditto
+# -- simulate (parser and handler in stratagem.cli.simulate) -----------------------------------
+from stratagem.cli.service import add_service_parsers  # noqa: E402 - ditto
+from stratagem.cli.simulate import add_simulate_parser  # noqa: E402 - light: imports on use
 
 # -- dispatcher -----------------------------------------------------------------------------
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_run_parser,
