@@ -245,3 +245,16 @@ def test_environment_variables_are_named_only_in_env_py() -> None:
     elsewhere = [f"{mod.path.relative_to(SRC)}:{n}" for name, mod in MODULES.items()
                  if name != "stratagem.env" for n in mod.env_names]
     assert elsewhere == []
+
+
+def test_every_module_sits_in_a_layer_and_the_root_holds_only_the_base() -> None:
+    """The layout shows the layers: a loose module in the package root must be one of the
+    few that every layer shares or the entry points; commands live in ``cli/``, process-group
+    plumbing in ``distributed/``, the cluster service in ``service/``."""
+    root = sorted(p.stem for p in (SRC / "stratagem").glob("*.py"))
+    assert root == ["__init__", "__main__", "autodist", "checkpoint", "data", "env", "errors",
+                    "resource", "safeload"], root
+    packages = {p.parent.name for p in (SRC / "stratagem").glob("*/__init__.py")}
+    assert {"cli", "distributed", "service", "sched"} <= packages
+    assert layer_of("stratagem.service") > layer_of("stratagem.sched")
+    assert layer_of("stratagem.cli.plan") == len(LAYERS) - 1
