@@ -167,7 +167,7 @@ def test_a_reader_that_leaves_early_is_not_a_traceback() -> None:
     import subprocess
     import sys
 
-    code = ("import argparse, sys\nfrom stratagem import cli\n"
+    code = ("import argparse, sys\nfrom stratagem.cli import app as cli\n"
             "def spam(args):\n    for i in range(1_000_000):\n        print('line', i)\n"
             "    return 0\n"
             "parser = argparse.ArgumentParser()\nparser.set_defaults(handler=spam)\n"
