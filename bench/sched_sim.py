@@ -7,8 +7,8 @@ a fresh policy, no cache; warm: the next decision from that allocation). CPU onl
 
     nice -n 10 python bench/sched_sim.py [--data DIR] [--workloads 1,2] [--policies all]
 
-Data: ``--data``, else ``$STRATAGEM_POLLUX_DATA``, else ``../shared/data/pollux`` beside the
-repository. Results: bench/results/sched_sim.json and bench/results/sched_sim/*.png.
+Data: ``--data``, else ``$STRATAGEM_POLLUX_DATA``, else the copy bundled with the package.
+Results: bench/results/sched_sim.json and bench/results/sched_sim/*.png.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from stratagem.sched.policy import POLICIES, PolluxPolicy, make_policy
+from stratagem.sched.simulator.bundled import POLLUX_DIR
 from stratagem.sched.simulator.engine import SimOptions, simulate
 from stratagem.sched.simulator.job import SimJob
 from stratagem.sched.simulator.profile import load_profiles
@@ -36,8 +37,7 @@ PUBLISHED = {"pollux": 2751.0, "tiresias": 4038.0, "optimus": 5682.0}
 
 
 def data_dir(arg: str | None) -> Path:
-    path = Path(arg or os.environ.get("STRATAGEM_POLLUX_DATA")
-                or ROOT.parent / "shared" / "data" / "pollux")
+    path = Path(arg or os.environ.get("STRATAGEM_POLLUX_DATA") or POLLUX_DIR)
     if not (path / "profiles").is_dir():
         sys.exit(f"Pollux data set not found at {path}: pass --data DIR")
     return path

@@ -23,7 +23,8 @@ def cluster_fixture(nodes: int, *, tag: str, subnet: str, bandwidth: str | None 
     The namespaces are named ``<tag><pid>-<i>``. Give every test module its own ``tag`` and
     ``subnet``, so that modules run at once (and other sessions) do not collide; taken:
     10.77 (the tool's default), 10.79 (tests/tools), 10.81 (launch), 10.82 (runtime PS),
-    10.83 (end to end), 10.84 (PS pacing), 10.91 and 10.94 (launch --nnodes);
+    10.83 (end to end), 10.84 (PS pacing), 10.91 and 10.94 (launch --nnodes), 10.95 (launch
+    over a real sshd);
     bench/auto_strategy.py uses 10.86 (prefix sgauto), bench/chaos_elastic.py 10.93,
     bench/wait_latency.py 10.87 (prefix sgwait).
     """

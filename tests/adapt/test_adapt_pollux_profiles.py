@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 
 from stratagem.adapt import ProfileRecord, fit_throughput, predict_step_time
+from stratagem.sched.simulator.bundled import POLLUX_DIR
 
-# The data set beside the repository (as CI checks it out), or $STRATAGEM_POLLUX_DATA.
-ROOT = Path(os.environ.get("STRATAGEM_POLLUX_DATA")
-            or Path(__file__).resolve().parents[3] / "shared" / "data" / "pollux") / "profiles"
+# The data set bundled with the package, or another copy at $STRATAGEM_POLLUX_DATA.
+ROOT = Path(os.environ.get("STRATAGEM_POLLUX_DATA") or POLLUX_DIR) / "profiles"
 APPS = ["bert", "cifar10", "deepspeech2", "imagenet", "ncf", "yolov3"]
 
-pytestmark = pytest.mark.skipif(not ROOT.is_dir(), reason="Pollux profiles not available")
 
 
 def _load(app: str, placements: bool = True) -> list[ProfileRecord]:

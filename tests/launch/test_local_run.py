@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,41 @@ def test_crashing_worker_ends_job_fast(script: Script, tmp_path: Path,
            "RuntimeError: boom from rank 1" in err
     assert 'raise RuntimeError("boom from rank 1")' in err
     assert _no_leftovers(job) == []
+
+
+def test_a_failure_prints_one_summary_without_torch_elastic_log_lines(
+        script: Script, capsys: pytest.CaptureFixture[str]) -> None:
+    job = _job_id()  # rank 1 raises; torch elastic then stops rank 0 (SIGTERM, logged)
+    code = cli.main(["run", "--nproc", "2", "--job-id", job, str(script("crash.py", CRASH))])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert err.count("stratagem: first failure:") == 1
+    leaked = [line for line in (out + err).splitlines()
+              if re.match(r"(\[node \d+\] )?[DIWE]\d{4} ", line)
+              or "closing signal" in line or "forcefully exiting" in line
+              or "(exitcode: " in line or "torch.distributed" in line]
+    assert leaked == []
+    assert _no_leftovers(job) == []
+
+
+def test_torch_elastic_records_go_to_stratagem_at_debug(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from stratagem.launch.agent import TORCH_PCONTEXT_LOGGER, route_torch_elastic_logs
+
+    route_torch_elastic_logs()
+    route_torch_elastic_logs()  # idempotent: one line per record
+    torch_log = logging.getLogger(TORCH_PCONTEXT_LOGGER)
+    monkeypatch.setenv("STRATAGEM_LOG_LEVEL", "INFO")
+    torch_log.warning("Sending process %s closing signal %s", 4242, "SIGTERM")
+    out, err = capsys.readouterr()
+    assert "4242" not in out + err
+    monkeypatch.setenv("STRATAGEM_LOG_LEVEL", "DEBUG")  # stratagem run -v
+    torch_log.warning("Sending process %s closing signal %s", 4243, "SIGTERM")
+    out, err = capsys.readouterr()
+    assert out == "stratagem: torch elastic: Sending process 4243 closing signal SIGTERM\n"
+    assert err == ""
 
 
 def test_killed_worker_is_blamed_not_its_peer_nor_forged_records(

@@ -1,7 +1,8 @@
 """Helpers of the scheduler tests: where the Pollux data set is, and a tiny hand-made profile.
 
-The data set (six application profiles, eight workloads) lives at ``../shared/data/pollux``
-beside the repository (as CI checks it out) or at ``$STRATAGEM_POLLUX_DATA``.
+The data set (six application profiles, eight workloads) ships with the package
+(:mod:`stratagem.sched.simulator.bundled`); ``$STRATAGEM_POLLUX_DATA`` points the tests at
+another copy in the same layout.
 """
 
 from __future__ import annotations
@@ -10,15 +11,15 @@ import json
 import os
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
 ENV_DATA = "STRATAGEM_POLLUX_DATA"
 
 
-def pollux_data_dir() -> Path | None:
-    """The data set directory, or None."""
+def pollux_data_dir() -> Path:
+    """The data set directory: ``$STRATAGEM_POLLUX_DATA``, else the bundled copy."""
+    from stratagem.sched.simulator.bundled import POLLUX_DIR
+
     value = os.environ.get(ENV_DATA)
-    path = Path(value) if value else REPO.parent / "shared" / "data" / "pollux"
-    return path if (path / "profiles").is_dir() else None
+    return Path(value) if value else POLLUX_DIR
 
 
 def write_toy_profile(directory: Path, epochs: int) -> Path:

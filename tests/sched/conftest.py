@@ -1,20 +1,18 @@
-"""Fixtures for the scheduler tests: the Pollux data set (skipped, with the reason, where it
-is absent) and the tiny hand-made profiles of :mod:`_sched_data`."""
+"""Fixtures for the scheduler tests: the Pollux data set (bundled with the package) and the
+tiny hand-made profiles of :mod:`_sched_data`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from _sched_data import ENV_DATA, REPO, pollux_data_dir, write_toy_profile
+from _sched_data import ENV_DATA, pollux_data_dir, write_toy_profile
 
 
 @pytest.fixture(scope="session")
 def pollux_data() -> Path:
     path = pollux_data_dir()
-    if path is None:
-        pytest.skip(f"Pollux data set not found at {REPO.parent / 'shared/data/pollux'} "
-                    f"(set ${ENV_DATA} to its directory)")
+    assert (path / "profiles").is_dir(), f"no Pollux profiles under {path} (${ENV_DATA})"
     return path
 
 

@@ -60,3 +60,22 @@ def test_simulate_errors_are_one_readable_message(setup, capsys):
     assert "workload not found" in capsys.readouterr().err
     assert main(args[:2] + ["--profiles", str(setup / "w")]) == 2
     assert "no profile for application" in capsys.readouterr().err
+
+
+def test_simulate_runs_out_of_the_box_on_a_bundled_workload(capsys):
+    # no --profiles, a workload by name: the Pollux data shipped with the package
+    code = main(["simulate", "--workload", "pollux:workload-1", "--policy", "fifo", "--quiet"])
+    text = capsys.readouterr()
+    assert code == 0, text.err
+    row = next(line for line in text.out.splitlines() if line.startswith("workload-1 "))
+    assert "fifo" in row and "160/160" in row.replace(" ", "")
+
+
+def test_a_bundled_workload_name_is_checked(capsys):
+    assert main(["simulate", "--workload", "pollux:workload-9"]) == 2
+    err = capsys.readouterr().err
+    assert "no bundled workload 'workload-9'" in err and "pollux:workload-8" in err
+    assert main(["simulate", "--workload", "pollux:../x"]) == 2
+    assert "no bundled workload" in capsys.readouterr().err
+    assert main(["simulate"]) == 2
+    assert "give one workload" in capsys.readouterr().err

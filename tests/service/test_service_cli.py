@@ -95,6 +95,37 @@ def test_submit_ls_delete_through_the_api(service, tmp_path):
     assert st.Store(tmp_path).job("a").state == st.STOPPING
 
 
+def test_a_finished_name_is_refused_unless_replaced_and_logs_show_one_run(service, tmp_path,
+                                                                         capsys):
+    d = ["--dir", str(tmp_path)]
+    job = str(write(tmp_path, GOOD))
+    assert main(["submit", job, *d]) == 0
+    store = st.Store(tmp_path)
+    store.update("a", "succeeded", state=st.SUCCEEDED)  # the first run ends
+    logs = tmp_path / "jobs" / "a" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "rank-0.log").write_text("output of the first run\n")
+    (tmp_path / "jobs" / "a" / "ckpt").mkdir()
+    capsys.readouterr()
+    assert main(["submit", job, *d]) == 2  # silently mixing two runs under one name: no
+    err = capsys.readouterr().err
+    assert "a job named 'a' already ran (succeeded)" in err and "--replace" in err
+    assert store.job("a").state == st.SUCCEEDED
+    assert main(["logs", "a", *d]) == 0  # the first run is still there, whole
+    assert "output of the first run" in capsys.readouterr().out
+    assert main(["submit", "--replace", job, *d]) == 0
+    assert capsys.readouterr().out == "submitted a\n"
+    assert store.job("a").state == st.PENDING
+    assert main(["logs", "a", *d]) == 0
+    out = capsys.readouterr().out
+    assert "first run" not in out and "succeeded" not in out
+    assert out.count("submitted") == 1
+    assert not (tmp_path / "jobs" / "a").exists()  # its logs and checkpoints went with it
+    assert [p.name for p in (tmp_path / "jobs").iterdir()] == []
+    with pytest.raises(StratagemError, match="already pending"):  # --replace: finished only
+        ServiceClient(tmp_path).submit(job, replace=True)
+
+
 def test_cli_error_paths(service, tmp_path, capsys):
     d = ["--dir", str(tmp_path)]
     assert main(["submit", str(write(tmp_path, "name: a\nscript: nope.py\n")), *d]) == 2

@@ -34,11 +34,16 @@ def test_cluster_up_submit_ls_logs_down(tmp_path, capsys):
     assert main(["cluster", "up", "--num-cpus", "2", "--gpus", "1", "--gpu-resource",
                  "fake_gpu", "--interval", "0.5", *d]) == 0
     record = json.loads((tmp_path / "c" / "cluster.json").read_text())
+    up_line = capsys.readouterr().out
     try:
         assert main(["cluster", "up", *d]) == 2
         assert "already up" in capsys.readouterr().err
         assert main(["cluster", "status", *d]) == 0
         out = capsys.readouterr().out
+        # one Ray address, the one Ray itself reports, in up's line, status and the record
+        address = out.split("Ray at ", 1)[1].split(";", 1)[0]
+        assert up_line.startswith(f"cluster up: Ray at {address}, "), (up_line, out)
+        assert record["address"] == address
         assert "fake_gpu=1" in out and all(len(line) <= 80 for line in out.splitlines())
         job = tmp_path / "job.yaml"
         job.write_text(f"name: one\nscript: {JOB_SCRIPT}\nargs: [--epochs, '1']\n"

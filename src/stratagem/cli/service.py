@@ -35,7 +35,7 @@ def _client(args: argparse.Namespace):
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    print(f"submitted {_client(args).submit(args.job_file)}")
+    print(f"submitted {_client(args).submit(args.job_file, replace=args.replace)}")
     return 0
 
 
@@ -99,6 +99,9 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     """Register submit, ls, logs, delete and cluster."""
     p = sub.add_parser("submit", help="submit a job file to the cluster service")
     p.add_argument("job_file", help="YAML job file (docs/reference/cluster-service.md)")
+    p.add_argument("--replace", action="store_true",
+                   help="the name already ran: remove that run (events, logs, checkpoints "
+                        "the service keeps) and start anew")
     _dir_arg(p)
     p.set_defaults(handler=cmd_submit)
     p = sub.add_parser("ls", help="list the cluster's jobs: state, replicas, batch, goodput")

@@ -19,10 +19,16 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                     "on a simulated GPU cluster under one or more scheduling policies, "
                     "against application profiles (Pollux format, or a Stratagem job's "
                     "hints.json). Writes per-job CSV/JSON, plots and a summary table.")
-    p.add_argument("workload", metavar="WORKLOAD.csv|DIR",
-                   help="a workload CSV, or a directory of them")
-    p.add_argument("--profiles", required=True, metavar="DIR",
-                   help="one subdirectory per application named in the workload")
+    p.add_argument("workload", nargs="?", metavar="WORKLOAD.csv|DIR",
+                   help="a workload CSV, a directory of them, or pollux:NAME (a bundled one)")
+    p.add_argument("--workload", dest="workload_option", metavar="WORKLOAD",
+                   help="the same as the positional WORKLOAD, e.g. pollux:workload-1 (the "
+                        "bundled Pollux workloads: pollux:workload-1 ... pollux:workload-8, "
+                        "or pollux: for all eight)")
+    p.add_argument("--profiles", metavar="DIR",
+                   help="one subdirectory per application named in the workload (default: "
+                        "the bundled Pollux profiles: bert, cifar10, deepspeech2, imagenet, "
+                        "ncf, yolov3)")
     p.add_argument("--policy", default="pollux", metavar="NAME[,NAME...]",
                    help="pollux, tiresias, optimus, fifo, a comma-separated list, or all "
                         "(default: pollux)")
@@ -84,8 +90,19 @@ class ProgressBar:
             self.stream.flush()
 
 
+def _workload_arg(args: argparse.Namespace) -> str:
+    given = [w for w in (args.workload, args.workload_option) if w]
+    if len(given) != 1:
+        raise StratagemError("give one workload" if not given else "two workloads given",
+                             where="stratagem simulate",
+                             fix="a workload CSV or directory, or --workload pollux:workload-1 "
+                                 "(a bundled one)")
+    return given[0]
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from stratagem.sched.policy import make_policy
+    from stratagem.sched.simulator.bundled import pollux_profiles, resolve_workload
     from stratagem.sched.simulator.engine import SimOptions, simulate
     from stratagem.sched.simulator.profile import load_profiles
     from stratagem.sched.simulator.report import (
@@ -108,9 +125,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                          seed=args.seed, step_noise=args.step_noise,
                          share_distributed=args.share_distributed,
                          explore_cap=args.explore_cap)
-    workloads = [(f.stem, load_workload(f)) for f in workload_files(args.workload)]
+    source = resolve_workload(_workload_arg(args))
+    workloads = [(f.stem, load_workload(f)) for f in workload_files(source)]
     apps = {s.application for _, specs in workloads for s in specs}
-    profiles = load_profiles(args.profiles, apps)
+    profiles = load_profiles(args.profiles or pollux_profiles(), apps)
     out = Path(args.out) if args.out else None
     summaries = []
     for wname, specs in workloads:

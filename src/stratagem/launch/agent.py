@@ -10,7 +10,9 @@ torchrun itself, run in-process, plus:
    the ssh connection, went away); torchrun then stops its workers;
 4. as a child subreaper, kills whatever torchrun leaves behind (torch elastic starts each
    worker in its own session, so a worker that outlives its shutdown would be orphaned);
-5. on failure, prints each worker error file as one ``FAILURE_MARKER`` line on stderr for
+5. torch elastic's own log lines go to Stratagem's logger at DEBUG (shown with
+   ``stratagem run -v``), so a failure reads as the launcher's one summary;
+6. on failure, prints each worker error file as one ``FAILURE_MARKER`` line on stderr for
    the launcher's summary (the launcher may not share a file system with this node). With
    ``--failure-key-stdin`` the first line of stdin is a secret key from the launcher, read
    before any worker starts and put on every record line: workers never see it (it is in
@@ -48,6 +50,9 @@ from stratagem.launch.env import ENV_JOB_ID, apply_node_env
 FAILURE_MARKER = "@@stratagem-failure@@ "
 KEY_MAX_BYTES = 256
 TORCH_PCONTEXT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+# torch elastic's loggers (each module's, below these) and torchrun's own
+TORCH_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run",
+                         "torch.distributed.launcher")
 GRACE_S = 4.0  # after a stop request, before the agent kills the workers itself
 SHUTDOWN_TIMEOUT_S = "3"  # torch elastic: SIGTERM -> SIGKILL for workers (default 30)
 PR_SET_CHILD_SUBREAPER = 36
@@ -152,6 +157,38 @@ class StoppedPids(logging.Handler):
             logger.setLevel(logging.WARNING)  # the messages above are warnings
         logger.addHandler(self)
         return self
+
+
+class ToStratagemDebug(logging.Handler):
+    """Re-emits torch elastic's log records on Stratagem's logger at DEBUG.
+
+    torch elastic logs every step of a failure in its own format (each signal it sends,
+    the escalation to SIGKILL, each failed worker's exit code); the launcher prints one
+    summary per failure instead, so these lines are kept for ``stratagem run -v``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from stratagem.observe import logger
+
+            log = logger()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("torch elastic: %s", record.getMessage())
+        except Exception:  # noqa: BLE001 - logging must never break the agent
+            self.handleError(record)
+
+
+def route_torch_elastic_logs() -> None:
+    """Send torch elastic's and torchrun's loggers to :class:`ToStratagemDebug` instead of
+    torch's console handler (records still reach handlers on the loggers themselves, such
+    as :class:`StoppedPids`). Idempotent."""
+    for name in TORCH_ELASTIC_LOGGERS:
+        log = logging.getLogger(name)
+        log.propagate = False
+        if not any(isinstance(h, ToStratagemDebug) for h in log.handlers):
+            log.addHandler(ToStratagemDebug())
 
 
 def untraced_failures(exc: Any, stopped: Collection[int] = ()) -> list[dict[str, Any]]:
@@ -279,6 +316,7 @@ def _run_torchrun(args: list[str], untraced: list[dict[str, Any]], summary: bool
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    route_torch_elastic_logs()
     stopped = StoppedPids().install()
     bound_failure_shutdown(_shutdown_timeout())
     tolerate_torn_error_files()

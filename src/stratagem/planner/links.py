@@ -9,7 +9,7 @@ most loaded link. Flows inside a node (two workers on one machine) go through me
 of their rate to incast (TCP losses in a shallow queue), ``incast_penalty`` per extra
 sender.
 
-Constants (see docs/concepts/auto-strategy.md for where each comes from):
+Constants (see docs/concepts/auto-strategy-history.md for where each comes from):
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ service's token (``Authorization: Bearer ...``), which it writes with its addres
 ``<cluster dir>/service.json`` (mode 0600). Binding to any other address without an explicit
 token is refused. Bodies are JSON (at most 1 MiB); job files are checked again on the server.
 
-Routes: ``GET /jobs`` (rows and the ``ls`` table), ``POST /jobs`` (``{"job": mapping}``),
+Routes: ``GET /jobs`` (rows and the ``ls`` table), ``POST /jobs`` (``{"job": mapping,
+"replace": bool}``: a name that already ran is refused unless ``replace``),
 ``DELETE /jobs/NAME``, ``GET /jobs/NAME/logs?rank=R&offset=N&after=E``, ``GET /status``,
 ``POST /nodes/NODE_ID/drain`` (a preemption notice: the jobs there checkpoint and move).
 """
@@ -16,6 +17,7 @@ import hmac
 import json
 import os
 import secrets
+import shutil
 import threading
 import urllib.error
 import urllib.parse
@@ -117,6 +119,31 @@ class ControlServer(ThreadingHTTPServer):
         self.server_close()
         (self.directory / SERVICE_FILE).unlink(missing_ok=True)
 
+    def _submit(self, spec: JobSpec, replace: bool) -> str | None:
+        """Queue ``spec``; with ``replace``, a finished run of the same name is removed first:
+        its rows, and the directory the service keeps for it (``jobs/NAME``: logs, and
+        checkpoints unless the job file named its own ``checkpoint_dir``). The directory is
+        moved aside before the new run is queued, so the new run never writes into it."""
+        base = job_dirs(self.directory, spec)[1].parent
+        aside = None
+        if replace and base.is_dir():
+            try:
+                state = self.store.job(spec.name).state
+            except StratagemError:
+                state = None
+            if state in st.FINAL:
+                aside = base.with_name(f".{base.name}.replaced-{secrets.token_hex(4)}")
+                base.rename(aside)
+        try:
+            replaced = self.store.add_job(spec, replace=replace)
+        except BaseException:
+            if aside is not None and not base.exists():
+                aside.rename(base)
+            raise
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        return replaced
+
     def handle(self, method: str, parts: list[str], query: dict[str, str],
                body: Any) -> dict[str, Any]:
         if parts == ["jobs"] and method == "GET":
@@ -125,8 +152,8 @@ class ControlServer(ThreadingHTTPServer):
                     "table": status_table(rows, allocs, self.directory)}
         if parts == ["jobs"] and method == "POST":
             spec = parse_job(body["job"], where="submitted job")
-            self.store.add_job(spec)
-            return {"name": spec.name, "state": st.PENDING}
+            replaced = self._submit(spec, bool(body.get("replace", False)))
+            return {"name": spec.name, "state": st.PENDING, "replaced": replaced}
         if len(parts) == 2 and parts[0] == "jobs" and method == "DELETE":
             return {"name": parts[1], "was": self.store.request_delete(parts[1])}
         if len(parts) == 3 and parts[0] == "jobs" and parts[2] == "logs" and method == "GET":
@@ -182,9 +209,11 @@ class ServiceClient:
                                  fix="'stratagem cluster status'; 'stratagem cluster up' "
                                  "if it is down") from None
 
-    def submit(self, job: str | Path | JobSpec) -> str:
+    def submit(self, job: str | Path | JobSpec, replace: bool = False) -> str:
+        """Queue a job; its name. A name that already ran is refused unless ``replace``
+        (which removes that run's events, logs and service-kept checkpoints)."""
         spec = job if isinstance(job, JobSpec) else load_job_file(job)
-        return self._call("POST", "/jobs", {"job": spec.to_dict()})["name"]
+        return self._call("POST", "/jobs", {"job": spec.to_dict(), "replace": replace})["name"]
 
     def jobs(self) -> list[dict[str, Any]]:
         return self._call("GET", "/jobs")["jobs"]

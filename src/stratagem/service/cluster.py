@@ -111,7 +111,20 @@ def up(directory: str | Path, address: str | None = None, num_cpus: int | None =
                                  "scheduler.log"), where=str(d), fix="check the Ray "
                                  "address; see scheduler.log and ray.log there")
         time.sleep(0.3)
+    record["address"] = _client_address(d, record["address"])
+    (d / CLUSTER_FILE).write_text(json.dumps(record))
     return record
+
+
+def _client_address(d: Path, started: str) -> str:
+    """The Ray address as the scheduler's Ray connection reports it (what ``status`` prints
+    and what a client or another node should use: a local head listens on this machine's
+    address, not only on the loopback one ``up`` reached it by); ``started`` if the
+    scheduler cannot say."""
+    try:
+        return str(ServiceClient(d).status().get("address") or started)
+    except StratagemError:
+        return started
 
 
 def _stop(pid: int | None, timeout: float = 30.0) -> None:

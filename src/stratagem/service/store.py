@@ -108,7 +108,13 @@ class Store:
             return self._db.execute(sql, params).fetchall()
 
     # -- jobs ------------------------------------------------------------------------------
-    def add_job(self, spec: JobSpec, now: float | None = None) -> None:
+    def add_job(self, spec: JobSpec, now: float | None = None, replace: bool = False
+                ) -> str | None:
+        """Queue a job; the state of the finished run of the same name it replaced, if any.
+
+        A name whose job is still active is refused. So is the name of a finished run unless
+        ``replace``: its events and allocation history would otherwise mix with the new run's
+        (``stratagem logs``). Replacing removes them, so the name names one run again."""
         now = time.time() if now is None else now
         with self._tx() as db:
             row = db.execute("SELECT state FROM jobs WHERE name=?", (spec.name,)).fetchone()
@@ -116,12 +122,20 @@ class Store:
                 raise StratagemError(f"a job named {spec.name!r} is already {row[0]}",
                                      where="submit", fix="pick another name, or "
                                      f"'stratagem delete {spec.name}' first")
+            if row is not None and not replace:
+                raise StratagemError(
+                    f"a job named {spec.name!r} already ran ({row[0]}); its events and logs "
+                    "are kept under that name", where="submit",
+                    fix="pick another name, or 'stratagem submit --replace FILE' to remove "
+                        "that run's events, logs and service-kept checkpoints and start anew")
             db.execute("DELETE FROM jobs WHERE name=?", (spec.name,))
-            db.execute("UPDATE allocations SET active=0 WHERE name=?", (spec.name,))
+            db.execute("DELETE FROM events WHERE name=?", (spec.name,))
+            db.execute("DELETE FROM allocations WHERE name=?", (spec.name,))
             db.execute("INSERT INTO jobs (name, spec, state, submitted) VALUES (?,?,?,?)",
                        (spec.name, json.dumps(spec.to_dict()), PENDING, now))
             db.execute("INSERT INTO events (name, time, text) VALUES (?,?,?)",
                        (spec.name, now, "submitted"))
+        return None if row is None else str(row[0])
 
     def jobs(self, include_final: bool = True) -> list[JobRow]:
         rows = self._query("SELECT spec, state, submitted, started, finished, restarts, "
