@@ -91,7 +91,7 @@ def test_cluster_job_files_parse_and_name_the_service_script(rel: str) -> None:
 
 
 def test_service_tests_train_the_example_script() -> None:
-    helper = (ROOT / "tests" / "sched" / "service" / "_ray_service.py").read_text()
+    helper = (ROOT / "tests" / "service" / "_ray_service.py").read_text()
     assert '"examples" / "cluster" / "classify.py"' in helper
 
 
