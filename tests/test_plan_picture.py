@@ -56,7 +56,7 @@ def _mixed_mlp() -> tuple[Strategy, ModelProfile]:
                   if p.name == "2.weight" else
                   NodeConfig(p.name, AllReduceSynchronizer(group=i % 2))
                   for i, p in enumerate(profile.params))
-    return Strategy(nodes, GraphConfig(REPLICAS), builder="mixed", id="t"), profile
+    return Strategy(nodes, GraphConfig(REPLICAS), builder="mixed"), profile
 
 
 def test_mixed_strategy_colours_in_proportion_to_bytes(tmp_path: Path) -> None:
