@@ -112,3 +112,16 @@ def test_auto_recommender_embedding_is_gathered_rows_everywhere() -> None:
     kinds = {leaf.label: leaf.kind for b in collect_blocks(strategy, profile)
              for leaf in b.leaves}
     assert kinds["embedding.weight"] == "gathered rows"
+
+
+@pytest.mark.parametrize("model", NAMES)
+def test_the_profile_s_sparse_count_is_what_parallax_sends_as_rows(model: str) -> None:
+    """Issue 49: the profile line said "0 sparse" for TinyLM while Parallax's plan sent its
+    embedding as sparse rows; both now mean the same parameters."""
+    profile = analyze(load_model(f"{MODELS}:{model}"))
+    spec = ResourceSpec.local(2)
+    strategy = validate(resolve_builder("Parallax").build(profile, spec), profile, spec)
+    rows = {r.param for r in compiled(strategy, profile, spec).routes()
+            if r.kind == "PS sparse rows"}
+    assert {p.name for p in profile.params if p.sparse_access} == rows
+    assert f"; {len(rows)} with sparse access: " in profile.summary()
