@@ -208,12 +208,50 @@ def treemap(weights: list[float], rect: Rect) -> list[Rect]:
     return out
 
 
-def _fit(text: str, width_px: float, size: float) -> str | None:
-    """``text`` shortened from the left to fit ``width_px`` at font ``size``, or None."""
-    chars = int(width_px / (size * 0.7)) - 1
-    if chars >= len(text):
+CHAR_EM = 0.62  # DejaVu Sans's mean character width, in ems
+PX_PER_PT = 100 / 72  # the figure's dpi over 72 points per inch
+
+
+def elide(text: str, chars: int) -> str | None:
+    """``text`` in at most ``chars`` characters, or None. A dotted name loses its words
+    from the middle first (``encoder…12…in_proj_weight``): the numbers that say which
+    layer, and the last word that says which tensor, go last; anything else loses its
+    middle characters."""
+    if len(text) <= chars:
         return text
-    return "…" + text[-(chars - 1):] if chars >= 6 else None
+    if chars < 6:
+        return None
+    words = text.split(".")
+    if len(words) > 2:
+        keep = {0, len(words) - 1} | {i for i, w in enumerate(words) if w.isdigit()}
+        # The words before the first number go first (the nearest to it first, so the
+        # name's first word stays longest), then those after it from the middle out.
+        first = next((i for i in sorted(keep) if words[i].isdigit()), len(words) - 1)
+        before = [i for i in range(first - 1, 0, -1) if i not in keep] + [0]
+        after = [i for i in range(first + 1, len(words) - 1) if i not in keep]
+        gone: set[int] = set()
+        for i in before + after:
+            gone.add(i)
+            shown, prev = "", False
+            for j, w in enumerate(words):
+                if j in gone:
+                    shown += "" if prev else "…"
+                    prev = True
+                else:
+                    shown += w if prev or j == 0 else "." + w
+                    prev = False
+            if len(shown) <= chars:
+                return shown
+        head = shown[:len(shown) - len(words[-1])]  # "…12…": the numbers, then the end
+        if chars - len(head) >= 2:
+            return head + words[-1][len(words[-1]) - (chars - len(head)):]
+    tail = (chars - 1) // 2
+    return text[:chars - 1 - tail] + "…" + text[len(text) - tail:]
+
+
+def _fit(text: str, width_px: float, size: float) -> str | None:
+    """``text`` shortened (:func:`elide`) to fit ``width_px`` at font ``size``, or None."""
+    return elide(text, int(width_px / (size * CHAR_EM * PX_PER_PT)) - 1)
 
 
 def draw_strategy(strategy: Strategy, profile: ModelProfile, model_name: str = "",
@@ -253,7 +291,7 @@ def draw_strategy(strategy: Strategy, profile: ModelProfile, model_name: str = "
         # text is wider); else the tensors' own labels say enough.
         title = next((t for t in (f"{block.title} · {count} · {human_bytes(block.nbytes)}",
                                   f"{block.title} · {human_bytes(block.nbytes)}", block.title)
-                      if _fit(t, inner[2] - 6, 8.8) == t), None)
+                      if _fit(t, inner[2] - 6, 7.2) == t), None)
         header = HEADER_PX if inner[3] >= 3 * HEADER_PX and title else 0
         if header and title:
             label = ax.text(inner[0] + 3, inner[1] + inner[3] - header / 2, title, fontsize=8,
