@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import replace
@@ -507,8 +508,12 @@ class AutoDist:
                                 world_size=self.world_size, device=self.device,
                                 servers=self._servers_for(self.strategy))
 
+        began = time.perf_counter()
         self.model.replan(make_plan, optimizer=optimizer, cluster=self.cluster)
         self._plan_pending = False
+        if self.adaptive is not None and self.adaptive.recorder is not None:
+            # In the first step's record: `stratagem report` marks the gap it leaves.
+            self.adaptive.recorder.log({"auto_plan_s": time.perf_counter() - began})
         self._announce()
         self._say_if_replanned()
 
