@@ -27,12 +27,14 @@ def _ms(s: float) -> str:
 
 
 def chunks(text: str, n: int) -> list[str]:
-    """``text`` in pieces of at most ``n`` characters, broken after a space, dot, slash or
-    underscore where one falls in the second half of a piece (else at ``n``); joined, the
+    """``text`` in pieces of at most ``n`` characters, broken after a space, dot or slash
+    (else an underscore) in the second half of a piece (else at ``n``); joined, the
     pieces (spaces at the breaks dropped) give ``text`` back."""
     out = []
     while len(text) > n:
-        cut = max(text.rfind(c, n // 2, n) for c in " ./_")
+        cut = max(text.rfind(c, n // 2, n) for c in " ./")  # an underscore only
+        if cut < 0:  # where no word or dotted part ends in the second half
+            cut = text.rfind("_", n // 2, n)
         cut = n if cut < 0 else cut + 1
         out.append(text[:cut].rstrip(" "))
         text = text[cut:].lstrip(" ") if text[cut - 1] == " " else text[cut:]
