@@ -46,7 +46,25 @@ def test_elastic_checkpoints_carry_the_strategy_and_a_changed_plan_is_said(
     monkeypatch.setenv("STRATAGEM_CHECKPOINT_DIR", str(tmp_path))
     ad2, _ = _distributed("PartitionedAR")
     assert ad2.strategy.id != ad.strategy.id
-    assert any(ad.strategy.id in m and "strategy.json" in m for m in logged), logged
+    (said,) = [m for m in logged if ad.strategy.id in m]
+    assert "strategy.json" in said and ad2.strategy.id in said
+    # ...and what differs: PartitionedAR splits 0.weight [8, 4] where AllReduce did not
+    assert "0.weight: AllReduce(" in said and "-> partitioned" in said, said
+
+
+def test_a_restart_with_the_same_plan_says_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 49: ids were random, so every restart said "trained with strategy X, this run
+    uses Y" for the identical strategy; they are content hashes now."""
+    ad, _ = _distributed("AllReduce")
+    assert elastic.save_all_states(tmp_path) is not None
+    drop_job()
+    logged: list[str] = []
+    monkeypatch.setattr(sg.AutoDist, "log", lambda self, m: logged.append(m))
+    monkeypatch.setenv("STRATAGEM_CHECKPOINT_DIR", str(tmp_path))
+    ad2, _ = _distributed("AllReduce")
+    assert ad2.strategy.id == ad.strategy.id
+    assert not [m for m in logged if "checkpoint was trained" in m], logged
 
 
 def test_saved_strategy_reproduces_an_auto_run(tmp_path: Path,

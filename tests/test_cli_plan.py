@@ -21,7 +21,7 @@ def test_plan_prints_strategy_and_plan_and_saves(tmp_path: Path, capsys) -> None
                  "AllReduce", "--show-plan", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "2 worker(s): 127.0.0.1:CPU:0, 127.0.0.1:CPU:1" in text
-    assert "0.weight: AllReduce(group=0, compressor=none)" in text
+    assert "0.weight: all-reduce group 0 (none)" in text
     assert "plan for rank 0/2" in text and "launch order" in text
     saved = Strategy.load(out)
     assert [nc.var_name for nc in saved.node_config][:2] == ["0.weight", "0.bias"]

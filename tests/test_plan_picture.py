@@ -5,6 +5,7 @@ the model's bytes."""
 from __future__ import annotations
 
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from stratagem.cli.plan_picture import (  # noqa: E402
     MAX_PER_BLOCK,
     collect_blocks,
     draw_strategy,
+    elide,
     save_picture,
     treemap,
 )
@@ -56,7 +58,7 @@ def _mixed_mlp() -> tuple[Strategy, ModelProfile]:
                   if p.name == "2.weight" else
                   NodeConfig(p.name, AllReduceSynchronizer(group=i % 2))
                   for i, p in enumerate(profile.params))
-    return Strategy(nodes, GraphConfig(REPLICAS), builder="mixed", id="t"), profile
+    return Strategy(nodes, GraphConfig(REPLICAS), builder="mixed"), profile
 
 
 def test_mixed_strategy_colours_in_proportion_to_bytes(tmp_path: Path) -> None:
@@ -146,3 +148,44 @@ def test_a_strategy_for_another_model_is_a_clear_error() -> None:
     other = analyze(load_model(f"{MODELS}:Recommender"))
     with pytest.raises(StratagemError, match="not in the model"):
         draw_strategy(strategy, other)
+
+
+def test_long_names_lose_their_middle_not_the_layer_number() -> None:
+    """Issue 49: names were cut from the left ("…r1.weight"), losing the layer number, and
+    ran past their rectangles. The middle goes instead, and every label fits its box."""
+    profile = analyze(load_model(f"{MODELS}:TinyLM"))
+    spec = ResourceSpec.from_file(ROOT / "examples" / "specs" / "two-node.yml")
+    fig = draw_strategy(resolve_builder("Parallax").build(profile, spec), profile)
+    ax = fig.axes[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    boxes = [p.get_window_extent(renderer) for p in ax.patches if p.get_fill()]
+    labels = [t for t in ax.texts if t.get_fontsize() == 7]
+    assert len(labels) > 50
+    elided = 0
+    for t in labels:
+        name = t.get_text().split("\n")[0]
+        box = t.get_window_extent(renderer)
+        home = [b for b in boxes if b.x0 - 1 <= (box.x0 + box.x1) / 2 <= b.x1 + 1
+                and b.y0 - 1 <= (box.y0 + box.y1) / 2 <= b.y1 + 1]
+        assert home and min(b.width for b in home) >= box.width, name  # fits its box
+        merged = re.match(r"\d+ ", name)  # "46 small tensors"
+        if "…" in name and not merged and "embedding" not in name and len(name) > 5:
+            elided += 1
+            layer = re.search(r"(\d+)", name)
+            assert layer and f"layers.{layer.group(1)}." in " ".join(
+                p.name for p in profile.params), name
+            end = name.rsplit("…", 1)[1]  # the name's own end, kept
+            assert any(p.name.endswith(end) and layer.group(1) in p.name
+                       for p in profile.params), name
+    assert elided > 20
+
+
+def testelide_keeps_numbers_and_the_last_word() -> None:
+    name = "encoder.layers.12.self_attn.in_proj_weight"
+    assert elide(name, 99) == name
+    assert elide(name, 20) == "…12…in_proj_weight"
+    assert elide("encoder.layers.3.linear2.weight", 20) == "…3.linear2.weight"
+    assert elide("a_rather_long_plain_name", 12) == "a_rath…_name"
+    assert all(len(elide(name, n) or "") <= n for n in range(1, 45))

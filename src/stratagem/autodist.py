@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import replace
@@ -49,6 +50,7 @@ from stratagem.strategy import (
     resolve_builder,
     validate,
 )
+from stratagem.strategy.diff import differences
 from stratagem.strategy.validate import server_devices
 
 ENV_SPEC = env.RESOURCE_SPEC
@@ -506,8 +508,12 @@ class AutoDist:
                                 world_size=self.world_size, device=self.device,
                                 servers=self._servers_for(self.strategy))
 
+        began = time.perf_counter()
         self.model.replan(make_plan, optimizer=optimizer, cluster=self.cluster)
         self._plan_pending = False
+        if self.adaptive is not None and self.adaptive.recorder is not None:
+            # In the first step's record: `stratagem report` marks the gap it leaves.
+            self.adaptive.recorder.log({"auto_plan_s": time.perf_counter() - began})
         self._announce()
         self._say_if_replanned()
 
@@ -612,11 +618,22 @@ class AutoDist:
             self._say_if_replanned()
 
     def _say_if_replanned(self) -> None:
-        saved_id = (self._saved_strategy or {}).get("id")
-        if self.strategy is not None and saved_id not in (None, self.strategy.id):
-            self.log(f"the checkpoint was trained with strategy {saved_id}, this run uses "
-                     f"{self.strategy.id}; to keep the old one, pass --strategy "
-                     f"{elastic.restore_point()}/strategy.json")
+        """Say so when this run's strategy does something else than the checkpoint's: ids
+        are content hashes, so an identical plan (re-planned after a restart) says nothing,
+        and a different one says what differs."""
+        if self.strategy is None or self._saved_strategy is None:
+            return
+        try:
+            saved = Strategy.from_dict(self._saved_strategy, source="the checkpoint's strategy")
+        except StratagemError as exc:
+            self.log(f"the checkpoint's strategy cannot be read ({exc.problem}); this run uses "
+                     f"{self.strategy.id}")
+            return
+        changes = differences(saved, self.strategy)
+        if changes:
+            self.log(f"the checkpoint was trained with strategy {saved.id}, this run uses "
+                     f"{self.strategy.id}: " + "; ".join(changes) + ". To keep the old one, "
+                     f"pass --strategy {elastic.restore_point()}/strategy.json")
 
     def save_checkpoint(self, path: str | os.PathLike[str], **metadata: Any) -> Path:
         """Save the distributed model and optimizer (one rank suffices; see

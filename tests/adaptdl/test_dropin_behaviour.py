@@ -227,3 +227,35 @@ def test_gradient_noise_scale_known_answer_with_accumulation() -> None:
     np.testing.assert_allclose(gns.raw_var_avg, [(local - total) * scale])
     var, sqr = (local - total) * scale, 2 * total - local
     assert gns.gain(3.0) == pytest.approx((var + sqr) / (var / 3 + sqr))
+
+
+def test_an_accumulator_s_loss_is_recorded_like_log_metrics(
+        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 49: AdaptDL-style scripts report no loss to Stratagem (they never call
+    ``ad.log_metrics``), so ``stratagem report`` had no loss panel for them. The loss an
+    Accumulator synchronizes is recorded; a validation pass (no training since) is not."""
+    from types import SimpleNamespace
+
+    from stratagem.adaptdl.torch import Accumulator, job
+
+    logged: list[dict] = []
+    trainer = SimpleNamespace(steps=3)
+    fake = SimpleNamespace(adaptive=trainer, log_metrics=lambda **v: logged.append(v))
+    monkeypatch.setattr(job, "_autodist", fake)
+    monkeypatch.setattr(job, "_loss_steps", -1)
+    train = Accumulator()
+    train["loss_sum"] += 6.0
+    train["total"] += 4
+    with train.synchronized():
+        train["loss_avg"] = train["loss_sum"] / train["total"]
+    assert logged == [{"loss": 1.5}]
+    val = Accumulator()  # validation: no optimizer step since
+    val["loss_sum"] += 9.0
+    val["total"] += 3
+    with val.synchronized():
+        pass
+    assert logged == [{"loss": 1.5}]
+    trainer.steps = 6
+    with train.synchronized():  # the next epoch: only loss_sum and total (no average)
+        pass
+    assert logged == [{"loss": 1.5}, {"loss": 1.5}]

@@ -92,7 +92,24 @@ def test_totals_count_tied_once_and_skip_frozen(profile: ModelProfile) -> None:
     assert profile.num_params == sum(p.numel for p in profile.params)
     assert profile.summary() == (
         f"9 trainable parameters ({profile.num_params:,} values, "
-        f"{expected / 2**20:.1f} MiB; 2 sparse), 2 frozen")
+        f"{expected / 2**20:.1f} MiB; 2 with sparse access: 2 declared sparse, "
+        "0 embedding lookups), 2 frozen")  # dense_emb is tied to head: every row written
+
+
+def test_summary_counts_sparse_access_as_the_plans_do() -> None:
+    """Issue 49: TinyLM's profile said "0 sparse" while Parallax's plan sent its embedding
+    as sparse rows. The summary counts what the strategies treat as sparse (declared
+    sparse, or an untied embedding read by lookups), each kind named, and, once
+    calibrated, what measurement found."""
+    from stratagem.analysis.profile import AccessStats
+
+    model = nn.Sequential(nn.Embedding(40, 4), nn.Linear(4, 40))
+    p = analyze(model)
+    assert [i.sparse_access for i in p.params] == [True, False, False]
+    assert "1 with sparse access: 0 declared sparse, 1 embedding lookup)" in p.summary()
+    measured = p.with_access([AccessStats("1.weight", rows=40, rows_touched=5.0)])
+    assert ("2 with sparse access: 0 declared sparse, 1 embedding lookup, 1 found by "
+            "calibration)") in measured.summary()
 
 
 def test_tied_parameter_counted_once_with_aliases(profile: ModelProfile) -> None:

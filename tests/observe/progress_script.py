@@ -16,6 +16,8 @@ loader = ad.data_loader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)
                         batch_size=32)
 if sys.argv[1:] == ["adaptive"]:
     loader.autoscale_batch_size(64, (8, 32))
+if sys.argv[1:] == ["resume"]:  # as after a restart one step into the first epoch
+    loader.load_state_dict(dict(loader.state_dict(), offset=32))
 for epoch in ad.remaining_epochs_until(2):
     for xb, yb in loader:
         opt.zero_grad()

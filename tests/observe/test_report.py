@@ -70,3 +70,44 @@ def test_cli_report_and_missing_run(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert (tmp_path / "out" / "report.html").is_file()
     assert main(["report", str(tmp_path / "nothing")]) == 2
     assert "no metrics file" in capsys.readouterr().err
+
+
+def _figure(records: list[dict]) -> tuple:  # noqa: ANN001
+    import matplotlib.pyplot as plt
+
+    from stratagem.cli.report import _planning_spans, _series, _smooth, panel
+
+    xs, rate = _series(records, "samples_per_s")
+    fig, ax = plt.subplots()
+    panel(ax, _series(records, "loss"), (xs, _smooth(rate)),
+          ("loss (running median of 9)", "samples/s (running median)"),
+          "Loss and throughput", smooth_left=True, spans=_planning_spans(records))
+    return fig, ax
+
+
+def test_no_loss_leaves_no_note_over_the_line_and_no_unlabelled_axis() -> None:
+    """Issue 49: "no loss recorded" was drawn across the throughput line, and the empty
+    loss axis stayed unlabelled. The throughput takes the labelled left axis; the title
+    says the loss is missing and how to record it."""
+    records = [{"step": i, "elapsed_s": 0.1 * i, "samples_per_s": 500.0 + i}
+               for i in range(1, 30)]
+    fig, ax = _figure(records)
+    assert len(fig.axes) == 1  # no second, empty scale
+    assert ax.get_ylabel() == "samples/s (running median)"
+    assert [t.get_text() for t in ax.texts] == []  # nothing drawn over the data
+    assert "no loss recorded" in ax.get_title() and "log_metrics(loss=" in ax.get_title()
+    assert max(ax.lines[-1].get_ydata()) > 500
+
+
+def test_auto_planning_gap_is_shaded_and_named() -> None:
+    """Issue 49: an Auto run has no steps while it plans; the plot says why."""
+    records = [{"step": 1, "elapsed_s": 6.0, "step_time_s": 5.5, "auto_plan_s": 5.2,
+                "samples_per_s": 10.0, "loss": 1.0}]
+    records += [{"step": i, "elapsed_s": 6.0 + 0.1 * i, "samples_per_s": 900.0,
+                 "loss": 1.0 / i} for i in range(2, 30)]
+    fig, ax = _figure(records)
+    (span,) = [p for p in ax.patches if p.get_label().startswith("Auto planning")]
+    x0, x1 = span.get_x(), span.get_x() + span.get_width()
+    assert (x0, x1) == pytest.approx((0.5, 6.0))
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(t.startswith("Auto planning (5.2 s)") for t in legend)

@@ -497,3 +497,27 @@ def disturbed_link_cases(rank: int, world: int, cases: list[tuple[float, list[fl
         assert probe is not None
         out.append({"timings": len(calls), "link_bps": probe.link_bps})
     return out
+
+
+def auto_metrics_case(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """Auto (the default builder) planning on the first batch of its data loader, with
+    rank 0's metrics file in ``run_dir``: three steps."""
+    import os
+
+    import stratagem as sg
+
+    os.environ["STRATAGEM_RUN_DIR"] = run_dir
+    ad = sg.AutoDist(verbose=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    dm, opt = ad.distribute(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(48, 8)
+    loader = ad.data_loader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)),
+                            batch_size=16)
+    for xb, yb in loader:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(dm(xb), yb).backward()
+        opt.step()
+    if ad.adaptive.recorder is not None:
+        ad.adaptive.recorder.close()  # (the harness's workers end without atexit)
+    return {"planned": ad.choice is not None}

@@ -566,3 +566,17 @@ def test_trial_copies_fit_in_the_room_every_rank_has(monkeypatch) -> None:  # no
     assert trial._interleave(plan, linear, 4 * one)
     assert not trial._interleave(plan, linear, 4 * one - 1)  # the room binds
     assert trial._interleave(plan, linear, trial.UNKNOWN_ROOM)  # 3 MiB < INTERLEAVE_BYTES
+
+
+@pytest.mark.slow
+def test_the_first_step_s_record_says_how_long_auto_planned(tmp_path) -> None:  # noqa: ANN001
+    """Issue 49: an Auto run's first step waits while Auto plans; the record of that step
+    says for how long (``auto_plan_s``), and ``stratagem report`` shades the gap."""
+    run = tmp_path / "run"
+    results = _spawn.run(pw.auto_metrics_case, 2, tmp_path, {"run_dir": str(run)},
+                         _spawn.Setup(args=(2,), local_rank=True, init_group=True))
+    assert all(r["planned"] for r in results)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert 0 < records[0]["auto_plan_s"] <= records[0]["step_time_s"]
+    assert all("auto_plan_s" not in r for r in records[1:])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from stratagem.strategy import (
     StrategyBuilder,
 )
 from stratagem.strategy.compressors import compressor_names
+from stratagem.strategy.diff import differences
+from stratagem.strategy.schema import content_id
 
 MIXED = Path(__file__).resolve().parents[2] / "examples" / "strategies" / "mlp-mixed.yaml"
 
@@ -64,7 +67,6 @@ def mixed() -> Strategy:
         ),
         graph_config=GraphConfig(("10.0.0.1:GPU:0", "10.0.0.2:GPU:0")),
         builder="hand-written",
-        id="mixed-1",
     )
 
 
@@ -135,7 +137,9 @@ def test_to_dict_layout() -> None:
 
 def test_example_file_matches_its_comments() -> None:
     s = Strategy.load(MIXED)
-    assert (s.id, s.builder, s.version) == ("mlp-mixed", "manual", 1)
+    assert (s.builder, s.version) == ("manual", 1)
+    written = yaml.safe_load(MIXED.read_text())["id"]
+    assert s.id == content_id(s) == written  # the file's id is the hash of what it says
     w = s.config_for("0.weight")
     assert w.partitioner == Partitioner((2, 1), sizes=(40, 24))
     assert [p.var_name for p in w.leaves()] == ["0.weight/part_0", "0.weight/part_1"]
@@ -158,10 +162,43 @@ def test_minimal_hand_written_strategy_gets_defaults() -> None:
     assert s.config_for("b").synchronizer == PSSynchronizer("", False, True, 0)
 
 
-def test_ids_are_fresh_but_kept_when_loaded() -> None:
-    a, b = (Strategy(node_config=()) for _ in range(2))
-    assert a.id != b.id
+def test_the_id_is_a_hash_of_the_content(zoo_profile: ModelProfile,
+                                         local3: ResourceSpec) -> None:
+    """Issue 49: the same plan has the same id in every run (it was a random uuid), and any
+    change of the plan changes it; the builder's name is a label, not content."""
+    a, b = (AllReduce(chunk_size=2).build(zoo_profile, local3) for _ in range(2))
+    assert a.id == b.id and len(a.id) == 12 and int(a.id, 16) >= 0
     assert Strategy.from_dict(a.to_dict()).id == a.id
+    assert replace(a, builder="renamed").id == a.id
+    assert replace(a, graph_config=GraphConfig(("x:CPU:0",))).id != a.id
+    first = a.node_config[0]
+    edited = replace(a, node_config=(replace(first, synchronizer=AllReduceSynchronizer(
+        group=first.synchronizer.group, compressor="fp16")), *a.node_config[1:]))
+    assert edited.id != a.id
+
+
+def test_an_old_file_with_a_random_id_still_loads() -> None:
+    """Files written before ids were hashes carry a uuid: it is read, and the id becomes
+    the content's hash."""
+    data = {"version": 1, "id": "7a13d82db2ae", "builder": "AllReduce",
+            "node_config": [{"var_name": "w", "synchronizer": {"type": "AllReduce"}}]}
+    s = Strategy.from_dict(data)
+    assert s.id == content_id(s) != "7a13d82db2ae"
+    assert s.config_for("w").synchronizer == AllReduceSynchronizer()
+
+
+def test_differences_name_what_changed(zoo_profile: ModelProfile, local3: ResourceSpec
+                                       ) -> None:
+    a = AllReduce(chunk_size=2).build(zoo_profile, local3)
+    assert differences(a, Strategy.from_dict(a.to_dict())) == []
+    name = a.node_config[0].var_name
+    b = replace(a, node_config=(NodeConfig(name, PSSynchronizer("h:CPU:0")),
+                                *a.node_config[1:]))
+    (line,) = differences(a, b)
+    assert line.startswith(f"{name}: AllReduce(") and line.endswith("-> PS(dest=h:CPU:0, "
+                                                                   "staleness=0)")
+    c = replace(b, graph_config=GraphConfig(("h:CPU:0",)))
+    assert differences(a, c)[0] == f"replicas: {len(local3.replicas)} -> 1"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -184,11 +221,11 @@ def test_leaves() -> None:
 
 def test_summary_lists_every_parameter() -> None:
     lines = mixed().summary().splitlines()
-    assert lines[0] == "strategy mixed-1 (builder hand-written, 2 replicas)"
-    assert lines[1] == "  scale: AllReduce(group=3, compressor=none)"
+    assert lines[0] == f"strategy {mixed().id} (builder hand-written, 2 replicas)"
+    assert lines[1] == "  scale: AllReduce(group=3, compressor=none, spec=gloo)"
     assert lines[2] == ("  prime: partitioned 3,1 -> PS(dest=10.0.0.3:PS:0, staleness=0); "
-                        "PS(dest=10.0.0.1:GPU:0, staleness=0); "
-                        "AllReduce(group=0, compressor=powersgd)")
+                        "PS(dest=10.0.0.1:GPU:0, staleness=0, replicated); "
+                        "AllReduce(group=0, compressor=powersgd, rank=2)")
     assert lines[3] == "  emb.weight: PS(dest=10.0.0.3:PS:0, async)"
     assert len(lines) == 1 + 9
 

@@ -90,6 +90,7 @@ class EpochTally:
     started: float | None = None
     steps: int = 0
     samples: int = 0
+    before: int = 0  # steps of the epoch done before this process resumed it
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,8 @@ class AdaptiveTrainer:
         config = self.current_config() if adaptive else None
         return ProgressFields(
             # (``is not None``: an exhausted loader has length 0, hence is falsy)
-            epoch=self.loader.epoch if self.loader is not None else 0, step=tally.steps,
+            epoch=self.loader.epoch if self.loader is not None else 0,
+            step=tally.before + tally.steps,
             steps=self._epoch_steps,
             samples_per_s=tally.samples / elapsed if elapsed > 0 else None,
             loss=self.recorder.loss if self.recorder is not None else None,
@@ -442,7 +444,12 @@ class AdaptiveTrainer:
             plan = getattr(loader.sampler, "batches", None)
             if plan is not None and plan is not self._plan_seen:  # (re)planned epoch
                 self._plan_seen = plan
-                self._epoch_steps = self._epoch.steps + sum(1 for b in plan if b.final)
+                if self._epoch.steps == 0 and plan and plan[0].start > 0:
+                    # Resumed mid-epoch: the samples before the offset took this many steps
+                    # (exact at a fixed batch size; at the current one when it adapted).
+                    self._epoch.before = -(-plan[0].start // plan[0].size)
+                self._epoch_steps = (self._epoch.before + self._epoch.steps
+                                     + sum(1 for b in plan if b.final))
             # A step runs from the end of the previous one (loading its data included).
             clock = self._clock
             clock.started = (clock.last_end if clock.last_end is not None

@@ -24,6 +24,15 @@ class ParamInfo:
     module_type: str = ""
     embedding_like: bool = False
 
+    @property
+    def sparse_access(self) -> bool:
+        """Whether a step touches only some rows, as far as the model's structure says: a
+        gradient declared sparse (``sparse``: every user an embedding with ``sparse=True``),
+        or an untied embedding table read by lookups (its gradient is dense, but non-zero
+        only in the looked-up rows). A table tied to another module (``aliases``) is not:
+        that user writes every row. Parallax and the parameter servers' row path use this."""
+        return self.sparse or (self.embedding_like and not self.aliases)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -112,10 +121,20 @@ class ModelProfile:
         return self.names.index(self.get(name).name)
 
     def summary(self) -> str:
-        sparse = sum(p.sparse for p in self.params)
+        """One line: counts and sizes, and which parameters have sparse access, split into
+        declared sparse (sparse gradients), embedding lookups (dense gradients, rows known)
+        and, once calibrated, found row-sparse by measurement -- the same notion of sparse
+        as the strategies' and plans' (:attr:`ParamInfo.sparse_access`)."""
+        declared = sum(p.sparse for p in self.params)
+        lookups = sum(p.sparse_access and not p.sparse for p in self.params)
+        measured = sum(not p.sparse_access and a is not None and a.density < 1.0
+                       for p in self.params for a in (self.access_of(p.name),))
+        found = f", {measured} found by calibration" if self.access else ""
         return (
             f"{len(self.params)} trainable parameters ({self.num_params:,} values, "
-            f"{self.total_bytes / 2**20:.1f} MiB; {sparse} sparse), {len(self.frozen)} frozen"
+            f"{self.total_bytes / 2**20:.1f} MiB; {declared + lookups + measured} with sparse "
+            f"access: {declared} declared sparse, {lookups} embedding lookup"
+            f"{'s' * (lookups != 1)}{found}), {len(self.frozen)} frozen"
         )
 
 

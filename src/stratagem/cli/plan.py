@@ -95,38 +95,51 @@ def explain(model_target: str, spec_file: str | None, strategy: str | None,
             detect_sparse=builder.detect_sparse, batch_size=batch_size)
         choice = choose(model, spec, sample_input=sample, options=options)
         built = validate(choice.strategy, profile, spec)
-        lines += [explain_text(choice), "", built.summary()]
-        report["auto"] = explain_json(choice)
+        plan = compiled(built, profile, spec)
+        lines += [explain_text(choice, plan=plan), "", *listing(built, plan)]
+        report["auto"] = explain_json(choice, plan=plan)
     else:
         built = validate(builder.build(profile, spec), profile, spec)
+        plan = compiled(built, profile, spec)
         cal = (calibrate(model, sample) if sample is not None
                else estimate(profile, batch_size or Auto().batch_size))
         cost = predict(built, profile.with_access(cal.access) if sample is not None
                        else profile, spec, cal)
-        lines += [built.summary(),
+        lines += [*listing(built, plan),
                   f"predicted step {cost.total_s * 1e3:.1f} ms = compute "
                   f"{cost.compute_s * 1e3:.1f} + exposed comm {cost.exposed_comm_s * 1e3:.1f}"
                   f" + overheads {cost.overhead_s * 1e3:.1f}"]
         report["predicted"] = cost.to_dict()
-    return _finish(lines, report, built, profile, spec, show_plan, out, as_json, picture,
+    return _finish(lines, report, built, plan, profile, show_plan, out, as_json, picture,
                    model_target)
 
 
-def _finish(lines: list[str], report: dict[str, Any], built: Any, profile: Any, spec: Any,
+def compiled(built: Any, profile: Any, spec: Any) -> Any:
+    """Rank 0's plan of ``built``: the one source of the report's table, list and picture."""
+    import torch
+
+    from stratagem.runtime import compile_plan
+
+    return compile_plan(built, profile, rank=0, world_size=spec.num_workers,
+                        device=torch.device("cpu"))
+
+
+def listing(built: Any, plan: Any) -> list[str]:
+    """The per-parameter list: the strategy's id, then how each parameter's pieces travel."""
+    return [f"strategy {built.id} (builder {built.builder}, "
+            f"{len(built.graph_config.replicas)} replicas), per parameter:",
+            *plan.by_parameter()]
+
+
+def _finish(lines: list[str], report: dict[str, Any], built: Any, plan: Any, profile: Any,
             show_plan: bool, out: str | None, as_json: bool, picture: str | None = None,
             title: str = "") -> str:
     """The common end of a report: the compiled plan, the saved file, the picture, text or
     JSON."""
     import json
 
-    import torch
-
-    from stratagem.runtime import compile_plan
-
     report["strategy"] = built.to_dict()
     if show_plan:
-        plan = compile_plan(built, profile, rank=0, world_size=spec.num_workers,
-                            device=torch.device("cpu"))
         lines.append(plan.summary())
         report["plan"] = plan.summary()
     if out:
@@ -135,7 +148,7 @@ def _finish(lines: list[str], report: dict[str, Any], built: Any, profile: Any, 
     if picture:
         from stratagem.cli.plan_picture import save_picture
 
-        saved = save_picture(built, profile, picture, title)
+        saved = save_picture(built, profile, picture, title, plan=plan)
         lines.append(f"picture saved to {saved}")
         report["picture"] = str(saved)
     if as_json:
@@ -175,20 +188,21 @@ def explain_script(script: str, spec_file: str | None, strategy: str | None,
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     built, profile = ad.strategy, ad.profile
+    plan = compiled(built, profile, spec)
     lines = [f"resource spec: {spec.source}: {len(spec.nodes)} node(s), "
              f"{spec.num_workers} worker(s): {', '.join(spec.replicas)}",
              f"model: {profile.summary()}"]
     report: dict[str, Any] = {"spec": spec.source, "workers": spec.num_workers,
                               "script": str(path)}
     if ad.choice is not None:
-        lines += [explain_text(ad.choice), "", built.summary()]
-        report["auto"] = explain_json(ad.choice)
+        lines += [explain_text(ad.choice, plan=plan), "", *listing(built, plan)]
+        report["auto"] = explain_json(ad.choice, plan=plan)
     else:
         cost = predict(built, profile, spec, estimate(profile, 32))
-        lines += [built.summary(), f"predicted step {cost.total_s * 1e3:.1f} ms (estimated "
+        lines += [*listing(built, plan), f"predicted step {cost.total_s * 1e3:.1f} ms (estimated "
                   "from the profile at 32 samples per worker)"]
         report["predicted"] = cost.to_dict()
-    return _finish(lines, report, built, profile, spec, show_plan, out, as_json, picture,
+    return _finish(lines, report, built, plan, profile, show_plan, out, as_json, picture,
                    str(path))
 
 

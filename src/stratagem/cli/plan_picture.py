@@ -2,8 +2,10 @@
 proportional to its bytes, coloured by how its gradient is synchronized, grouped into one
 outlined block per all-reduce group or parameter server. ``stratagem plan --picture``.
 
-A pure function of ``(Strategy, ModelProfile)``: it reads no environment and trains
-nothing, so the picture of a saved strategy is the same wherever it is drawn.
+It draws the strategy's compiled plan (:meth:`Plan.routes`), the same one the runtime
+executes and ``stratagem plan`` lists, so picture, table and list cannot disagree. A pure
+function of ``(Strategy, ModelProfile)``: it reads no environment and trains nothing, so
+the picture of a saved strategy is the same wherever it is drawn.
 """
 
 from __future__ import annotations
@@ -12,20 +14,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stratagem.analysis import ModelProfile, ParamInfo
+import torch
+
+from stratagem.analysis import ModelProfile
 from stratagem.errors import StratagemError
-from stratagem.runtime.ps.plan import uses_sparse_path
-from stratagem.strategy import AllReduceSynchronizer, PSSynchronizer, Strategy
+from stratagem.runtime.plan import Plan, Route, compile_plan
+from stratagem.strategy import Strategy
 
 # One colour per synchronizer kind (tests find them by pixel colour).
 KIND_COLOURS = {"all-reduce": "#1f77b4",  # tab:blue
+                "gathered rows": "#9467bd",  # tab:purple
                 "PS": "#ff7f0e",  # tab:orange
                 "PS sparse rows": "#2ca02c",  # tab:green
                 "none": "#7f7f7f"}
 KIND_TEXT = {"all-reduce": "all-reduce (every replica sums the gradient)",
+             "gathered rows": "rows all-gathered (each replica sends the rows it touched; "
+                              "every replica sums them)",
              "PS": "parameter server (dense)",
              "PS sparse rows": "parameter server, sparse rows (only looked-up rows travel)",
              "none": "no synchronizer"}
+FAMILY_NAMES = {"all-reduce": "all-reduce groups", "gathered rows": "gathered-rows groups"}
 MIN_SHARE = 0.006  # smaller rectangles are drawn at this share of the area, to stay visible
 MIN_BLOCK_SHARE = 0.02  # and a group or server block at this share
 MAX_BLOCKS = 24  # all-reduce groups / servers drawn as their own block; the rest merged
@@ -77,60 +85,51 @@ def _percent(part: float, whole: float) -> str:
     return f"{pct:.0f}%" if pct >= 1 or pct == 0 else f"{pct:.2g}%"
 
 
-def _kind(sync: Any, info: ParamInfo, axis: int | None) -> str:
-    if isinstance(sync, AllReduceSynchronizer):
-        return "all-reduce"
-    if isinstance(sync, PSSynchronizer):
-        # As the runtime decides: rows travel for sparse/embedding tables not split by column.
-        return "PS sparse rows" if uses_sparse_path(info) and axis in (None, 0) else "PS"
-    return "none"
+def _block_of(route: Route, replicas: tuple[str, ...], plan: Plan
+              ) -> tuple[tuple[str, str], str]:
+    """(block key, block title) of one piece: its all-reduce group or its server."""
+    if route.kind == "all-reduce":
+        extra = "" if route.how == "none" else f", {route.how}"
+        return ("all-reduce", f"group {route.unit}"), f"all-reduce group {route.unit}{extra}"
+    if route.kind == "gathered rows":
+        return (("gathered rows", f"group {route.unit}"),
+                f"rows all-gathered (group {route.unit})")
+    dest = route.destination
+    where = f"worker {replicas.index(dest)}" if dest in replicas else "server"
+    ps = plan.ps
+    mode = "sync" if ps is None or ps.mode == "bsp" else ps.mode
+    return ("PS", dest), f"PS on {dest} ({where}, {mode})"
 
 
-def _block_of(sync: Any, replicas: tuple[str, ...]) -> tuple[tuple[str, str], str]:
-    """(block key, block title) of one synchronizer: its all-reduce group or its server."""
-    if isinstance(sync, AllReduceSynchronizer):
-        extra = "" if sync.compressor == "none" else f", {sync.compressor}"
-        return ("all-reduce", f"group {sync.group}"), f"all-reduce group {sync.group}{extra}"
-    if isinstance(sync, PSSynchronizer):
-        dest = sync.reduction_destination
-        where = (f"worker {replicas.index(dest)}" if dest in replicas else "server")
-        mode = "async" if not sync.sync else (f"staleness {sync.staleness}"
-                                               if sync.staleness else "sync")
-        return ("PS", dest), f"PS on {dest} ({where}, {mode})"
-    return ("none", ""), "no synchronizer"
-
-
-def collect_blocks(strategy: Strategy, profile: ModelProfile) -> list[Block]:
-    """The strategy's tensors grouped by synchronizer unit, largest block first."""
-    replicas = tuple(strategy.graph_config.replicas)
-    blocks: dict[tuple[str, str], Block] = {}
+def collect_blocks(strategy: Strategy, profile: ModelProfile, plan: Plan | None = None
+                   ) -> list[Block]:
+    """The pieces of the strategy's compiled ``plan`` (compiled here when not given) grouped
+    by synchronizer unit, largest block first."""
     for nc in strategy.node_config:
         try:
-            info = profile.get(nc.var_name)
+            profile.get(nc.var_name)
         except KeyError:
             raise StratagemError(f"parameter {nc.var_name!r} of the strategy is not in the "
                                  "model", where=f"strategy {strategy.id}",
                                  fix="draw the strategy with the model it was built for"
                                  ) from None
-        shape = "×".join(str(d) for d in info.shape) or "scalar"
-        if nc.partitioner is None:
-            pieces = [(nc.synchronizer, nc.var_name, f"[{shape}]", info.bytes, None)]
+    replicas = tuple(strategy.graph_config.replicas)
+    if plan is None:
+        plan = compile_plan(strategy, profile, rank=0, world_size=max(len(replicas), 1),
+                            device=torch.device("cpu"))
+    blocks: dict[tuple[str, str], Block] = {}
+    for r in plan.routes():
+        full = profile.get(r.param).shape
+        shape = "×".join(str(d) for d in full) or "scalar"
+        if r.axis is None:
+            label, detail = r.param, f"[{shape}]"
         else:
-            axis = nc.partitioner.axis
-            sizes = nc.partitioner.part_sizes(info.shape)
-            row_bytes = info.bytes // max(info.shape[axis], 1) if info.shape else info.bytes
-            pieces, start = [], 0
-            for part, length in zip(nc.part_config, sizes, strict=False):
-                what = "rows" if axis == 0 else f"axis {axis}"
-                pieces.append((part.synchronizer, part.var_name,
-                               f"{what} {start}-{start + length - 1} of [{shape}]",
-                               row_bytes * length, axis))
-                start += length
-        for sync, label, detail, nbytes, axis in pieces:
-            kind = _kind(sync, info, axis)
-            key, title = _block_of(sync, replicas)
-            blocks.setdefault(key, Block(key, title, [])).leaves.append(
-                Leaf(label, detail, nbytes, kind))
+            what = "rows" if r.axis == 0 else f"axis {r.axis}"
+            label = f"{r.param}/part_{r.part}"
+            detail = f"{what} {r.start}-{r.start + r.length - 1} of [{shape}]"
+        key, title = _block_of(r, replicas, plan)
+        blocks.setdefault(key, Block(key, title, [])).leaves.append(
+            Leaf(label, detail, r.nbytes, r.kind))
     return sorted(blocks.values(), key=lambda b: -b.nbytes)
 
 
@@ -145,7 +144,7 @@ def _merge_tail(blocks: list[Block], total: int) -> list[Block]:
             m = merged.setdefault(family, Block(("more", family), "", []))
             m.leaves.extend(b.leaves)
             n = sum(x.key[0] == family for x in extra)
-            m.title = f"{n} more {'all-reduce groups' if family == 'all-reduce' else 'servers'}"
+            m.title = f"{n} more {FAMILY_NAMES.get(family, 'servers')}"
         kept += list(merged.values())
     else:
         kept += extra
@@ -209,16 +208,56 @@ def treemap(weights: list[float], rect: Rect) -> list[Rect]:
     return out
 
 
-def _fit(text: str, width_px: float, size: float) -> str | None:
-    """``text`` shortened from the left to fit ``width_px`` at font ``size``, or None."""
-    chars = int(width_px / (size * 0.7)) - 1
-    if chars >= len(text):
+CHAR_EM = 0.62  # DejaVu Sans's mean character width, in ems
+PX_PER_PT = 100 / 72  # the figure's dpi over 72 points per inch
+
+
+def elide(text: str, chars: int) -> str | None:
+    """``text`` in at most ``chars`` characters, or None. A dotted name loses its words
+    from the middle first (``encoder…12…in_proj_weight``): the numbers that say which
+    layer, and the last word that says which tensor, go last; anything else loses its
+    middle characters."""
+    if len(text) <= chars:
         return text
-    return "…" + text[-(chars - 1):] if chars >= 6 else None
+    if chars < 6:
+        return None
+    words = text.split(".")
+    if len(words) > 2:
+        keep = {0, len(words) - 1} | {i for i, w in enumerate(words) if w.isdigit()}
+        # The words before the first number go first (the nearest to it first, so the
+        # name's first word stays longest), then those after it from the middle out.
+        first = next((i for i in sorted(keep) if words[i].isdigit()), len(words) - 1)
+        before = [i for i in range(first - 1, 0, -1) if i not in keep] + [0]
+        after = [i for i in range(first + 1, len(words) - 1) if i not in keep]
+        gone: set[int] = set()
+        for i in before + after:
+            gone.add(i)
+            shown, prev = "", False
+            for j, w in enumerate(words):
+                if j in gone:
+                    shown += "" if prev else "…"
+                    prev = True
+                else:
+                    shown += w if prev or j == 0 else "." + w
+                    prev = False
+            if len(shown) <= chars:
+                return shown
+        head = shown[:len(shown) - len(words[-1])]  # "…12…": the numbers, then the end
+        if chars - len(head) >= 2:
+            return head + words[-1][len(words[-1]) - (chars - len(head)):]
+    tail = (chars - 1) // 2
+    return text[:chars - 1 - tail] + "…" + text[len(text) - tail:]
 
 
-def draw_strategy(strategy: Strategy, profile: ModelProfile, model_name: str = "") -> Any:
-    """A matplotlib ``Figure`` of the strategy (see the module docstring)."""
+def _fit(text: str, width_px: float, size: float) -> str | None:
+    """``text`` shortened (:func:`elide`) to fit ``width_px`` at font ``size``, or None."""
+    return elide(text, int(width_px / (size * CHAR_EM * PX_PER_PT)) - 1)
+
+
+def draw_strategy(strategy: Strategy, profile: ModelProfile, model_name: str = "",
+                  plan: Plan | None = None) -> Any:
+    """A matplotlib ``Figure`` of the strategy as ``plan`` (its compiled plan, compiled here
+    when not given) runs it (see the module docstring)."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch, Rectangle
@@ -226,7 +265,7 @@ def draw_strategy(strategy: Strategy, profile: ModelProfile, model_name: str = "
         raise StratagemError("drawing a strategy needs matplotlib", where="--picture",
                              fix="pip install matplotlib (or pip install 'stratagem[plot]')"
                              ) from None
-    all_blocks = collect_blocks(strategy, profile)
+    all_blocks = collect_blocks(strategy, profile, plan)
     total = sum(b.nbytes for b in all_blocks)
     blocks = _merge_tail(all_blocks, total)
     # Display weights: bytes, with a floor so a small tensor or group stays visible.
@@ -252,7 +291,7 @@ def draw_strategy(strategy: Strategy, profile: ModelProfile, model_name: str = "
         # text is wider); else the tensors' own labels say enough.
         title = next((t for t in (f"{block.title} · {count} · {human_bytes(block.nbytes)}",
                                   f"{block.title} · {human_bytes(block.nbytes)}", block.title)
-                      if _fit(t, inner[2] - 6, 8.8) == t), None)
+                      if _fit(t, inner[2] - 6, 7.2) == t), None)
         header = HEADER_PX if inner[3] >= 3 * HEADER_PX and title else 0
         if header and title:
             label = ax.text(inner[0] + 3, inner[1] + inner[3] - header / 2, title, fontsize=8,
@@ -298,7 +337,8 @@ def draw_strategy(strategy: Strategy, profile: ModelProfile, model_name: str = "
             continue
         nbytes = sum(leaf.nbytes for leaf in by_kind[k])
         n = len(units[k])
-        unit = "group" if k == "all-reduce" else "server" if k.startswith("PS") else "block"
+        unit = ("group" if k in ("all-reduce", "gathered rows") else "server"
+                if k.startswith("PS") else "block")
         handles.append(Patch(facecolor=KIND_COLOURS[k], edgecolor="#222222",
                              label=f"{KIND_TEXT[k]}: {len(by_kind[k])} "
                                    f"tensor{'s' * (len(by_kind[k]) != 1)}, "
@@ -310,7 +350,7 @@ def draw_strategy(strategy: Strategy, profile: ModelProfile, model_name: str = "
 
 
 def save_picture(strategy: Strategy, profile: ModelProfile, path: str | Path,
-                 model_name: str = "") -> Path:
+                 model_name: str = "", plan: Plan | None = None) -> Path:
     """Draw the strategy and write it to ``path`` (format from the suffix: .png, .svg, .pdf)."""
     out = Path(path)
     if out.suffix.lower() not in (".png", ".svg", ".pdf"):
@@ -319,7 +359,7 @@ def save_picture(strategy: Strategy, profile: ModelProfile, path: str | Path,
     if not out.parent.is_dir():
         raise StratagemError(f"directory {str(out.parent)!r} does not exist",
                              where="--picture", fix="create it or pick another path")
-    fig = draw_strategy(strategy, profile, model_name)
+    fig = draw_strategy(strategy, profile, model_name, plan)
     try:
         fig.savefig(out)
     except OSError as exc:

@@ -44,32 +44,70 @@ def _comm_share(records: list[dict[str, Any]]) -> tuple[list[float], list[float]
     return xs, ys
 
 
-def _twin(ax: Any, left: tuple[list[float], list[float]], right: tuple[list[float],
-          list[float]], labels: tuple[str, str], title: str,
-          smooth_left: bool = False) -> bool:
-    """Two series on one time axis (left and right scales); False when both are empty."""
-    drew = False
+Series = tuple[list[float], list[float]]
+MISSING_HINT = {"loss (running median of 9)": "ad.log_metrics(loss=...) records it"}
+
+
+def _planning_spans(records: list[dict[str, Any]]) -> list[tuple[float, float, float]]:
+    """(start, end, seconds) of each Auto planning (calibration, link probe, trial steps):
+    the step whose record carries ``auto_plan_s`` took that long more than a step."""
+    out = []
+    for r in records:
+        plan = r.get("auto_plan_s")
+        end = r.get("elapsed_s")
+        if isinstance(plan, (int, float)) and isinstance(end, (int, float)) and plan > 0:
+            length = float(r.get("step_time_s") or plan)
+            out.append((max(float(end) - max(length, plan), 0.0), float(end), float(plan)))
+    return out
+
+
+def panel(ax: Any, left: Series, right: Series, labels: tuple[str, str], title: str,
+          smooth_left: bool = False, spans: list[tuple[float, float, float]] | None = None
+          ) -> bool:
+    """Two series on one time axis (left and right scales); False when both are empty.
+
+    A series with no values leaves no axis behind: the other takes the left axis and the
+    title says what was not recorded (no note drawn over the data). ``spans``: Auto's
+    planning, shaded and named in the legend (the gap in the steps it explains)."""
+    colours = ["tab:blue", "tab:orange"]
+    missing = [label for (xs, _), label in zip((left, right), labels, strict=True) if not xs]
+    if not left[0] and right[0]:  # the right series moves onto the left axis
+        left, right, labels, smooth_left = right, ([], []), (labels[1], labels[0]), False
+        colours.reverse()
+    handles = []
     if left[0]:
         if smooth_left and len(left[1]) > 9:  # raw values faint, running median bold
-            ax.plot(*left, color="tab:blue", alpha=0.25, linewidth=0.8)
-            ax.plot(left[0], _smooth(left[1]), color="tab:blue", label=labels[0])
+            ax.plot(*left, color=colours[0], alpha=0.25, linewidth=0.8)
+            handles += ax.plot(left[0], _smooth(left[1]), color=colours[0], label=labels[0])
         else:
-            ax.plot(*left, color="tab:blue", label=labels[0], drawstyle="steps-post")
-        ax.set_ylabel(labels[0], color="tab:blue")
-        drew = True
+            handles += ax.plot(*left, color=colours[0], label=labels[0],
+                               drawstyle="steps-post")
+        ax.set_ylabel(labels[0], color=colours[0])
     else:
-        ax.text(0.5, 0.5, f"no {labels[0]} recorded", transform=ax.transAxes,
-                ha="center", color="gray")
+        ax.set_yticks([])
+        ax.text(0.5, 0.5, "nothing recorded", transform=ax.transAxes, ha="center",
+                color="gray")
     if right[0]:
         other = ax.twinx()
-        other.plot(*right, color="tab:orange", label=labels[1], linestyle="--",
-                   drawstyle="steps-post")
-        other.set_ylabel(labels[1], color="tab:orange")
-        drew = True
+        handles += other.plot(*right, color=colours[1], label=labels[1], linestyle="--",
+                              drawstyle="steps-post")
+        other.set_ylabel(labels[1], color=colours[1])
+    for i, (start, end, seconds) in enumerate(spans or []):
+        handles.append(ax.axvspan(start, end, color="tab:gray", alpha=0.2, linewidth=0,
+                                  label=None if i else
+                                  f"Auto planning ({seconds:.1f} s): calibration, link "
+                                  "probe, trial steps; no steps run"))
+    if spans:
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                  fontsize=8, frameon=False, ncol=2)  # below the axes: over no data
+    if missing and len(missing) < 2:
+        hint = MISSING_HINT.get(missing[0])
+        title += f"\n(no {missing[0].split(' (')[0]} recorded" + (f": {hint})" if hint
+                                                                  else ")")
     ax.set_xlabel("seconds since start")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=11)
     ax.grid(alpha=0.3)
-    return drew
+    return bool(left[0] or right[0])
 
 
 def render(run_dir: Path, out: Path | None = None) -> Path:
@@ -103,9 +141,11 @@ def render(run_dir: Path, out: Path | None = None) -> Path:
                           ("communication wait, % of step", "all-reduce bytes per step"),
                           "Communication share of the step"),
     }
+    spans = _planning_spans(records)
     for name, (left, right, labels, title) in panels.items():
         fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-        _twin(ax, left, right, labels, title, smooth_left=name == "loss_throughput")
+        panel(ax, left, right, labels, title, smooth_left=name == "loss_throughput",
+              spans=spans if name == "loss_throughput" else None)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png")
         plt.close(fig)

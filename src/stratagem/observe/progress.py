@@ -15,13 +15,16 @@ PLAIN_EVERY_S = 30.0  # plain lines within an epoch, at most this often
 
 @dataclass(frozen=True)
 class ProgressFields:
-    """What one progress line says. ``epoch`` is the script's own (0-based) epoch number,
-    as ``remaining_epochs_until`` and ``loader.epoch`` give it; adaptive fields (replicas,
-    local batch, efficiency) are None for jobs that are not adaptive and are then omitted."""
+    """What one progress line says. ``epoch`` is the loader's (0-based) epoch number, as
+    ``remaining_epochs_until`` and ``loader.epoch`` give it; the line counts epochs from 1,
+    as people (and the examples' own ``epoch 1/5`` lines) do. ``step``/``steps`` are the
+    epoch's position and length, counting the steps done before a resume. Adaptive fields
+    (replicas, local batch, efficiency) are None for jobs that are not adaptive and are then
+    omitted."""
 
     epoch: int
-    step: int  # optimizer steps done in this epoch
-    steps: int | None  # optimizer steps in the epoch, when known
+    step: int  # optimizer steps done in this epoch (before a resume too)
+    steps: int | None  # optimizer steps in the whole epoch, when known
     samples_per_s: float | None
     loss: float | None = None
     batch_size: int | None = None
@@ -31,7 +34,7 @@ class ProgressFields:
 
     def line(self) -> str:
         total = f"/{self.steps}" if self.steps else ""
-        parts = [f"epoch {self.epoch} step {self.step}{total}"]
+        parts = [f"epoch {self.epoch + 1} step {self.step}{total}"]
         if _finite(self.samples_per_s):
             parts.append(f"{self.samples_per_s:.4g} samples/s")
         if _finite(self.loss):

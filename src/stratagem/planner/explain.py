@@ -1,4 +1,5 @@
-"""The explanation of a planner choice: text tables within 80 columns, or JSON.
+"""The explanation of a planner choice: text tables within 80 columns, or JSON. Text that
+does not fit is wrapped onto the next lines, never cut.
 
 It shows the chosen strategy by parameter group, the predicted step split into compute,
 exposed communication and overheads, bytes per step on each link, the measured access of
@@ -7,12 +8,15 @@ row-sparse parameters, and the best alternatives with the part of the step they 
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
+
+import torch
 
 from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import Candidate, Choice
 from stratagem.planner.trial import RACED, Trial, fit, refined_s
-from stratagem.strategy.schema import AllReduceSynchronizer, PSSynchronizer, Strategy
+from stratagem.runtime.plan import Plan, compile_plan
 
 WIDTH = 80
 ALTERNATIVES = 5
@@ -22,36 +26,51 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f}"
 
 
-def _cut(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "~"
+def chunks(text: str, n: int) -> list[str]:
+    """``text`` in pieces of at most ``n`` characters, broken after a space, dot or slash
+    (else an underscore) in the second half of a piece (else at ``n``); joined, the
+    pieces (spaces at the breaks dropped) give ``text`` back."""
+    out = []
+    while len(text) > n:
+        cut = max(text.rfind(c, n // 2, n) for c in " ./")  # an underscore only
+        if cut < 0:  # where no word or dotted part ends in the second half
+            cut = text.rfind("_", n // 2, n)
+        cut = n if cut < 0 else cut + 1
+        out.append(text[:cut].rstrip(" "))
+        text = text[cut:].lstrip(" ") if text[cut - 1] == " " else text[cut:]
+    return [*out, text]
 
 
-def groups(strategy: Strategy, choice: Choice) -> list[dict[str, Any]]:
-    """The strategy by parameter group: all-reduce groups, then PS rows / dense pieces."""
+def _wrap(text: str, n: int = WIDTH) -> str:
+    """A line of prose within ``n`` columns: the rest on indented lines below."""
+    return textwrap.fill(text, n, subsequent_indent="    ", break_long_words=True,
+                         break_on_hyphens=False)
+
+
+def chosen_plan(choice: Choice) -> Plan:
+    """The chosen strategy compiled as rank 0 runs it: what the explanation describes."""
+    return compile_plan(choice.best.strategy, choice.profile, rank=0,
+                        world_size=choice.spec.num_workers, device=torch.device("cpu"))
+
+
+def groups(plan: Plan) -> list[dict[str, Any]]:
+    """The plan by unit: all-reduce groups, gathered rows, then PS rows / dense pieces (one
+    row each, with their owners), from :meth:`Plan.routes` as the runtime runs them."""
     out: dict[str, dict[str, Any]] = {}
-    sizes = {p.name: p.bytes for p in choice.profile.params}
-    for nc in strategy.node_config:
-        for leaf in nc.leaves():
-            s = leaf.synchronizer
-            if isinstance(s, AllReduceSynchronizer) and s.gather_rows:
-                key = "gathered rows"  # one collective each; shown together
-                how = "all-gather"
-            elif isinstance(s, AllReduceSynchronizer):
-                key = f"allreduce {s.group}"
-                how = s.compressor
-            elif isinstance(s, PSSynchronizer):
-                rows = s.row_sparse or choice.profile.get(nc.var_name).embedding_like
-                key = f"ps {'rows' if rows else 'dense'}"
-                how = "replicated" if s.local_replication else "on demand"
-            else:
-                continue
-            g = out.setdefault(key, {"group": key, "how": how, "params": [], "bytes": 0,
-                                     "owners": set()})
-            if nc.var_name not in g["params"]:
-                g["params"].append(nc.var_name)
-                g["bytes"] += sizes.get(choice.profile.get(nc.var_name).name, 0)
-            if isinstance(s, PSSynchronizer):
-                g["owners"].add(s.reduction_destination)
+    for r in plan.routes():
+        if r.kind == "gathered rows":
+            key, how = "gathered rows", "all-gather"  # one collective each; shown together
+        elif r.kind == "all-reduce":
+            key, how = f"allreduce {r.unit}", r.how
+        else:
+            key, how = f"ps {'rows' if r.kind == 'PS sparse rows' else 'dense'}", r.how
+        g = out.setdefault(key, {"group": key, "kind": r.kind, "how": how, "params": [],
+                                 "bytes": 0, "owners": set()})
+        if r.param not in g["params"]:
+            g["params"].append(r.param)
+        g["bytes"] += r.nbytes
+        if r.kind.startswith("PS"):
+            g["owners"].add(r.destination)
     for g in out.values():
         g["owners"] = sorted(g["owners"])
     return list(out.values())
@@ -86,8 +105,11 @@ def _trials(choice: Choice, alt: Candidate) -> tuple[Trial | None, Trial | None]
     return by.get(alt.name), by.get(choice.best.name)
 
 
-def explain_json(choice: Choice) -> dict[str, Any]:
+def explain_json(choice: Choice, plan: Plan | None = None) -> dict[str, Any]:
+    """The explanation as JSON; ``plan``: the chosen strategy's compiled plan (compiled
+    here when not given)."""
     best = choice.best
+    plan = plan or chosen_plan(choice)
     refinement = fit(choice.trials)
     return {
         "chosen": best.name,
@@ -97,7 +119,7 @@ def explain_json(choice: Choice) -> dict[str, Any]:
         "calibration": choice.calibration.to_dict(),
         "search_s": choice.search_s,
         "predicted": best.cost.to_dict(),
-        "groups": groups(best.strategy, choice),
+        "groups": groups(plan),
         "alternatives": [{"name": c.name, "predicted": c.cost.to_dict(),
                           "refined_s": (refined_s(c.cost, refinement)
                                         if refinement is not None else None),
@@ -111,27 +133,36 @@ def explain_json(choice: Choice) -> dict[str, Any]:
 
 
 def _table(rows: list[list[str]], widths: list[int], right: set[int]) -> list[str]:
+    """Rows in columns of ``widths``; a cell wider than its column goes on in the same
+    column on the next lines (the other cells blank there)."""
     lines = []
     for r in rows:
-        cells = [(_cut(c, w).rjust(w) if i in right else _cut(c, w).ljust(w))
-                 for i, (c, w) in enumerate(zip(r, widths, strict=True))]
-        lines.append("  " + "  ".join(cells).rstrip())
+        pieces = [chunks(c, w) for c, w in zip(r, widths, strict=True)]
+        for k in range(max(len(p) for p in pieces)):
+            cells = [(p[k] if k < len(p) else "") for p in pieces]
+            lines.append("  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                                          for i, (c, w) in enumerate(zip(cells, widths,
+                                                                         strict=True))
+                                          ).rstrip())
     return lines
 
 
-def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
+def explain_text(choice: Choice, alternatives: int = ALTERNATIVES,
+                 plan: Plan | None = None) -> str:
+    """The explanation as text; ``plan`` as for :func:`explain_json`."""
     best: Candidate = choice.best
+    plan = plan or chosen_plan(choice)
     cost, cal, spec = best.cost, choice.calibration, choice.spec
     how = (f"calibrated in {cal.seconds:.1f} s" if cal.measured
            else "estimated from the profile (no sample batch)")
-    lines = [_cut(f"Auto chose {best.name} for {spec.num_workers} workers on "
+    lines = [_wrap(f"Auto chose {best.name} for {spec.num_workers} workers on "
                   f"{len(spec.nodes)} node(s), batch {cal.batch_size}/worker", WIDTH),
-             _cut(f"costs {how}; search {choice.search_s:.2f} s", WIDTH),
-             _cut(f"predicted step {_ms(cost.total_s)} ms = compute {_ms(cost.compute_s)}"
+             _wrap(f"costs {how}; search {choice.search_s:.2f} s", WIDTH),
+             _wrap(f"predicted step {_ms(cost.total_s)} ms = compute {_ms(cost.compute_s)}"
                   f" + exposed comm {_ms(cost.exposed_comm_s)} + overheads "
                   f"{_ms(cost.overhead_s)}", WIDTH), "", "parameter groups:"]
     rows = [["group", "sync", "params", "MiB", "first parameter"]]
-    for g in groups(best.strategy, choice):
+    for g in groups(plan):
         rows.append([g["group"], g["how"], str(len(g["params"])),
                      f"{g['bytes'] / 2**20:.2f}", g["params"][0]])
     lines += _table(rows, [13, 10, 6, 9, 30], {2, 3})
@@ -150,21 +181,21 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
     if choice.link_probe is not None:
         p = choice.link_probe
         alone = (f", one link alone {p.link_bps * 8 / 1e9:.2f}" if p.link_bps else "")
-        lines += ["", _cut(f"links measured ({p.seconds:.2f} s): {p.bus_bps * 8 / 1e9:.2f} "
+        lines += ["", _wrap(f"links measured ({p.seconds:.2f} s): {p.bus_bps * 8 / 1e9:.2f} "
                            f"Gbit/s all at once{alone} (spec "
                            f"{p.nominal_bps * 8 / 1e9:.2f})", WIDTH),
-                  _cut(f"  fixed costs: collective {p.collective_s * 1e6:.0f} us"
+                  _wrap(f"  fixed costs: collective {p.collective_s * 1e6:.0f} us"
                        + (f" (a group's {p.group_fixed_s * 1e6:.0f} us)"
                           if p.group_fixed_s else "")
                        + f", message {p.message_s * 1e6:.0f} us"
                        + (f", chained all-to-all {p.all_to_all_s * 1e6:.0f} us"
                           if p.all_to_all_s else ""), WIDTH)]
         if p.pull_round_s:
-            lines.append(_cut(f"  pull round: {p.pull_round_s * 1e6:.0f} us split over owners"
+            lines.append(_wrap(f"  pull round: {p.pull_round_s * 1e6:.0f} us split over owners"
                               + (f"; {p.pull_round_one_s * 1e6:.0f} us with one owner"
                                  if p.pull_round_one_s else ""), WIDTH))
         if p.interference:
-            lines.append(_cut(f"  overlap: compute beside a transfer loses "
+            lines.append(_wrap(f"  overlap: compute beside a transfer loses "
                               f"{p.interference:.0%} of the transfer's time", WIDTH))
     if choice.trials:
         lines += ["", "trial steps (slowest rank, median):"]
@@ -178,15 +209,15 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
                          _ms(t.predicted_s), meas, err])
         lines += _table(rows, [24, 13, 12, 6], {1, 2, 3})
         if any(t.note == RACED for t in choice.trials):
-            lines.append(_cut("+: the second look, raced against the first trials' winner "
+            lines.append(_wrap("+: the second look, raced against the first trials' winner "
                               "(what their rates put level with it)", WIDTH))
         refinement = fit(choice.trials)
         if refinement is not None:
-            lines.append(_cut("the trials rescale the model: compute and overheads "
+            lines.append(_wrap("the trials rescale the model: compute and overheads "
                               f"x{refinement.cpu:.2f}, exposed communication "
                               f"x{refinement.wire:.2f}", WIDTH))
             if refinement.pull is not None:
-                lines.append(_cut(f"  but the sparse rows' pulls x{refinement.pull:.2f} "
+                lines.append(_wrap(f"  but the sparse rows' pulls x{refinement.pull:.2f} "
                                   "(the trials' forward, timed)", WIDTH))
     alts = choice.candidates[1:1 + alternatives]
     if alts:

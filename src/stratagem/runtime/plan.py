@@ -96,6 +96,53 @@ class GroupPlan:
         return tuple(dict.fromkeys(m.param for m in self.members))
 
 
+ROUTE_KINDS = ("all-reduce", "gathered rows", "PS", "PS sparse rows")
+"""How a piece's gradient travels, in the words every report uses: summed by an all-reduce,
+its touched rows all-gathered and summed on every worker, pushed densely to a parameter
+server, or pushed to one as the rows it touched."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """One gradient piece (a whole parameter or one part) and how the plan moves it: the one
+    source of the explanation's table, the per-parameter list and the picture, so the three
+    say what the runtime does.
+
+    ``unit``: the all-reduce group id, or the owner's rank, that handles the piece; ``how``:
+    the compressor of an all-reduce, ``replicated``/``on demand`` for a PS piece."""
+
+    param: str
+    index: int
+    shape: tuple[int, ...]
+    numel: int
+    nbytes: int
+    kind: str
+    unit: int
+    how: str
+    axis: int | None = None
+    start: int = 0
+    length: int = 0
+    part: int | None = None
+    destination: str = ""
+
+    @property
+    def piece(self) -> str:
+        """The part this piece is, or "" for a whole parameter."""
+        if self.axis is None:
+            return ""
+        what = "rows" if self.axis == 0 else f"axis {self.axis}"
+        return f"{what} {self.start}:{self.start + self.length}"
+
+    def text(self) -> str:
+        """The piece in words: ``all-reduce group 0 (none)``, ``rows all-gathered (group
+        10004)``, ``PS sparse rows -> rank 1 (10.0.0.1:CPU:1, on demand)``."""
+        if self.kind == "all-reduce":
+            return f"all-reduce group {self.unit} ({self.how})"
+        if self.kind == "gathered rows":
+            return f"rows all-gathered, summed on every worker (group {self.unit})"
+        return f"{self.kind} -> rank {self.unit} ({self.destination}, {self.how})"
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one rank executes: groups in launch order, parameters in profile order."""
@@ -133,6 +180,41 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def routes(self) -> tuple[Route, ...]:
+        """Every gradient piece and how it travels, in parameter then part order."""
+        out = []
+        for g in self.groups:
+            size = torch.empty((), dtype=getattr(torch, g.dtype)).element_size()
+            kind = "gathered rows" if g.gather_rows else "all-reduce"
+            how = g.compressor + (f" rank {g.powersgd_rank}" if g.compressor == "powersgd"
+                                  else "")
+            out += [Route(param=m.param, index=m.index, shape=m.shape, numel=m.numel,
+                          nbytes=m.numel * size, kind=kind, unit=g.id, how=how, axis=m.axis,
+                          start=m.start, length=m.length, part=m.part) for m in g.members]
+        for p in self.ps.pieces if self.ps is not None else ():
+            size = torch.empty((), dtype=getattr(torch, p.dtype)).element_size()
+            out.append(Route(param=p.param, index=p.index, shape=p.shape, numel=p.numel,
+                             nbytes=p.numel * size,
+                             kind="PS sparse rows" if p.sparse else "PS", unit=p.owner,
+                             how="replicated" if p.local_replication else "on demand",
+                             axis=p.axis, start=p.start, length=p.length, part=p.part,
+                             destination=p.destination))
+        return tuple(sorted(out, key=lambda r: (r.index, r.part or 0)))
+
+    def by_parameter(self) -> list[str]:
+        """One line per parameter: how each of its pieces travels (from :meth:`routes`)."""
+        pieces: dict[str, list[Route]] = {}
+        for r in self.routes():
+            pieces.setdefault(r.param, []).append(r)
+        lines = []
+        for name, rs in pieces.items():
+            if len(rs) == 1 and not rs[0].piece:
+                lines.append(f"  {name}: {rs[0].text()}")
+            else:
+                lines.append(f"  {name}: {len(rs)} parts: "
+                             + "; ".join(f"{r.piece} {r.text()}" for r in rs))
+        return lines
 
     def summary(self) -> str:
         total = sum(g.nbytes for g in self.groups)

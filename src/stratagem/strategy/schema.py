@@ -9,8 +9,8 @@ it, people can write it by hand, and the runtime compiles it per rank.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -184,13 +184,21 @@ class GraphConfig:
 
 @dataclass(frozen=True)
 class Strategy:
-    """A complete plan: one :class:`NodeConfig` per trainable parameter plus the replicas."""
+    """A complete plan: one :class:`NodeConfig` per trainable parameter plus the replicas.
+
+    ``id`` is derived, not chosen: the first 12 hex digits of the SHA-256 of the canonical
+    content (:func:`content_id`), so the same plan has the same id in every run and on every
+    machine, and an edit of the plan changes it. The builder's name is a label, not content.
+    """
 
     node_config: tuple[NodeConfig, ...]
     graph_config: GraphConfig = field(default_factory=GraphConfig)
     builder: str = "manual"
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    id: str = field(init=False, compare=False)
     version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", content_id(self))
 
     # A Strategy is also a builder of itself, so a loaded one can be passed wherever a
     # builder is expected.
@@ -257,26 +265,44 @@ class Strategy:
         data = load_yaml(text, str(p), StrategyError, fix)  # YAML is a superset of JSON
         return cls.from_dict(data, source=str(p))
 
+    def canonical(self) -> dict[str, Any]:
+        """What the strategy does, without its labels (id, builder): the replicas and every
+        parameter's synchronizers, in a form that serializes the same way everywhere."""
+        return {"version": self.version, "graph_config": self.graph_config.to_dict(),
+                "node_config": [nc.to_dict() for nc in self.node_config]}
+
     def summary(self) -> str:
         """A human-readable table: parameter, synchronizer, partition."""
         lines = [f"strategy {self.id} (builder {self.builder}, "
                  f"{len(self.graph_config.replicas)} replicas)"]
         for nc in self.node_config:
             if nc.partitioner:
-                parts = "; ".join(_sync_text(p.synchronizer) for p in nc.part_config)
+                parts = "; ".join(sync_text(p.synchronizer) for p in nc.part_config)
                 lines.append(f"  {nc.var_name}: partitioned {nc.partitioner} -> {parts}")
             else:
-                lines.append(f"  {nc.var_name}: {_sync_text(nc.synchronizer)}")
+                lines.append(f"  {nc.var_name}: {sync_text(nc.synchronizer)}")
         return "\n".join(lines)
 
 
-def _sync_text(s: Synchronizer | None) -> str:
+def content_id(strategy: Strategy) -> str:
+    """The strategy's id: a hash of :meth:`Strategy.canonical` (keys sorted, no spaces)."""
+    text = json.dumps(strategy.canonical(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def sync_text(s: Synchronizer | None) -> str:
+    """One synchronizer in a line, as the summaries and the differences print it."""
     if isinstance(s, AllReduceSynchronizer):
-        return f"AllReduce(group={s.group}, compressor={s.compressor})"
+        if s.gather_rows:
+            return f"AllReduce(group={s.group}, gather_rows)"
+        rank = f", rank={s.powersgd_rank}" if s.compressor == "powersgd" else ""
+        spec = "" if s.spec == "auto" else f", spec={s.spec}"
+        return f"AllReduce(group={s.group}, compressor={s.compressor}{rank}{spec})"
     if isinstance(s, PSSynchronizer):
         mode = "async" if not s.sync else f"staleness={s.staleness}"
         rows = ", rows" if s.row_sparse else ""
-        return f"PS(dest={s.reduction_destination}, {mode}{rows})"
+        copy = ", replicated" if s.local_replication else ""
+        return f"PS(dest={s.reduction_destination}, {mode}{rows}{copy})"
     return "none"
 
 
@@ -321,15 +347,14 @@ class _StrategyParser:
             raise self.fail("node_config", "expected a list of per-parameter configs",
                             "add one entry per trainable parameter")
         nodes = tuple(self.node(f"node_config[{i}]", n) for i, n in enumerate(raw_nodes))
-        kwargs: dict[str, Any] = {}
         for key in ("id", "builder"):
             if key in data and not isinstance(data[key], (str, int)):
                 raise self.fail(key, f"expected a string, got {type(data[key]).__name__}",
                                 f"write {key} as a short name")
-        if "id" in data:
-            kwargs["id"] = str(data["id"])
+        # A written ``id`` is read and not kept: the id is the content's hash, so a file of
+        # an older release (random ids) or a hand-edited one gets the id of what it says.
         return Strategy(node_config=nodes, graph_config=GraphConfig(tuple(replicas)),
-                        builder=str(data.get("builder", "manual")), **kwargs)
+                        builder=str(data.get("builder", "manual")))
 
     def node(self, where: str, data: Any, in_part: bool = False) -> NodeConfig:
         data = self.mapping(where, data)

@@ -22,6 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stratagem.adaptdl import collective, env
+from stratagem.adaptdl.torch import job
 from stratagem.adaptdl.torch.data import current_dataloader
 from stratagem.elastic.epoch import current_epoch
 from stratagem.elastic.state import State, load_state
@@ -157,6 +158,7 @@ class Accumulator(MutableMapping):
             self._synchronized = state.results
         try:
             yield self
+            job.report_loss(self._synchronized)  # (after the block: the script's averages)
         finally:
             self._synchronized = None
 

@@ -21,6 +21,7 @@ from stratagem.elastic.state import restore_point
 
 _autodist: Any = None
 _models: weakref.WeakSet[Any] = weakref.WeakSet()
+_loss_steps = -1  # the trainer's steps when an Accumulator's loss was last recorded
 _loaders: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
@@ -87,6 +88,36 @@ def autodist() -> Any:
     if _autodist is None:
         init_process_group()
     return _autodist
+
+
+def report_loss(values: dict[str, Any]) -> None:
+    """An Accumulator's synchronized values: if one is a loss, record it with the current
+    step (metrics file, progress line, ``stratagem report``'s loss panel), as
+    ``ad.log_metrics(loss=...)`` would; AdaptDL scripts have no other way to say it. A key
+    with "loss" in its name is taken as it is (``loss``, ``loss_avg``), a ``*loss*_sum``
+    divided by the first of ``total``/``count``/``num``/``samples`` present."""
+    global _loss_steps
+    ad = _autodist
+    trainer = getattr(ad, "adaptive", None)
+    if trainer is None or trainer.steps == _loss_steps:
+        return  # no training since the last one: a validation pass's loss is not recorded
+    loss = None
+    for key, value in values.items():
+        if hasattr(value, "numel") and value.numel() == 1:
+            value = value.item()
+        if "loss" not in key.lower() or not isinstance(value, (int, float)):
+            continue
+        if key.lower().endswith("sum"):
+            count = next((values[k] for k in ("total", "count", "num", "samples")
+                          if isinstance(values.get(k), (int, float)) and values[k]), None)
+            if count is None:
+                continue
+            value = value / count
+        loss = float(value)
+        break
+    if loss is not None:
+        _loss_steps = trainer.steps
+        ad.log_metrics(loss=loss)
 
 
 def register_model(model: Any) -> None:

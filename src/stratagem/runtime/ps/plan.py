@@ -154,7 +154,7 @@ class PSPlan:
 
 def uses_sparse_path(info: ParamInfo) -> bool:
     """Whether a PS parameter travels as rows: sparse gradients, or an untied embedding."""
-    return info.sparse or (info.embedding_like and not info.aliases)
+    return info.sparse_access
 
 
 def owner_of(destination: str, replicas: tuple[str, ...], servers: tuple[str, ...],

@@ -73,51 +73,117 @@ def _pyplot():
     return plt
 
 
-def plot_allocation(result: SimResult, path: str | Path) -> Path | None:
-    """Stacked GPUs per application over time (None without matplotlib)."""
+def time_unit(seconds: float) -> tuple[str, float]:
+    """(unit, seconds per unit) that shows ``seconds`` with readable numbers: a small
+    workload's minutes are not "0.01 h"."""
+    if seconds < 120:
+        return "s", 1.0
+    if seconds < 2 * 3600:
+        return "min", 60.0
+    return "h", 3600.0
+
+
+def allocation_series(result: SimResult) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """(times in seconds, applications, GPUs per application at each time) as they were
+    held: the decisions' allocations, with a job's GPUs given back at its completion (not
+    at the next decision), and a point at the end of the run, so the series covers the
+    makespan and an idle gap shows no GPUs."""
+    apps = sorted(set(result.applications.values()))
+    done = {j.name: j.completion_time for j in result.jobs if j.completion_time is not None}
+    end = max([*done.values(), *result.times], default=0.0)
+    points = np.array(sorted({*result.times, *done.values(), end}), dtype=float)
+    stack = np.zeros((len(apps), points.size))
+    taken = np.searchsorted(np.asarray(result.times, dtype=float), points, side="right") - 1
+    for t, (point, i) in enumerate(zip(points, taken, strict=True)):
+        if i < 0:
+            continue
+        for name, k in result.allocations[i].items():
+            if done.get(name, np.inf) > point:
+                stack[apps.index(result.applications[name]), t] += k
+    return points, apps, stack
+
+
+def allocation_figure(result: SimResult) -> Any:
+    """The stacked GPUs per application over the whole run (see :func:`allocation_series`)."""
     plt = _pyplot()
     if plt is None:
         return None
-    apps = sorted(set(result.applications.values()))
-    hours = np.array(result.times) / 3600.0
-    stack = np.zeros((len(apps), len(hours)))
-    for t, alloc in enumerate(result.allocations):
-        for name, k in alloc.items():
-            stack[apps.index(result.applications[name]), t] += k
+    points, apps, stack = allocation_series(result)
+    unit, per = time_unit(float(points[-1]) if points.size else 0.0)
     fig, ax = plt.subplots(figsize=(8, 3.5), dpi=110)
-    if hours.size:
-        ax.stackplot(hours, stack, labels=apps, step="post")
+    if points.size:
+        ax.stackplot(points / per, stack, labels=apps, step="post")
+        ax.set_xlim(0, max(float(points[-1]) / per, 1e-9))
     total = result.options.num_nodes * result.options.gpus_per_node
     ax.axhline(total, color="black", lw=0.8, ls="--", label="cluster GPUs")
-    ax.set(xlabel="time (hours)", ylabel="GPUs allocated", ylim=(0, total * 1.05),
+    ax.set(xlabel=f"time ({unit})", ylabel="GPUs allocated", ylim=(0, total * 1.15),
            title=f"{result.policy}: allocation over time ({result.workload})")
-    ax.legend(loc="upper right", fontsize=7, ncol=2)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=7, frameon=False,
+              ncol=min(len(apps) + 1, 5))  # below the axes: over no allocation
     fig.tight_layout()
+    return fig
+
+
+def plot_allocation(result: SimResult, path: str | Path) -> Path | None:
+    """Stacked GPUs per application over time (None without matplotlib)."""
+    fig = allocation_figure(result)
+    if fig is None:
+        return None
     fig.savefig(path)
-    plt.close(fig)
+    _pyplot().close(fig)
     return Path(path)
+
+
+STYLES = ("-", "--", ":", "-.")  # policies whose lines coincide stay told apart
+
+
+def jct_cdf_figure(jcts: Mapping[str, Sequence[float]], title: str = "JCT CDF") -> Any:
+    """One CDF line per policy, log-scaled time axis in a unit that suits the values; a
+    policy whose completion times equal an earlier one's is drawn dashed over it and says
+    so in the legend."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    longest = max((max(v) for v in jcts.values() if len(v)), default=0.0)
+    unit, per = time_unit(float(longest))
+    fig, ax = plt.subplots(figsize=(6, 4.6), dpi=110)
+    drawn: dict[str, np.ndarray] = {}
+    for i, (policy, values) in enumerate(jcts.items()):
+        v = np.sort(np.asarray(values, dtype=float))
+        if not v.size:
+            continue
+        same = next((p for p, w in drawn.items() if w.shape == v.shape
+                     and np.allclose(w, v, rtol=1e-9, atol=1e-6)), None)
+        label = f"{policy} (mean {v.mean() / per:.3g} {unit})"
+        if same is not None:
+            label += f", the same as {same}"
+        ax.step(v / per, np.arange(1, v.size + 1) / v.size, where="post", label=label,
+                linestyle=STYLES[i % len(STYLES)], linewidth=2.4 - 0.5 * (i % 3),
+                zorder=3 + i)
+        drawn[policy] = v
+    ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 2, 5, 10; not 2×10^0
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set(xlabel=f"job completion time ({unit}, log scale)", ylabel="fraction of jobs",
+           ylim=(0, 1.01), title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
 
 
 def plot_jct_cdf(jcts: Mapping[str, Sequence[float]], path: str | Path,
                  title: str = "JCT CDF") -> Path | None:
-    """One CDF line per policy, log-scaled time axis (None without matplotlib)."""
-    plt = _pyplot()
-    if plt is None:
+    """One CDF line per policy (:func:`jct_cdf_figure`; None without matplotlib)."""
+    fig = jct_cdf_figure(jcts, title)
+    if fig is None:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
-    for policy, values in jcts.items():
-        v = np.sort(np.asarray(values, dtype=float))
-        if v.size:
-            ax.step(v / 3600.0, np.arange(1, v.size + 1) / v.size, where="post",
-                    label=f"{policy} (mean {v.mean() / 3600:.2f} h)")
-    ax.set_xscale("log")
-    ax.set(xlabel="job completion time (hours, log scale)", ylabel="fraction of jobs",
-           ylim=(0, 1.01), title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
+    _pyplot().close(fig)
     return Path(path)
 
 

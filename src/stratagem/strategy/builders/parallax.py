@@ -41,7 +41,7 @@ def sparse_access(info: ParamInfo) -> bool:
     embedding without sparse gradients (``info.aliases``, e.g. shared with an output
     ``nn.Linear``) stays dense: the other user writes every row, so all-reduce is cheaper.
     """
-    return info.sparse or (info.embedding_like and not info.aliases)
+    return info.sparse_access
 
 
 @register("Parallax")
