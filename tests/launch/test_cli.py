@@ -138,6 +138,24 @@ def test_dry_run_passes_script_args_through(script: Script,
     assert argv[argv.index("--nnodes") + 1] == "1"
 
 
+def test_script_options_that_abbreviate_launcher_options_go_to_the_script(
+        script: Script, capsys: pytest.CaptureFixture[str]) -> None:
+    """``stratagem run --nproc 2 s.py --n 1024``: ``--n`` belongs to the script, not an
+    ambiguous abbreviation of the launcher's, the agent's or torchrun's options."""
+    from torch.distributed.run import get_args_parser
+
+    path = script("train.py", "")
+    code, out, err = run_cli(capsys, "run", "--dry-run", "--nproc", "2", str(path),
+                             "--n", "1024", "--node", "x", "-q")
+    assert code == 0, err
+    argv = shlex.split(out.split(": ", 1)[1])
+    torchrun = argv[argv.index("--") + 1:]  # what the agent hands torchrun, as it parses it
+    args = get_args_parser().parse_args(torchrun)
+    assert args.module and args.training_script == "stratagem.launch.worker"
+    assert args.training_script_args == [str(path), "--n", "1024", "--node", "x", "-q"]
+    assert args.nproc_per_node == "2"
+
+
 PLAN_WITHOUT_TORCH = """
 import sys
 import stratagem.resource
@@ -171,7 +189,8 @@ def test_a_reader_that_leaves_early_is_not_a_traceback() -> None:
             "def spam(args):\n    for i in range(1_000_000):\n        print('line', i)\n"
             "    return 0\n"
             "parser = argparse.ArgumentParser()\nparser.set_defaults(handler=spam)\n"
-            "cli.build_parser = lambda: parser\nsys.exit(cli.main([]))\n")
+            "sys.modules['stratagem.cli.main'].build_parser = lambda: parser\n"
+            "sys.exit(cli.main([]))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stdout.readline() == b"line 0\n"
