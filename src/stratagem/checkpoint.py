@@ -447,7 +447,13 @@ def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer
                               f"{world}: synchronizer state (e.g. PowerSGD) restarts fresh",
                               stacklevel=2)
     if optimizer is not None and (p / "optimizer.pt").is_file():
-        optimizer.load_state_dict(load_file(p, "optimizer.pt", map_location))
+        state = load_file(p, "optimizer.pt", map_location)
+        try:  # torch says ValueError (group sizes) or KeyError (missing fields)
+            optimizer.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"optimizer does not match: {exc!r}"[:500], where=str(p),
+                                  fix="build the optimizer over the same parameters (and "
+                                      "parameter groups) as the one that was saved") from None
     if scaler is None:
         scaler = getattr(model, "scaler", None)
     if scaler is not None and (p / "scaler.pt").is_file():

@@ -163,3 +163,11 @@ def test_rescale_store_beyond_loopback_needs_a_token(
     # The token names the job's keys: without it a client cannot find them.
     assert namespace("s3cret") != namespace(None) and "s3cret" not in namespace("s3cret")
     assert namespace("s3cret") == namespace("s3cret") != namespace("other")
+
+
+@pytest.mark.parametrize("port", ["-1", "0", "65536"])
+def test_serve_refuses_a_port_out_of_range(port: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port} is not a TCP port" in err and "1 to 65535" in err

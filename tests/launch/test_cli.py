@@ -156,6 +156,25 @@ def test_script_options_that_abbreviate_launcher_options_go_to_the_script(
     assert args.nproc_per_node == "2"
 
 
+@pytest.mark.parametrize(("variable", "value"), [
+    ("STRATAGEM_PG_TIMEOUT_S", "nan"), ("STRATAGEM_PG_TIMEOUT_S", "0"),
+    ("STRATAGEM_PEER_TIMEOUT_S", "nan"), ("STRATAGEM_CHECKPOINT_SECONDS", "inf"),
+    ("STRATAGEM_CHECKPOINT_DIR", "   ")])
+def test_bad_environment_fails_the_launch_not_the_workers(
+        script: Script, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        variable: str, value: str) -> None:
+    monkeypatch.setenv(variable, value)
+    code, _, err = run_cli(capsys, "run", "--dry-run", str(script("t.py", "")))
+    assert code == 2 and variable in err and "Traceback" not in err
+
+
+def test_checkpoint_seconds_must_be_finite(script: Script, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "run", "--dry-run", "--checkpoint-dir", str(tmp_path),
+                           "--checkpoint-seconds", "inf", str(script("t.py", "")))
+    assert code == 2 and "--checkpoint-seconds must be 0 to 1e9" in err
+
+
 PLAN_WITHOUT_TORCH = """
 import sys
 import stratagem.resource

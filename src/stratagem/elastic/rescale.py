@@ -406,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
                              "required when listening beyond loopback")
     args = parser.parse_args(argv)
     try:
+        if not 1 <= args.port <= 65535:
+            raise DistributedError(f"--port {args.port} is not a TCP port", where="--port",
+                                   fix="pass a free port from 1 to 65535, e.g. --port 29600")
         server = host_store(args.host, args.port, token=args.token or env.rescale_token())
     except DistributedError as exc:
         print(exc.render(), file=sys.stderr)
