@@ -121,13 +121,18 @@ def write_collectively(final: Path, write: Callable[[Path], None], meta: dict[st
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    write(tmp)
-    _barrier()
-    if rank == 0:
-        if final.exists() and not replace:
-            raise CheckpointError("checkpoint already exists", where=str(final),
-                                  fix="remove it or write to a new path")
-        commit(tmp, final, meta, world, _sums(tmp), old=final.with_name(final.name + ".old"))
+    try:
+        write(tmp)
+        _barrier()
+        if rank == 0:
+            if final.exists() and not replace:
+                raise CheckpointError("checkpoint already exists", where=str(final),
+                                      fix="remove it or write to a new path")
+            commit(tmp, final, meta, world, _sums(tmp),
+                   old=final.with_name(final.name + ".old"))
+    except BaseException:  # a full disk: the partial files must not keep the space
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier()
     return final
 

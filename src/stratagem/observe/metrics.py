@@ -3,12 +3,14 @@ docs/reference/metrics.md), appended by rank 0 and read by ``stratagem report``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
 from typing import IO, Any
 
 from stratagem.errors import StratagemError
+from stratagem.observe.side_output import SideOutput
 
 METRICS_FILE = "metrics.jsonl"
 MAX_LINE = 1 << 16  # a longer line is not ours: refuse rather than hold it in memory
@@ -32,23 +34,32 @@ def _clean(value: Any) -> Any:
 
 class MetricsFile:
     """Appends records to ``directory/metrics.jsonl`` (created on the first write), one
-    flushed line each, so a crashed run keeps every step it finished."""
+    flushed line each, so a crashed run keeps every step it finished. A full or read-only
+    disk stops the file with one warning; training goes on (:mod:`.side_output`)."""
 
     def __init__(self, directory: Path) -> None:
         self.path = Path(directory) / METRICS_FILE
         self._fh: IO[str] | None = None
+        self.output = SideOutput(f"the metrics file {self.path}")
 
     def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(_clean(record), separators=(",", ":")) + "\n"
+        if self.output.attempt(lambda: self._append(line)) is None:
+            self.close()
+
+    def _append(self, line: str) -> bool:
         if self._fh is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held open
-        self._fh.write(json.dumps(_clean(record), separators=(",", ":")) + "\n")
+        self._fh.write(line)
         self._fh.flush()
+        return True
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            with contextlib.suppress(OSError):  # the buffered rest cannot be written either
+                fh.close()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
