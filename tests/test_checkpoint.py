@@ -38,6 +38,18 @@ def test_roundtrip_restores_model_and_optimizer(tmp_path: Path) -> None:
     assert torch.equal(state["0.weight"], model[0].weight)
 
 
+def test_optimizer_over_fewer_parameters_is_a_checkpoint_error(tmp_path: Path) -> None:
+    """Like the restore path (``track_model``): a mismatched optimizer is a CheckpointError
+    with a fix, not torch's bare ValueError."""
+    model, opt = _trained()
+    checkpoint.save(tmp_path / "ck", model, opt)
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    fewer = torch.optim.Adam(list(fresh.parameters())[:2], lr=0.01)  # first layer only
+    with pytest.raises(CheckpointError, match="optimizer does not match") as err:
+        checkpoint.load(tmp_path / "ck", fresh, fewer)
+    assert err.value.where == str(tmp_path / "ck") and "same parameters" in (err.value.fix or "")
+
+
 def test_corrupt_file_is_detected(tmp_path: Path) -> None:
     model, opt = _trained()
     checkpoint.save(tmp_path / "ck", model, opt)

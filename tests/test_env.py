@@ -3,6 +3,7 @@ defaults, fallbacks and deprecated aliases."""
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -120,3 +121,33 @@ def test_the_reference_page_lists_every_accessor() -> None:
     accessors = [name for name, f in vars(env).items() if callable(f)
                  and not name.startswith("_") and getattr(f, "__module__", "") == env.__name__]
     assert accessors and [a for a in accessors if f"`env.{a}()`" not in page] == []
+
+
+@pytest.mark.parametrize(("name", "value", "valid"), [
+    ("STRATAGEM_PG_TIMEOUT_S", "nan", "finite"), ("STRATAGEM_PG_TIMEOUT_S", "1e309", "finite"),
+    ("STRATAGEM_PG_TIMEOUT_S", "0", "more than 0 and at most 604800"),
+    ("STRATAGEM_PG_TIMEOUT_S", "-1", "more than 0 and at most 604800"),
+    ("STRATAGEM_PG_TIMEOUT_S", "1e9", "more than 0 and at most 604800"),
+    ("STRATAGEM_PS_TIMEOUT", "inf", "finite"),
+    ("STRATAGEM_RESCALE_TIMEOUT_S", "-5", "more than 0"),
+    ("STRATAGEM_PEER_TIMEOUT_S", "nan", "finite"),
+    ("STRATAGEM_PEER_TIMEOUT_S", "-1", "0 (disabled) to 604800"),
+    ("STRATAGEM_CHECKPOINT_SECONDS", "nan", "finite"),
+    ("STRATAGEM_CHECKPOINT_SECONDS", "inf", "finite"),
+    ("STRATAGEM_CHECKPOINT_DIR", "   ", "a directory"),
+    ("ADAPTDL_CHECKPOINT_PATH", "\t", "a directory"),
+])
+def test_bad_numbers_and_blank_directories_name_the_variable_and_range(
+        monkeypatch: pytest.MonkeyPatch, name: str, value: str, valid: str) -> None:
+    for other in ALL:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(StratagemError) as err, warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        env.validate()
+    assert name in str(err.value) and valid in f"{err.value} {err.value.fix}"
+
+
+def test_zero_peer_timeout_still_disables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRATAGEM_PEER_TIMEOUT_S", "0")
+    assert env.peer_timeout() == 0

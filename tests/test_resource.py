@@ -455,6 +455,7 @@ def test_address_must_be_a_host_name_or_ip(address: str) -> None:
 
 @pytest.mark.parametrize(("raw", "canonical"), [
     (" 10.0.0.1", "10.0.0.1"), ("10.0.0.1 ", "10.0.0.1"), ("0:0::1", "::1"),
+    ("::ffff:10.0.0.1", "10.0.0.1"),
     ("node-1.example.com", "node-1.example.com"), ("worker_2", "worker_2")])
 def test_addresses_are_normalized(raw: str, canonical: str) -> None:
     spec = ResourceSpec.from_dict({"nodes": [{"address": raw}]})
@@ -462,7 +463,8 @@ def test_addresses_are_normalized(raw: str, canonical: str) -> None:
 
 
 @pytest.mark.parametrize(("first", "second"), [
-    ("10.0.0.1", " 10.0.0.1"), ("fe80::1", "FE80:0::1"), ("Node1.lan", "node1.lan")])
+    ("10.0.0.1", " 10.0.0.1"), ("fe80::1", "FE80:0::1"), ("Node1.lan", "node1.lan"),
+    ("10.0.0.1", "::ffff:10.0.0.1"), ("::FFFF:a00:1", "10.0.0.1")])
 def test_one_machine_written_two_ways_is_a_duplicate(first: str, second: str) -> None:
     with pytest.raises(ResourceSpecError, match=r"duplicate address .* \(also nodes\[0\]\)"):
         ResourceSpec.from_dict({"nodes": [{"address": first, "chief": True},
@@ -494,6 +496,18 @@ def test_yaml_alias_bomb_is_refused_quickly() -> None:
     with pytest.raises(ResourceSpecError, match="alias \\*a0 is not allowed") as err:
         ResourceSpec.from_yaml(bomb)
     assert "aliases" in (err.value.fix or "")
+
+
+@pytest.mark.parametrize("text", [
+    "nodes:\n  - address: 10.0.0.1\n    workers: 1\n    workers: 4\n",
+    "nodes:\n  - address: 10.0.0.1\nnodes:\n  - address: 10.0.0.2\n",
+    "nodes: [{address: 10.0.0.1, chief: true, chief: false}]\n"])
+def test_a_key_written_twice_is_refused(text: str) -> None:
+    """YAML keeps the last of two equal keys silently: a spec that says ``workers`` twice
+    would run with whichever came last."""
+    with pytest.raises(ResourceSpecError, match="duplicate key") as err:
+        ResourceSpec.from_yaml(text, source="cluster.yml")
+    assert "once" in (err.value.fix or "") and "line" in str(err.value)
 
 
 def test_shared_env_values_are_single_values() -> None:

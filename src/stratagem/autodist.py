@@ -294,7 +294,12 @@ class AutoDist:
             logger().warning(f"{env.TENSORBOARD_DIR} is set but tensorboard is not "
                              "installed (pip install tensorboard): no TensorBoard scalars")
             return None
-        return SummaryWriter(str(directory))
+        try:
+            return SummaryWriter(str(directory))
+        except OSError as exc:  # a side output: never the end of the job
+            logger().warning(f"cannot write TensorBoard scalars to {directory}: "
+                             f"{exc.strerror or exc}; training goes on without them")
+            return None
 
     def log_metrics(self, **values: Any) -> None:
         """Record the script's own numbers (``loss=...``) with the current step, in the

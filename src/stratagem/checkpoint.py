@@ -121,13 +121,18 @@ def write_collectively(final: Path, write: Callable[[Path], None], meta: dict[st
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    write(tmp)
-    _barrier()
-    if rank == 0:
-        if final.exists() and not replace:
-            raise CheckpointError("checkpoint already exists", where=str(final),
-                                  fix="remove it or write to a new path")
-        commit(tmp, final, meta, world, _sums(tmp), old=final.with_name(final.name + ".old"))
+    try:
+        write(tmp)
+        _barrier()
+        if rank == 0:
+            if final.exists() and not replace:
+                raise CheckpointError("checkpoint already exists", where=str(final),
+                                      fix="remove it or write to a new path")
+            commit(tmp, final, meta, world, _sums(tmp),
+                   old=final.with_name(final.name + ".old"))
+    except BaseException:  # a full disk: the partial files must not keep the space
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier()
     return final
 
@@ -447,7 +452,13 @@ def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer
                               f"{world}: synchronizer state (e.g. PowerSGD) restarts fresh",
                               stacklevel=2)
     if optimizer is not None and (p / "optimizer.pt").is_file():
-        optimizer.load_state_dict(load_file(p, "optimizer.pt", map_location))
+        state = load_file(p, "optimizer.pt", map_location)
+        try:  # torch says ValueError (group sizes) or KeyError (missing fields)
+            optimizer.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"optimizer does not match: {exc!r}"[:500], where=str(p),
+                                  fix="build the optimizer over the same parameters (and "
+                                      "parameter groups) as the one that was saved") from None
     if scaler is None:
         scaler = getattr(model, "scaler", None)
     if scaler is not None and (p / "scaler.pt").is_file():

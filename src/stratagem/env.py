@@ -11,6 +11,7 @@ launcher, a test or an in-process rescale is seen at once.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from datetime import timedelta
@@ -70,6 +71,7 @@ DEFAULT_PG_TIMEOUT_S = 300.0  # a collective that takes longer than this is a ha
 DEFAULT_RESCALE_TIMEOUT_S = 300.0
 DEFAULT_PEER_TIMEOUT_S = 10.0
 DEFAULT_PS_PACE_BYTES = 2**20
+MAX_TIMEOUT_S = 7 * 86400.0  # a week: longer is a typo (and near timedelta's/torch's limits)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -87,11 +89,45 @@ def _number(names: tuple[str, ...], default: float, kind: type = float) -> float
         value = os.environ.get(name)
         if value:
             try:
-                return kind(value)
+                number = kind(value)
             except ValueError:
                 raise StratagemError(f"{name}={value!r} is not a number", where="environment",
                                      fix=f"set {name} to a {kind.__name__}, or unset it") from None
+            if not math.isfinite(number):  # nan, inf and 1e309 parse as floats
+                raise StratagemError(f"{name}={value!r} is not a finite number",
+                                     where="environment",
+                                     fix=f"set {name} to a finite {kind.__name__}, or unset it")
+            return number
     return default
+
+
+def _seconds(names: tuple[str, ...], default: float, *, zero: str | None = None) -> float:
+    """A duration in seconds from the first of ``names`` that is set: finite, at most
+    :data:`MAX_TIMEOUT_S`, and positive (or 0 when ``zero`` says what 0 means)."""
+    value = _number(names, default)
+    low = 0.0 if zero else math.nextafter(0.0, 1.0)
+    if low <= value <= MAX_TIMEOUT_S:
+        return value
+    name = next((n for n in names if os.environ.get(n)), names[0])
+    valid = (f"0 ({zero}) to {MAX_TIMEOUT_S:.0f}" if zero
+             else f"more than 0 and at most {MAX_TIMEOUT_S:.0f}")
+    raise StratagemError(f"{name}={os.environ.get(name)!r} is out of range",
+                         where="environment",
+                         fix=f"set {name} to seconds from {valid}, or unset it (default "
+                             f"{default:g})")
+
+
+def validate() -> None:
+    """Read every numeric or path setting once, so that a bad value (``nan``, ``-1``,
+    a blank directory) is a StratagemError naming it before any worker starts."""
+    pg_timeout()
+    peer_timeout()
+    rescale_timeout()
+    checkpoint_steps()
+    checkpoint_seconds()
+    checkpoint_dir()
+    ps_pace_bytes()
+    hints_port()
 
 
 # -- launch contract --------------------------------------------------------------------------
@@ -173,19 +209,15 @@ def pg_timeout() -> timedelta:
     if not os.environ.get(PG_TIMEOUT) and os.environ.get(PS_TIMEOUT_DEPRECATED):
         warnings.warn(f"{PS_TIMEOUT_DEPRECATED} is deprecated: use {PG_TIMEOUT}",
                       DeprecationWarning, stacklevel=2)
-    return timedelta(seconds=_number((PG_TIMEOUT, PS_TIMEOUT_DEPRECATED),
-                                     DEFAULT_PG_TIMEOUT_S))
+    return timedelta(seconds=_seconds((PG_TIMEOUT, PS_TIMEOUT_DEPRECATED),
+                                      DEFAULT_PG_TIMEOUT_S))
 
 
 def peer_timeout() -> float:
     """``STRATAGEM_PEER_TIMEOUT_S``: seconds without a heartbeat after which a rank of a job
     launched by torch elastic counts as lost and its peers leave their collective (default
     10; 0 disables, leaving only the process-group timeout)."""
-    value = _number((PEER_TIMEOUT,), DEFAULT_PEER_TIMEOUT_S)
-    if value < 0:
-        raise StratagemError(f"{PEER_TIMEOUT}={value} is negative", where="environment",
-                             fix=f"set {PEER_TIMEOUT} to seconds, e.g. 10, or 0 to disable")
-    return value
+    return _seconds((PEER_TIMEOUT,), DEFAULT_PEER_TIMEOUT_S, zero="disabled")
 
 
 def ps_pace_bytes() -> int:
@@ -204,15 +236,22 @@ def ps_pace_bytes() -> int:
 def checkpoint_dir() -> Path | None:
     """``STRATAGEM_CHECKPOINT_DIR`` (else AdaptDL's ``ADAPTDL_CHECKPOINT_PATH``): the job's
     checkpoint directory; None disables checkpoint-restart."""
-    value = _first(CHECKPOINT_DIR, ADAPTDL_CHECKPOINT_PATH)
-    return Path(value) if value else None
+    for name in (CHECKPOINT_DIR, ADAPTDL_CHECKPOINT_PATH):
+        value = os.environ.get(name)
+        if value and not value.strip():  # '   ' would be a directory named by blanks
+            raise StratagemError(f"{name}={value!r} is blank", where="environment",
+                                 fix=f"set {name} to a directory, or unset it")
+        if value:
+            return Path(value)
+    return None
 
 
 def _positive_or_none(name: str, kind: type) -> float | None:
-    value = _number((name,), 0, kind)
+    value = _number((name,), 0, kind)  # finite (nan and inf are refused there)
     if value < 0:
         raise StratagemError(f"{name}={value} is negative", where="environment",
-                             fix=f"set {name} to a positive number, or 0 / unset to disable")
+                             fix=f"set {name} to a positive finite number, or 0 / unset to "
+                                 "disable")
     return value or None
 
 
@@ -371,7 +410,7 @@ def rescale_id() -> str | None:
 def rescale_timeout() -> timedelta:
     """``STRATAGEM_RESCALE_TIMEOUT_S``: how long group formation and admission may wait
     (default 300)."""
-    return timedelta(seconds=_number((RESCALE_TIMEOUT,), DEFAULT_RESCALE_TIMEOUT_S))
+    return timedelta(seconds=_seconds((RESCALE_TIMEOUT,), DEFAULT_RESCALE_TIMEOUT_S))
 
 
 def rescale_token() -> str | None:

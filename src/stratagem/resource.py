@@ -275,15 +275,19 @@ def check_worker_count(workers: int, where: str) -> None:
 def normalize_address(raw: str) -> str:
     """``raw`` as a canonical IP literal or a host name; raises ValueError saying why not.
 
-    Surrounding spaces are dropped and IPs are written canonically (``::0:1`` -> ``::1``),
-    so one machine written two ways is seen as a duplicate. Dotted numbers that are not a
+    Surrounding spaces are dropped and IPs are written canonically (``::0:1`` -> ``::1``,
+    IPv4-mapped ``::ffff:10.0.0.1`` -> ``10.0.0.1``), so one machine written two ways is
+    seen as a duplicate. Dotted numbers that are not a
     plain IPv4 address (``010.0.0.1``: octal to some tools, decimal to others) are refused.
     """
     text = raw.strip()
     try:
-        return ipaddress.ip_address(text).compressed
+        ip = ipaddress.ip_address(text)
     except ValueError:
         pass
+    else:  # ``::ffff:10.0.0.1`` is 10.0.0.1 reached over IPv6: one machine
+        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+        return (mapped or ip).compressed
     if text and all(part.isdigit() for part in text.rstrip(".").split(".")):
         raise ValueError(f"{raw!r} is not a valid IPv4 address (leading zeros or a number "
                          "above 255 are ambiguous)")

@@ -50,8 +50,7 @@ def wait_for_generation(number: int) -> None:
     host, port = rescale.parse_address(os.environ[rescale.ENV_STORE])
     store = torch.distributed.TCPStore(host, port, is_master=False,
                                        timeout=timedelta(seconds=60))
-    key = f"{rescale.NS}/gen"
-    while not (store.check([key]) and int(store.get(key)) >= number):
+    while (gen := rescale.current_generation(store, None)) is None or gen.number < number:
         time.sleep(0.01)
 
 

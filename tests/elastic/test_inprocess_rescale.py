@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _load import patience
 from rescale_job import EPOCHS, N, reference
 
 from stratagem.elastic.rescale import host_store
@@ -109,7 +110,8 @@ def test_rescales_are_fast_and_recorded(run: Path) -> None:
     histories = [json.loads(p.read_text()) for p in run.glob("changes-*.json")]
     survivor = max(histories, key=len)  # the worker that stayed: 2 -> 1, then 1 -> 2
     assert [(c["old_world"], c["new_world"]) for c in survivor] == [(2, 1), (1, 2)]
-    assert all(c["seconds"] < 5.0 for c in survivor), survivor
+    # how fast is bench/rescale.py's to measure; here only a bound against a stuck regroup
+    assert all(0 < c["seconds"] < patience(30.0) for c in survivor), survivor
     newcomer = [h for h in histories if h and h[0]["joined"] and len(h) == 1]
     assert newcomer and newcomer[0][0]["new_world"] == 2
 
@@ -186,5 +188,5 @@ def test_a_frozen_member_is_detected_and_the_survivor_leaves(tmp_path: Path) -> 
                 p.wait()
         del store
     assert code == PEER_LOST, logs(tmp_path)
-    assert waited < 60, waited
+    assert waited < patience(60), waited  # far below the 600 s collective timeout
     assert "PeerLost" in logs(tmp_path) and "stopped answering" in logs(tmp_path)

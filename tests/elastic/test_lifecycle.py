@@ -163,3 +163,80 @@ def test_rescale_store_beyond_loopback_needs_a_token(
     # The token names the job's keys: without it a client cannot find them.
     assert namespace("s3cret") != namespace(None) and "s3cret" not in namespace("s3cret")
     assert namespace("s3cret") == namespace("s3cret") != namespace("other")
+
+
+@pytest.mark.parametrize("port", ["-1", "0", "65536"])
+def test_serve_refuses_a_port_out_of_range(port: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port} is not a TCP port" in err and "1 to 65535" in err
+
+
+# -- the rescale store's values are signed with the job's token (issue 47 item 7) -----------
+@pytest.fixture
+def alone(monkeypatch: pytest.MonkeyPatch):
+    """A one-member elastic job with a token on a loopback store, and an outside client."""
+    from stratagem.elastic.rescale import ElasticGroup
+
+    monkeypatch.setenv("STRATAGEM_PG_TIMEOUT_S", "8")  # unfixed: a hang ends here
+    monkeypatch.setenv("STRATAGEM_PEER_TIMEOUT_S", "0")
+    port = free_port()
+    server = host_store("127.0.0.1", port, token="s3cret")
+    client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False)
+    with job_context() as job:
+        group = ElasticGroup(client, "a", nproc=1, timeout_s=3.0, token="s3cret", job=job)
+        group.start()
+        outsider = torch.distributed.TCPStore("127.0.0.1", port, is_master=False)
+        try:
+            yield group, outsider
+        finally:
+            group._destroy()
+            del server
+
+
+def _job_prefix(outsider: torch.distributed.TCPStore) -> str:
+    """What a client without the token learns: the job's keys are listed for anyone."""
+    ticket = next(k for k in outsider.list_keys() if k.endswith("/ticket/0"))
+    return ticket[: -len("/ticket/0")]
+
+
+def test_a_forged_ticket_is_refused_and_named(alone, capsys: pytest.CaptureFixture[str]
+                                              ) -> None:
+    group, outsider = alone
+    prefix = _job_prefix(outsider)
+    outsider.add(f"{prefix}/tickets", 1)
+    outsider.set(f"{prefix}/ticket/1", "intruder")
+    assert group.poll(False) is None  # nobody joined: no regroup (unfixed: an 8 s hang)
+    err = capsys.readouterr().err
+    assert "rescale ticket 1 is not signed with the job's token" in err
+    assert f"{prefix}/ticket/1" in err
+    assert group.world_size == 1 and group.generation.members == ("a",)
+    assert group.generation.admitted == 2  # the forged ticket is handled, not retried
+
+
+def test_a_stale_ticket_is_an_error_naming_it_within_the_rescale_timeout(alone) -> None:
+    from stratagem.elastic.rescale import sign
+
+    group, outsider = alone
+    prefix = _job_prefix(outsider)
+    outsider.add(f"{prefix}/tickets", 1)  # a real joiner's ticket (it knows the token) ...
+    outsider.set(f"{prefix}/ticket/1", sign("s3cret", f"{prefix}/ticket/1", "ghost"))
+    # ... whose worker died before it was admitted: named after the 3 s rescale timeout
+    # (unfixed: torch's rendezvous timeout after the 8 s pg timeout, naming nobody)
+    with pytest.raises(DistributedError, match=r"ghost \(rank 1\) never arrived") as err:
+        group.poll(False)
+    assert "stale ticket" in str(err.value)
+
+
+def test_signed_values_are_bound_to_token_and_key() -> None:
+    from stratagem.elastic.rescale import sign, verify
+
+    value = sign("t", "ns/gen/1", '{"number": 1}')
+    assert verify("t", "ns/gen/1", value.encode(), "generation 1") == '{"number": 1}'
+    for token, key, stored in [("other", "ns/gen/1", value), ("t", "ns/gen/2", value),
+                               ("t", "ns/gen/1", '{"number": 1}'),
+                               ("t", "ns/gen/1", value.replace("1}", "2}"))]:
+        with pytest.raises(DistributedError, match="generation 1 is not signed") as err:
+            verify(token, key, stored, "generation 1")
+        assert err.value.where == f"rescale store key {key!r}"

@@ -138,6 +138,43 @@ def test_dry_run_passes_script_args_through(script: Script,
     assert argv[argv.index("--nnodes") + 1] == "1"
 
 
+def test_script_options_that_abbreviate_launcher_options_go_to_the_script(
+        script: Script, capsys: pytest.CaptureFixture[str]) -> None:
+    """``stratagem run --nproc 2 s.py --n 1024``: ``--n`` belongs to the script, not an
+    ambiguous abbreviation of the launcher's, the agent's or torchrun's options."""
+    from torch.distributed.run import get_args_parser
+
+    path = script("train.py", "")
+    code, out, err = run_cli(capsys, "run", "--dry-run", "--nproc", "2", str(path),
+                             "--n", "1024", "--node", "x", "-q")
+    assert code == 0, err
+    argv = shlex.split(out.split(": ", 1)[1])
+    torchrun = argv[argv.index("--") + 1:]  # what the agent hands torchrun, as it parses it
+    args = get_args_parser().parse_args(torchrun)
+    assert args.module and args.training_script == "stratagem.launch.worker"
+    assert args.training_script_args == [str(path), "--n", "1024", "--node", "x", "-q"]
+    assert args.nproc_per_node == "2"
+
+
+@pytest.mark.parametrize(("variable", "value"), [
+    ("STRATAGEM_PG_TIMEOUT_S", "nan"), ("STRATAGEM_PG_TIMEOUT_S", "0"),
+    ("STRATAGEM_PEER_TIMEOUT_S", "nan"), ("STRATAGEM_CHECKPOINT_SECONDS", "inf"),
+    ("STRATAGEM_CHECKPOINT_DIR", "   ")])
+def test_bad_environment_fails_the_launch_not_the_workers(
+        script: Script, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        variable: str, value: str) -> None:
+    monkeypatch.setenv(variable, value)
+    code, _, err = run_cli(capsys, "run", "--dry-run", str(script("t.py", "")))
+    assert code == 2 and variable in err and "Traceback" not in err
+
+
+def test_checkpoint_seconds_must_be_finite(script: Script, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "run", "--dry-run", "--checkpoint-dir", str(tmp_path),
+                           "--checkpoint-seconds", "inf", str(script("t.py", "")))
+    assert code == 2 and "--checkpoint-seconds must be 0 to 1e9" in err
+
+
 PLAN_WITHOUT_TORCH = """
 import sys
 import stratagem.resource

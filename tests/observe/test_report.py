@@ -111,3 +111,55 @@ def test_auto_planning_gap_is_shaded_and_named() -> None:
     assert (x0, x1) == pytest.approx((0.5, 6.0))
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert any(t.startswith("Auto planning (5.2 s)") for t in legend)
+
+
+def _record(i: int, **values: object) -> str:
+    record = {"step": i, "elapsed_s": 0.1 * i, "loss": 1.0, "samples_per_s": 10.0,
+              "step_time_s": 0.1, "comm_wait_s": 0.01, "batch_size": 8}
+    record.update(values)
+    return json.dumps(record)
+
+
+@pytest.mark.parametrize(("name", "content", "problem"), [
+    ("non-utf8", b"\xff\xfe" + _record(1).encode() + b"\n" + _record(2).encode() + b"\n",
+     "line 1 is not a metrics record"),
+    ("deep", ('{"a":' * 5000 + "1" + "}" * 5000 + "\n" + _record(2) + "\n").encode(),
+     "line 1 is not a metrics record"),
+    ("long", (_record(1, note="x" * 70_000) + "\n" + _record(2) + "\n").encode(),
+     "line 1 is not a metrics record (line longer than"),
+])
+def test_hostile_metrics_files_are_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             name: str, content: bytes, problem: str) -> None:
+    run = tmp_path / name
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(content)
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and "Traceback" not in err and len(err) < 2000
+
+
+def test_extreme_and_odd_values_are_left_out_of_the_plots(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A diverged loss of 1e308, float-max times, zero step times and strings where numbers
+    belong: the report is drawn from what can be drawn."""
+    run = tmp_path / "odd"
+    run.mkdir()
+    lines = [_record(i, loss=1e308 if i % 2 else 2.0) for i in range(1, 20)]
+    lines += [_record(20, elapsed_s=1.7976931348623157e308, samples_per_s=1e308)]
+    lines += [_record(21, step_time_s=0.0, elapsed_s="y", loss="abc", epoch="z")]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["report", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "Warning" not in captured.err
+    page = (run / "report" / "report.html").read_text()
+    assert "<td>2 / 1</td>" in page  # the plottable losses only (1e308 and "abc" left out)
+    assert _pixels_of(run / "report" / "loss_throughput.png", BLUE) > 100
+
+
+def test_unwritable_out_is_one_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write_run(tmp_path / "run")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["report", str(tmp_path / "run"), "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the report" in err and "--out" in err and "Traceback" not in err

@@ -11,6 +11,7 @@ import _spawn
 import planner_workers as pw
 import pytest
 import torch
+from _load import patience
 
 from stratagem.analysis import analyze
 from stratagem.errors import StrategyError
@@ -445,7 +446,7 @@ def test_search_is_bounded_for_200_tensors() -> None:
     choice = search(profile, spec(4), estimate(profile, 32), Auto(compressors=("none", "fp16")))
     priced = int(choice.notes[-1].split()[0])
     assert priced <= 8 + 2 * 5 + 2 * 1 * 200  # builders, caps twice, group compressors
-    assert choice.search_s < 60  # generous; the bound of 10 s is reported by the benchmark
+    assert choice.search_s < patience(60)  # a hang guard; the 10 s bound is the benchmark's
 
 
 def test_explanation_fits_80_columns() -> None:

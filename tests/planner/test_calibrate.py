@@ -194,7 +194,9 @@ def test_ranks_sharing_one_core_price_the_runtimes_cpu_work_at_the_wall_time_it_
         r.pop("beside_compute_bps")
     for r in results:
         assert r == results[0], results
-        assert 1.5 <= r["share"] <= 4.0, r
+        # about 2 on an idle machine; other load on the core only raises it (5.5-10.4 was
+        # read under two busy loops), so only the lower bound is a property of the code
+        assert r["share"] >= 1.5, r
         assert r["tensor_s"] == pytest.approx(r["share"] * r["cpu_tensor_s"]), r
         # the row scan likewise: its CPU rate, at what a CPU second costs in wall time,
         # which is what a scan timed while the other rank computes on the core takes

@@ -79,3 +79,81 @@ def test_a_bundled_workload_name_is_checked(capsys):
     assert "no bundled workload" in capsys.readouterr().err
     assert main(["simulate"]) == 2
     assert "give one workload" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("options", "problem"), [
+    (["--fairness", "nan"], "--fairness"), (["--fairness", "inf"], "--fairness"),
+    (["--step-noise", "inf"], "--step-noise"), (["--interval", "nan"], "--interval"),
+    (["--restart-delay", "-1"], "--restart-delay"),
+    (["--nodes", "100000", "--gpus-per-node", "1000"], "--nodes"),
+    (["--nodes", "4096", "--gpus-per-node", "64"], "--nodes/--gpus-per-node"),
+    (["--gpus-per-node", "0"], "--gpus-per-node")])
+def test_simulate_options_are_bounded(setup, capsys, options, problem):
+    args = ["simulate", str(setup / "w" / "mix.csv"), "--profiles", str(setup / "profiles")]
+    assert main(args + options) == 2
+    err = capsys.readouterr().err
+    assert problem in err and "from " in err and "Traceback" not in err
+
+
+def _bad_file(setup, name, content):
+    path = setup / name
+    path.write_bytes(content)
+    return path
+
+
+HEADER = b"name,time,application,num_replicas,batch_size\n"
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    (HEADER + b"\xff\xfe,0,toy1,1,8\n", "not UTF-8"),
+    (HEADER + b"a,0,toy1,1," + b"9" * 200_000 + b"\n", "not a valid CSV"),
+    (HEADER + b"a,0,toy1,1," + b"9" * 4000 + b"\n", "line 2"),
+    (HEADER + b"a,0,toy1,1000000000000,8\n", "num_replicas from 1 to 65536"),
+    (HEADER + b"a,1e308,toy1,1,8\n", "time from 0 to"),
+    (HEADER + b"".join(b"j%d,0,toy1,1,8\n" % i for i in range(100_001)), "at most 100000"),
+    (HEADER + b"a,0,toy1,1,8\n" + b"x" * (17 << 20), "too large")])
+def test_hostile_workloads_are_one_error(setup, capsys, content, problem):
+    path = _bad_file(setup, "bad.csv", content)
+    assert main(["simulate", str(path), "--profiles", str(setup / "profiles")]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and "Traceback" not in err and len(err) < 1000
+
+
+@pytest.mark.parametrize(("name", "content", "problem"), [
+    ("placements.csv", b"placement,local_bsz,step_time,sync_time\n1,4,0,0\n1,8,0,0\n",
+     "step_time above 0"),
+    ("placements.csv", b"placement,local_bsz,step_time,sync_time\n\xff1,4,0.5,0\n",
+     "not UTF-8"),
+    ("profile.json", b"[" * 100_000, "nested deeper"),
+    ("profile.json", b'{"epochs": 1e308}', "epochs is 1e+308"),
+    ("profile.json", b'{"epochs": "x"}', "not a positive number")])
+def test_hostile_profiles_are_one_error(setup, capsys, name, content, problem):
+    (setup / "profiles" / "toy1" / name).write_bytes(content)
+    assert main(["simulate", str(setup / "w" / "mix.csv"), "--profiles",
+                 str(setup / "profiles")]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and "Traceback" not in err and len(err) < 1000
+
+
+@pytest.mark.parametrize("hints", [
+    '{"batch": {"base_batch_size": 8}, "epoch": 1e308, "progress": {"progress": 5}}',
+    '{"batch": {"base_batch_size": Infinity}}', "[" * 50_000,
+    '{"batch": {"base_batch_size": 8, "local_bsz_bounds": [1, 1e15]}, '
+    '"progress": {"progress": 5}, "epoch": 1, "throughput_params": null}'])
+def test_hostile_hints_profiles_are_one_error(tmp_path, capsys, hints):
+    (tmp_path / "p" / "toy1").mkdir(parents=True)
+    (tmp_path / "p" / "toy1" / "hints.json").write_text(hints)
+    (tmp_path / "w.csv").write_text("name,time,application,num_replicas,batch_size\n"
+                                    "a,0,toy1,1,8\n")
+    assert main(["simulate", str(tmp_path / "w.csv"), "--profiles", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "hints.json" in err and "Traceback" not in err and len(err) < 1000
+
+
+def test_simulate_refuses_an_unwritable_out_before_simulating(setup, capsys):
+    blocker = setup / "file"
+    blocker.write_text("")
+    assert main(["simulate", str(setup / "w" / "mix.csv"), "--profiles",
+                 str(setup / "profiles"), "--out", str(blocker / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "Traceback" not in err and "mix pollux" not in err

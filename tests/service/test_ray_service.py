@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _load import patience
 from _ray_service import FAKE_GPU, JOB_SCRIPT
 
 from stratagem.service import store as st
@@ -20,7 +21,7 @@ from stratagem.service.scheduler import Scheduler, SchedulerOptions, job_dirs, j
 
 pytestmark = pytest.mark.slow
 OPTS = SchedulerOptions(policy="pollux", interval=0.5, restart_delay=1.0, backoff=0.5,
-                        max_failures=2, grace=20.0, start_timeout=60.0,
+                        max_failures=2, grace=patience(20.0), start_timeout=patience(60.0),
                         gpu_resource=FAKE_GPU)
 INPROCESS_ARGS = ("--epochs", "4", "--step-sleep", "0.25")
 
@@ -51,7 +52,7 @@ def job(tmp: Path, name: str, *args: str, low: int = 1, high: int = 2,
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)  # a bound against hangs, not a timing
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
@@ -178,7 +179,7 @@ def replica_logs(directory: Path) -> str:
 
 
 def wait_logged(cond, timeout: float, what: str, directory: Path) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + patience(timeout)
     while not cond():
         assert time.monotonic() < deadline, \
             f"timed out waiting for {what}:\n{replica_logs(directory)}"
@@ -194,7 +195,7 @@ def test_a_job_shrinks_and_grows_in_process_and_trains_as_alone(ray_cluster, tmp
                                "--out", str(tmp_path / "ip.json")]})
     assert spec.in_process_rescale
     ckpt, log_dir = job_dirs(tmp_path, spec)
-    backend = RayBackend(FAKE_GPU, start_timeout=60.0, grace=30.0)
+    backend = RayBackend(FAKE_GPU, start_timeout=patience(60.0), grace=patience(30.0))
     env = job_env(spec, ckpt)
     launched = backend.launch(spec, 2, 0, env, log_dir, in_process=True)
     try:
@@ -271,7 +272,7 @@ def test_replicas_on_real_gpus_each_train_on_the_gpu_ray_gave_them(ray_cluster, 
     spec = parse_job({"name": "gpus", "script": str(script), "min_replicas": 2,
                       "max_replicas": 2, "resources": {"CPU": 1, "GPU": 1}})
     ckpt, log_dir = job_dirs(tmp_path, spec)
-    backend = RayBackend("GPU", start_timeout=60.0, grace=5.0)
+    backend = RayBackend("GPU", start_timeout=patience(60.0), grace=5.0)
     launched = backend.launch(spec, 2, 0, job_env(spec, ckpt), log_dir)
     try:
         wait_logged(lambda: all(c is not None for c in backend.poll(launched)), 90,

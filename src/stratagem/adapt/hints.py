@@ -27,6 +27,7 @@ from typing import Any
 
 from stratagem import env
 from stratagem.errors import StratagemError
+from stratagem.observe.side_output import SideOutput
 
 ENV_HINTS_FILE = env.HINTS_FILE
 ENV_HINTS_PORT = env.HINTS_PORT
@@ -52,12 +53,17 @@ def write_json_atomic(path: Path, data: Any) -> None:
     """Write ``data`` as JSON to ``path`` through a fsynced temporary file and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no half-written temporary file keeps the space
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 class _Conn:
@@ -298,6 +304,9 @@ class HintsPublisher:
         self._server: _HintsServer | None = None
         self._thread: threading.Thread | None = None
         self.latest: dict[str, Any] | None = None
+        # The file is a side output: a full disk warns once; later publishes try again
+        # (each replaces the whole file atomically, so one that succeeds is complete).
+        self.file_output = SideOutput(f"the hints file {self.path}")
         if enabled and port is not None:
             self._start(int(port))
 
@@ -331,7 +340,8 @@ class HintsPublisher:
             self._server.set((json.dumps(hints, sort_keys=True) + "\n").encode(),
                              prometheus_text(hints).encode())
         if self.path is not None:
-            write_json_atomic(self.path, hints)
+            path = self.path
+            self.file_output.attempt(lambda: write_json_atomic(path, hints), stop=False)
 
     def close(self) -> None:
         """Stop the HTTP server (idempotent); the file stays."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from stratagem.errors import StratagemError
 from stratagem.observe import MetricsFile, ProgressDisplay, ProgressFields
+from stratagem.observe.side_output import SideOutput
 
 RESERVED = frozenset({"step", "time", "elapsed_s", "epoch"})
 
@@ -27,6 +28,8 @@ class StepRecorder:
         self.metrics = metrics
         self.progress = progress
         self.tensorboard = tensorboard  # a SummaryWriter-like object (``add_scalar``)
+        self.tensorboard_output = SideOutput(
+            f"TensorBoard scalars to {getattr(tensorboard, 'log_dir', None) or 'its directory'}")
         self.started = time.time()
         self._held: dict[str, Any] | None = None
         self._pending: dict[str, float] = {}
@@ -92,18 +95,21 @@ class StepRecorder:
         if held is not None and self.metrics is not None:
             self.metrics.write(held)
         if held is not None and self.tensorboard is not None:
-            for key, value in held.items():
-                if key not in RESERVED and isinstance(value, (int, float)) \
-                        and not isinstance(value, bool) and math.isfinite(value):
-                    self.tensorboard.add_scalar(f"stratagem/{key}", value, held["step"])
+            self.tensorboard_output.attempt(lambda: self._scalars(held))
         self._held = None
+
+    def _scalars(self, held: dict[str, Any]) -> None:
+        for key, value in held.items():
+            if key not in RESERVED and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool) and math.isfinite(value):
+                self.tensorboard.add_scalar(f"stratagem/{key}", value, held["step"])
 
     def close(self) -> None:
         self.flush()
         if self.metrics is not None:
             self.metrics.close()
         if self.tensorboard is not None:
-            self.tensorboard.flush()
+            self.tensorboard_output.attempt(self.tensorboard.flush)
 
 
 def finite(value: float | None) -> float | None:

@@ -20,7 +20,8 @@ EXIT_USAGE = 2
 # -- run ------------------------------------------------------------------------------------
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "run", help="launch a training script on this machine or on a resource spec's nodes",
+        "run", allow_abbrev=False,
+        help="launch a training script on this machine or on a resource spec's nodes",
         description="Start one worker process per replica through torch elastic (torchrun): "
                     "on this machine, or on every node of --resource-spec (remote nodes "
                     "through ssh or --remote-shell). Stops every worker on the first "

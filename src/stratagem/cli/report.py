@@ -13,17 +13,33 @@ from stratagem.errors import StratagemError
 from stratagem.observe import read_metrics
 
 PLOTS = ("loss_throughput", "batch_lr", "efficiency_noise", "communication")
+PLOT_LIMIT = 1e100  # larger magnitudes (a diverged loss of 1e308) are left out of the plots
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a plottable float: a finite number within :data:`PLOT_LIMIT`, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond float range
+        return None
+    return number if math.isfinite(number) and abs(number) <= PLOT_LIMIT else None
+
+
+def _x(record: dict[str, Any]) -> float | None:
+    x = _number(record.get("elapsed_s"))
+    return x if x is not None else _number(record.get("step", 0))
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    """(elapsed seconds, values) of the records that have a finite ``key``."""
+    """(elapsed seconds, values) of the records that have a plottable ``key`` and time."""
     xs, ys = [], []
     for r in records:
-        value = r.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and math.isfinite(value):
-            xs.append(float(r.get("elapsed_s", r.get("step", 0))))
-            ys.append(float(value))
+        x, value = _x(r), _number(r.get(key))
+        if x is not None and value is not None:
+            xs.append(x)
+            ys.append(value)
     return xs, ys
 
 
@@ -37,9 +53,9 @@ def _smooth(values: list[float], window: int = 9) -> list[float]:
 def _comm_share(records: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for r in records:
-        step, wait = r.get("step_time_s"), r.get("comm_wait_s")
-        if isinstance(step, (int, float)) and isinstance(wait, (int, float)) and step > 0:
-            xs.append(float(r.get("elapsed_s", 0.0)))
+        x, step, wait = _x(r), _number(r.get("step_time_s")), _number(r.get("comm_wait_s"))
+        if x is not None and step is not None and wait is not None and step > 0:
+            xs.append(x)
             ys.append(100.0 * min(max(wait / step, 0.0), 1.0))
     return xs, ys
 
@@ -126,6 +142,15 @@ def render(run_dir: Path, out: Path | None = None) -> Path:
                              fix="report a run that took at least one optimizer step")
     base = Path(run_dir) if Path(run_dir).is_dir() else Path(run_dir).parent
     out = Path(out) if out is not None else base / "report"
+    try:
+        return _render(plt, records, run_dir, out)
+    except OSError as exc:  # unwritable or full --out
+        raise StratagemError(f"cannot write the report: {exc.strerror or exc}",
+                             where=str(out), fix="pass --out DIR, a directory you can "
+                                                 "write") from None
+
+
+def _render(plt: Any, records: list[dict[str, Any]], run_dir: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     xs, rate = _series(records, "samples_per_s")
     panels = {
@@ -159,8 +184,8 @@ def _html(run_dir: Path, records: list[dict[str, Any]]) -> str:
     _, rate = _series(records, "samples_per_s")
     losses = _series(records, "loss")[1]
     rows = [("steps", str(last.get("step", len(records)))),
-            ("epochs", str(int(last.get("epoch", 0)) + 1)),
-            ("wall time", f"{float(last.get('elapsed_s', 0.0)):.1f} s"),
+            ("epochs", str(int(_number(last.get("epoch")) or 0) + 1)),
+            ("wall time", f"{_x(last) or 0.0:.1f} s"),
             ("median samples/s", f"{statistics.median(rate):.4g}" if rate else "-"),
             ("replicas", str(last.get("replicas", "-"))),
             ("final batch size", str(last.get("batch_size", "-"))),

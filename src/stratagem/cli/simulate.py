@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -50,6 +54,45 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="DIR", help="write results here (default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_simulate, parser=p)
+
+
+# Bounds of the numeric options: a simulated cluster's size is what it allocates per step.
+MAX_NODES = 4096
+MAX_GPUS_PER_NODE = 64
+MAX_GPUS = 65_536
+LIMITS: dict[str, tuple[float, float]] = {  # option: (low, high), both included
+    "interval": (1e-3, 86400.0), "restart_delay": (0.0, 86400.0),
+    "step_noise": (0.0, 10.0), "fairness": (-100.0, 100.0)}
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Every numeric option finite and in range, and --out writable, before any work."""
+    for dest, (low, high) in LIMITS.items():
+        value = getattr(args, dest)
+        if not (math.isfinite(value) and low <= value <= high):
+            flag = "--" + dest.replace("_", "-")
+            raise StratagemError(f"{flag} {value} is out of range", where=flag,
+                                 fix=f"a number from {low:g} to {high:g}")
+    if not 1 <= args.nodes <= MAX_NODES:
+        raise StratagemError(f"--nodes {args.nodes} is out of range", where="--nodes",
+                             fix=f"from 1 to {MAX_NODES}")
+    if not 1 <= args.gpus_per_node <= MAX_GPUS_PER_NODE:
+        raise StratagemError(f"--gpus-per-node {args.gpus_per_node} is out of range",
+                             where="--gpus-per-node", fix=f"from 1 to {MAX_GPUS_PER_NODE}")
+    if args.nodes * args.gpus_per_node > MAX_GPUS:
+        raise StratagemError(f"{args.nodes} x {args.gpus_per_node} GPUs is more than "
+                             f"{MAX_GPUS}", where="--nodes/--gpus-per-node",
+                             fix=f"from 1 to {MAX_GPUS} GPUs in all (nodes x GPUs per node)")
+    if args.out:
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StratagemError(f"cannot create the output directory: {exc.strerror}",
+                                 where="--out", fix="pass a directory you can write") from None
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise StratagemError("the output directory is not writable", where=f"--out {out}",
+                                 fix="pass a directory you can write")
 
 
 def _policies(text: str) -> list[str]:
@@ -114,6 +157,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     from stratagem.sched.simulator.workload import load_workload, workload_files
 
+    check_options(args)
     names = _policies(args.policy)
     if not names:
         raise StratagemError("no policy given", where="--policy",
@@ -143,12 +187,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             summaries.append(summarize(result))
             jcts[pname] = [j.jct for j in result.jobs if j.jct is not None]
             if out is not None:
-                write_jobs(result, out / wname / pname)
-                plot_allocation(result, out / wname / pname / "allocation.png")
+                with _writing(out):
+                    write_jobs(result, out / wname / pname)
+                    plot_allocation(result, out / wname / pname / "allocation.png")
         if out is not None:
-            plot_jct_cdf(jcts, out / wname / "jct_cdf.png", title=f"JCT CDF ({wname})")
+            with _writing(out):
+                plot_jct_cdf(jcts, out / wname / "jct_cdf.png", title=f"JCT CDF ({wname})")
     print(summary_table(summaries))
     if out is not None:
-        (out / "summary.json").write_text(json.dumps(summaries, indent=1) + "\n")
+        with _writing(out):
+            (out / "summary.json").write_text(json.dumps(summaries, indent=1) + "\n")
         print(f"results in {out}/")
     return 0
+
+
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """A failed write of the results (a full disk, a directory made read-only meanwhile)
+    is one error naming --out, not a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        raise StratagemError(f"cannot write the results: {exc.strerror or exc}",
+                             where=f"--out {out}",
+                             fix="free space, or pass another directory") from None

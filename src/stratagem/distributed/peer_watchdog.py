@@ -13,7 +13,12 @@ the thread writes a torch elastic error file naming the lost rank and leaves the
 stops the job and, with ``--max-restarts``, starts it again from the newest checkpoint.
 
 A rank that finishes normally marks itself done when its group is destroyed, so its
-silence afterwards is not a loss. Members of an in-process elastic job
+silence afterwards is not a loss. But a collective that includes it can never complete: when
+this rank's main thread waits in one (a ``torch.distributed`` call, e.g. under
+``refresh_parameters()``) after a peer finished its script, the collective was called on
+one rank only; the thread says so, naming the call and the finished peer, and ends the process
+(exit code 1: a bug in the script, which a restart would repeat) instead of waiting for the
+process-group timeout or blaming the peer as lost. Members of an in-process elastic job
 (:mod:`stratagem.elastic.rescale`) beat the same way in the rescale store, one key space
 per generation.
 """
@@ -27,6 +32,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -35,6 +41,9 @@ from stratagem import env
 
 BEAT_S = 1.0
 EXIT_CODE = 75  # a rank that left its collective because a peer was lost
+ONE_RANK_EXIT_CODE = 1  # a collective called on one rank only: the script's bug
+_TORCH_DIR = str(Path(dist.__file__).resolve().parents[1])  # .../torch
+_OWN_DIR = str(Path(__file__).resolve().parents[1])  # .../stratagem
 JOIN_S = 5.0  # the longest :meth:`PeerWatchdog.stop` waits for the thread
 
 
@@ -79,12 +88,20 @@ class PeerWatchdog:
                     count = self.store.add(f"beat/{peer}", 0)
                     if peer not in seen or seen[peer][0] != count:
                         seen[peer] = (count, now)
-                    elif (now - seen[peer][1] > self.timeout_s
-                          and not self.store.check([f"done/{peer}"])):
-                        self._fire(f"{self._who(peer)} stopped answering: no heartbeat for "
-                                   f"{now - seen[peer][1]:.0f} s (frozen, or its node or "
-                                   "link is down)", peer)
-                        return
+                    elif now - seen[peer][1] > self.timeout_s:
+                        if not self.store.check([f"done/{peer}"]):
+                            self._fire(f"{self._who(peer)} stopped answering: no heartbeat "
+                                       f"for {now - seen[peer][1]:.0f} s (frozen, or its node "
+                                       "or link is down)", peer)
+                            return
+                        call = main_thread_collective(peer)
+                        if call is not None:
+                            self._fire(f"this rank waits in {call}, but {self._who(peer)} "
+                                       "finished its script normally and will never join: the "
+                                       "collective was called on one rank only (call it on "
+                                       "every rank, or on none)", peer,
+                                       code=ONE_RANK_EXIT_CODE, kind="CollectiveOnOneRank")
+                            return
             except Exception as exc:  # noqa: BLE001 - the store (its host) is unreachable
                 if self._stop.is_set():
                     return
@@ -93,12 +110,21 @@ class PeerWatchdog:
                 return
             self._stop.wait(self.beat_s)
 
+    def finished(self) -> list[str]:
+        """The peers that marked themselves done (finished their script normally)."""
+        try:
+            return [self._who(p) for p in range(self.world)
+                    if p != self.rank and self.store.check([f"done/{p}"])]
+        except Exception:  # noqa: BLE001 - the store is gone: nothing to say
+            return []
+
     def _who(self, peer: int) -> str:
         return f"rank {peer} ({self.names[peer]})" if peer < len(self.names) else f"rank {peer}"
 
-    def _fire(self, why: str, peer: int | None) -> None:
+    def _fire(self, why: str, peer: int | None, *, code: int = EXIT_CODE,
+              kind: str = "PeerLost") -> None:
         self.lost = why
-        message = f"PeerLost: {why}; rank {self.rank} left its collective"
+        message = f"{kind}: {why}; rank {self.rank} left its collective"
         print(f"stratagem: {message}", file=sys.stderr, flush=True)
         if not self.exit_process:
             return
@@ -109,7 +135,33 @@ class PeerWatchdog:
                     "py_callstack": "", "timestamp": str(int(time.time())),
                     "stratagem": {"time": time.time(), "rank": str(self.rank),
                                   "lost_rank": peer, "node": env.node_address()}}}}, fp)
-        os._exit(EXIT_CODE)
+        os._exit(code)
+
+
+def main_thread_collective(peer: int) -> str | None:
+    """``"all_reduce (called from train.py:12)"`` when the main thread waits in a
+    ``torch.distributed`` collective whose group includes ``peer``, else None."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    call = None
+    callers: list[str] = []
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if call is None and name.endswith("distributed_c10d.py"):
+            group = frame.f_locals.get("group")
+            try:
+                if group is not None and peer not in dist.get_process_group_ranks(group):
+                    return None  # a subgroup without the finished peer: it can complete
+            except Exception:  # noqa: BLE001 - not a group we can read: assume the world
+                pass
+            call = frame.f_code.co_name
+        elif call is not None and not name.startswith(_TORCH_DIR):
+            callers.append(f"{frame.f_code.co_name} at {Path(name).name}:{frame.f_lineno}")
+            if not name.startswith(_OWN_DIR):
+                break  # the script's own line ends the trail
+        frame = frame.f_back
+    if call is None:
+        return None
+    return f"{call}" + (f" (called from {', from '.join(callers)})" if callers else "")
 
 
 def start_for_world(rank: int, world: int) -> PeerWatchdog | None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from stratagem import env
 from stratagem.distributed.peer_watchdog import PeerWatchdog, start_for_world
+from stratagem.errors import DistributedError
 
 _watchdogs: list[PeerWatchdog] = []  # the default group's, when it has one
 
@@ -130,6 +131,27 @@ def destroy_process_group() -> None:
         _watchdogs.pop().stop(done=True)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def explain_collective_failure(exc: BaseException) -> BaseException:
+    """``exc`` itself, unless it is gloo's lost connection (which says a remote worker
+    crashed or hung) while a peer had finished its script normally: then a DistributedError
+    saying the collective was called on one rank only, with ``exc`` as its cause."""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or not ("by peer" in text or "gloo" in text):
+        return exc  # gloo: "Connection closed by peer", "Read error ...: reset by peer"
+    finished = [who for w in _watchdogs for who in w.finished()]
+    if not finished:
+        return exc
+    names = ", ".join(finished[:4])
+    error = DistributedError(
+        f"a collective failed because {names} finished its script normally (it did not "
+        "crash): the collective was called on one rank only",
+        where="torch.distributed collective",
+        fix="call every collective (refresh_parameters(), all_reduce, barrier, ...) on every "
+            "rank, or on none; e.g. not under `if rank == 0:`")
+    error.__cause__ = exc
+    return error
 
 
 def rank_world() -> tuple[int, int]:

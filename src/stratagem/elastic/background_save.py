@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import secrets
+import shutil
 import sys
 import threading
 import time
@@ -124,6 +125,7 @@ class BackgroundSave:
         except Exception as exc:  # noqa: BLE001 - reported, and raised by wait()
             problem = f"rank {self.rank} could not write its part: {type(exc).__name__}: {exc}"
             self._fail(problem[:500])
+            self._remove_tmp()  # a full disk: the partial files must not keep the space
             self._publish({"error": problem[:500]})  # rank 0 stops waiting and names it
             if self.rank == 0 and self.store is not None:  # it reads no part this time
                 _stale.extend(f"{self.key}/{r}" for r in range(1, self.world))
@@ -139,8 +141,14 @@ class BackgroundSave:
             self.series.prune()
         except CheckpointError as exc:
             self._fail(exc.problem)
+            self._remove_tmp()
         except Exception as exc:  # noqa: BLE001 - reported, and raised by wait()
             self._fail(f"could not commit it: {type(exc).__name__}: {exc}"[:500])
+            self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        """A failed write leaves no temporary directory holding disk space."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _write(self) -> dict[str, str]:
         self.tmp.mkdir(parents=True, exist_ok=True)

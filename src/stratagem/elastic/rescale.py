@@ -3,8 +3,13 @@
 The job's workers share one ``TCPStore`` (``STRATAGEM_RESCALE_STORE=host:port``), hosted by
 ``python -m stratagem.elastic serve`` (a launcher) or by one worker with
 ``STRATAGEM_RESCALE_HOST=1``. The store listens on loopback unless told otherwise; one that
-listens on another address requires a shared token (``STRATAGEM_RESCALE_TOKEN``), which
-names the job's keys: a client without it can neither read nor forge the membership.
+listens on another address requires a shared token (``STRATAGEM_RESCALE_TOKEN``). Any
+client can list a TCPStore's keys, so the token is not a secret name: every membership
+value (tickets, generations, admissions, the end mark) carries an HMAC-SHA256 of it under
+the job's token, and readers check it. A value without a valid one (written by a client
+that lacks the token) is refused and named: a forged ticket is skipped with an error line,
+a forged generation or admission is a DistributedError; a ticket whose worker never
+arrives (stale) is a DistributedError naming it within the rescale timeout.
 Membership moves in *generations*:
 
 * The first ``STRATAGEM_RESCALE_NPROC`` workers form generation 0 when ``AutoDist()`` is
@@ -37,6 +42,7 @@ import argparse
 import atexit
 import contextlib
 import hashlib
+import hmac
 import ipaddress
 import json
 import os
@@ -128,6 +134,38 @@ def namespace(token: str | None) -> str:
     return f"{NS}/{hashlib.sha256(token.encode()).hexdigest()[:32]}"
 
 
+def sign(token: str | None, key: str, value: str) -> str:
+    """``value`` stored under ``key``, prefixed with its HMAC-SHA256 under ``token`` (bound
+    to the key, so a signed value cannot be replayed under another key)."""
+    mac = hmac.new((token or "").encode(), f"{key}\0{value}".encode(), hashlib.sha256)
+    return f"{mac.hexdigest()}:{value}"
+
+
+def verify(token: str | None, key: str, stored: bytes | str, what: str) -> str:
+    """The value of a :func:`sign`-ed store entry; a DistributedError naming ``what`` and
+    ``key`` when it does not carry a valid HMAC of the job's token."""
+    text = stored.decode("utf-8", "replace") if isinstance(stored, bytes) else stored
+    mac, sep, value = text.partition(":")
+    if sep and hmac.compare_digest(sign(token, key, value), text):
+        return value
+    raise DistributedError(
+        f"{what} is not signed with the job's token (a client without the token wrote it, "
+        f"or the workers were given different tokens)", where=f"rescale store key {key!r}",
+        fix=f"give every worker the same {ENV_TOKEN}; keep the store's port away from "
+            "other users (a firewall, or a loopback store)")
+
+
+def current_generation(store: dist.Store, token: str | None) -> Generation | None:
+    """The job's current generation as its store records it (signatures checked), or None
+    before the first one formed: for observers such as the cluster service."""
+    prefix = namespace(token)
+    if not store.check([f"{prefix}/gen"]):
+        return None
+    number = verify(token, f"{prefix}/gen", store.get(f"{prefix}/gen"), "the generation")
+    key = f"{prefix}/gen/{number}"
+    return Generation.from_json(verify(token, key, store.get(key), f"generation {number}"))
+
+
 def host_store(host: str, port: int, timeout_s: float = 600.0, *,
                token: str | None = None) -> dist.TCPStore:
     """Serve a job's rescale store on ``host:port`` only (keep the returned object alive).
@@ -164,6 +202,7 @@ class ElasticGroup:
         self.store = store
         self.job = job if job is not None else current_job()  # whose participants follow
         self.namespace = namespace(token)
+        self.token = token
         self.id = member_id
         self.nproc = max(int(nproc), 1)
         self.timeout = timedelta(seconds=timeout_s)
@@ -197,15 +236,36 @@ class ElasticGroup:
     def _key(self, *parts: object) -> str:
         return "/".join([self.namespace, *map(str, parts)])
 
+    def _put(self, value: str, *parts: object) -> None:
+        key = self._key(*parts)
+        self.store.set(key, sign(self.token, key, value))
+
+    def _get(self, what: str, *parts: object) -> str:
+        key = self._key(*parts)
+        return verify(self.token, key, self.store.get(key), what)
+
     def _read_generation(self, number: int) -> Generation:
         key = self._key("gen", number)
         self.store.wait([key], self.timeout)
-        return Generation.from_json(self.store.get(key))
+        text = self._get(f"generation {number}", "gen", number)
+        try:
+            return Generation.from_json(text)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DistributedError(f"generation {number} is malformed: {exc!r}"[:300],
+                                   where=f"rescale store key {key!r}") from None
 
     def _take_ticket(self) -> int:
         ticket = self.store.add(self._key("tickets"), 1) - 1
-        self.store.set(self._key("ticket", ticket), self.id)
+        self._put(self.id, "ticket", ticket)
         return ticket
+
+    def _ticket_holder(self, ticket: int) -> str | None:
+        """The member id on ``ticket``, or None (logged) when it is not validly signed."""
+        try:
+            return self._get(f"rescale ticket {ticket}", "ticket", ticket)
+        except DistributedError as exc:
+            print(f"stratagem: error: refused {exc.render()}", file=sys.stderr, flush=True)
+            return None
 
     # -- joining -------------------------------------------------------------------------
     def start(self) -> None:
@@ -217,7 +277,7 @@ class ElasticGroup:
             if ticket < self.nproc:
                 if ticket == 0:
                     self.store.wait([self._key("ticket", self.nproc - 1)], self.timeout)
-                    ids = [self.store.get(self._key("ticket", t)).decode()
+                    ids = [self._get(f"rescale ticket {t}", "ticket", t)
                            for t in range(self.nproc)]
                     self._publish(Generation(0, tuple(ids), self.nproc), [])
                 self._enter(self._read_generation(0))
@@ -232,18 +292,39 @@ class ElasticGroup:
         """At exit: rank 0 marks the job finished (waiting joiners then give up)."""
         if self.rank == 0 and not self.pending and self.generation is not None:
             with contextlib.suppress(RuntimeError, OSError):  # no store: nobody to tell
-                self.store.set(self._key("done"), str(self.generation.number))
+                self._put(str(self.generation.number), "done")
         self._destroy()
 
     def _publish(self, gen: Generation, tickets: list[int]) -> None:
-        self.store.set(self._key("gen", gen.number), gen.to_json())
+        self._put(gen.to_json(), "gen", gen.number)
         for t in tickets:
-            self.store.set(self._key("admit", t), str(gen.number))
-        self.store.set(self._key("gen"), str(gen.number))
+            self._put(str(gen.number), "admit", t)
+        self._put(str(gen.number), "gen")
+
+    def _arrive(self, gen: Generation, rank: int) -> None:
+        """Every member of ``gen`` checks in within the rescale timeout, else a
+        DistributedError names the ones that did not (a stale ticket: its worker is gone)."""
+        self.store.set(self._key("arrived", gen.number, rank), "1")
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            missing = [(r, m) for r, m in enumerate(gen.members)
+                       if not self.store.check([self._key("arrived", gen.number, r)])]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(f"{m} (rank {r})" for r, m in missing[:5])
+                raise DistributedError(
+                    f"generation {gen.number} did not form within {self.timeout}: {names} "
+                    "never arrived (a stale ticket: its worker left or died after taking it)",
+                    where=f"rescale generation {gen.number}",
+                    fix=f"restart the job; raise {ENV_TIMEOUT} if workers are just slow")
+            time.sleep(0.01)
 
     def _enter(self, gen: Generation) -> None:
         """Create this worker's process group of generation ``gen``."""
         rank, world = gen.members.index(self.id), len(gen.members)
+        if world > 1:
+            self._arrive(gen, rank)
         store = dist.PrefixStore(self._key("pg", gen.number), self.store)
         init_process_group(self.backend, store=store, rank=rank, world_size=world)
         self.rank, self.world_size, self.generation = rank, world, gen
@@ -262,7 +343,7 @@ class ElasticGroup:
         key = self._key("admit", self.ticket)
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not self.store.check([key]):
-            if self.store.check([self._key("done")]):
+            if self.store.check([self._key("done")]) and self._done_signed():
                 print(f"stratagem: worker {self.id}: the job finished before it could join",
                       file=sys.stderr, flush=True)
                 sys.exit(0)
@@ -272,7 +353,8 @@ class ElasticGroup:
                                        fix="check that the job is running and reaches "
                                            f"step boundaries; raise {ENV_TIMEOUT}")
             time.sleep(0.005)
-        gen = self._read_generation(int(self.store.get(key)))
+        number = self._get(f"admission of rescale ticket {self.ticket}", "admit", self.ticket)
+        gen = self._read_generation(int(number))
         self._destroy()  # the world-1 group it trained alone with
         self._enter(gen)
         self.pending = False
@@ -282,6 +364,15 @@ class ElasticGroup:
                         time.perf_counter() - t0)
         self.history.append(change)
         return change
+
+    def _done_signed(self) -> bool:
+        """Whether the job's end mark is genuine (a forged one is named and ignored)."""
+        try:
+            self._get("the job's end mark", "done")
+            return True
+        except DistributedError as exc:
+            print(f"stratagem: error: ignored {exc.render()}", file=sys.stderr, flush=True)
+            return False
 
     # -- members -------------------------------------------------------------------------
     def ready_joiners(self) -> int:
@@ -312,11 +403,18 @@ class ElasticGroup:
         survivors = [m for m, f in zip(gen.members, flags, strict=True) if not f]
         if not survivors:
             return self._stop_all()
-        joined = [self.store.get(self._key("ticket", t)).decode()
-                  for t in range(gen.admitted, gen.admitted + n)]
-        new = Generation(gen.number + 1, tuple(survivors + joined), gen.admitted + n)
-        if self.rank == 0:
-            self._publish(new, list(range(gen.admitted, new.admitted)))
+        if self.rank == 0:  # rank 0 alone reads the tickets: the others take its generation
+            holders = {t: self._ticket_holder(t) for t in range(gen.admitted, gen.admitted + n)}
+            good = [t for t, h in holders.items() if h is not None]
+            new = Generation(gen.number + 1, tuple(survivors + [holders[t] for t in good]),
+                             gen.admitted + n)
+            self._publish(new, good)
+        else:
+            new = self._read_generation(gen.number + 1)
+        joined = list(new.members[len(survivors):])
+        if not any(flags) and not joined:  # only refused tickets: nobody to regroup with
+            self.generation = new
+            return None
         before_change(self.job)  # pending accumulator updates, leavers' included
         left = tuple(m for m, f in zip(gen.members, flags, strict=True) if f)
         old_world = self.world_size
@@ -406,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
                              "required when listening beyond loopback")
     args = parser.parse_args(argv)
     try:
+        if not 1 <= args.port <= 65535:
+            raise DistributedError(f"--port {args.port} is not a TCP port", where="--port",
+                                   fix="pass a free port from 1 to 65535, e.g. --port 29600")
         server = host_store(args.host, args.port, token=args.token or env.rescale_token())
     except DistributedError as exc:
         print(exc.render(), file=sys.stderr)

@@ -340,7 +340,7 @@ def _run_torchrun(args: list[str], untraced: list[dict[str, Any]], summary: bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stratagem.launch.agent")
+    parser = argparse.ArgumentParser(prog="python -m stratagem.launch.agent", allow_abbrev=False)
     parser.add_argument("--watch-stdin", action="store_true",
                         help="stop the job when stdin reaches end-of-file")
     parser.add_argument("--failure-key-stdin", action="store_true",

@@ -127,6 +127,9 @@ def torchrun_args(*, nnodes: int, nproc: int, endpoint: str, job_id: str, local_
 
 def agent_argv(python: str, torchrun: list[str], script: str,
                script_args: tuple[str, ...]) -> list[str]:
-    """The command that runs on a node: our agent wrapper around torchrun and the worker."""
+    """The command that runs on a node: our agent wrapper around torchrun and the worker.
+
+    The ``--`` before the worker module ends torchrun's options: the script's own options
+    (``--n 1024``) are never read as (abbreviations of) torchrun's."""
     return [python, "-m", AGENT_MODULE, "--watch-stdin", "--failure-key-stdin", "--", *torchrun,
-            "-m", WORKER_MODULE, script, *script_args]
+            "-m", "--", WORKER_MODULE, script, *script_args]

@@ -62,10 +62,14 @@ def check_options(opts: JobOptions) -> None:
     if opts.checkpoint_steps is not None and opts.checkpoint_steps < 0:
         raise LaunchError(f"--checkpoint-steps must be >= 0, got {opts.checkpoint_steps}",
                           where="--checkpoint-steps", fix="e.g. --checkpoint-steps 100 (0: off)")
-    if opts.checkpoint_seconds is not None and not opts.checkpoint_seconds >= 0:
-        raise LaunchError(f"--checkpoint-seconds must be >= 0, got {opts.checkpoint_seconds}",
-                          where="--checkpoint-seconds",
+    if opts.checkpoint_seconds is not None and not 0 <= opts.checkpoint_seconds <= 1e9:
+        raise LaunchError(f"--checkpoint-seconds must be 0 to 1e9, got "
+                          f"{opts.checkpoint_seconds}", where="--checkpoint-seconds",
                           fix="e.g. --checkpoint-seconds 60 (0: off)")
+    if opts.checkpoint_dir is not None and not str(opts.checkpoint_dir).strip():
+        raise LaunchError(f"--checkpoint-dir {str(opts.checkpoint_dir)!r} is blank",
+                          where="--checkpoint-dir", fix="pass a directory")
+    env.validate()  # STRATAGEM_* numbers the workers would choke on (nan, -1, ...)
     if ((opts.checkpoint_steps or opts.checkpoint_seconds) and not opts.checkpoint_dir
             and env.checkpoint_dir() is None):
         raise LaunchError("periodic checkpoints need a checkpoint directory",

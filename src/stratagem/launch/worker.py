@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> None:
         _exit_cleanly(0)
     except BaseException as exc:  # noqa: BLE001 - reported, then exit 1 like python does
         tb = _user_frames(exc.__traceback__, script)
+        if "torch.distributed" in sys.modules:  # a finished peer is not a crashed one
+            from stratagem.distributed.process_group import explain_collective_failure
+
+            exc = explain_collective_failure(exc)
         if logs is not None:  # the rank's own log file always gets its traceback
             with open(logs[1], "a", encoding="utf-8") as fh:
                 fh.write("".join(traceback.format_exception(type(exc), exc, tb)))

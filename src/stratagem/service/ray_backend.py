@@ -149,17 +149,14 @@ class RescaleStoreHost:
 
         import torch.distributed as dist
 
-        from stratagem.elastic.rescale import Generation, namespace
+        from stratagem.elastic.rescale import current_generation
 
         if self.server is None:
             return None
         client = dist.TCPStore("127.0.0.1", self.port, is_master=False,
                                timeout=timedelta(seconds=10))
-        prefix = namespace(self.token)
-        if not client.check([f"{prefix}/gen"]):
-            return None
-        number = int(client.get(f"{prefix}/gen"))
-        return list(Generation.from_json(client.get(f"{prefix}/gen/{number}")).members)
+        gen = current_generation(client, self.token)  # signed values, checked
+        return None if gen is None else list(gen.members)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,6 @@ An optional ``profile.json`` beside either overrides ``epochs``, ``max_local_bsz
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -36,11 +34,16 @@ from stratagem.adapt import (
     predict_sync_time,
 )
 from stratagem.errors import StratagemError
+from stratagem.safeload import load_json
 from stratagem.sched.simulator.interpolate import (
     Measurement,
     StepTimeTable,
     parse_placement,
 )
+from stratagem.sched.simulator.workload import read_csv
+
+MAX_EPOCHS = 100_000  # an application's epochs (the Pollux profiles have at most 100)
+MAX_PROFILE_JSON = 1 << 20  # bytes of a hints.json or profile.json
 
 # Epoch budgets (and yolov3's memory cap) that the Pollux paper's simulator used for its six
 # applications; a profile.json beside the files overrides them.
@@ -120,22 +123,33 @@ class AppProfile:
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:
+    return read_csv(path, path.name)
+
+
+def _read_json(path: Path, fix: str) -> object:
+    """A profile's JSON file, within size and depth bounds (safeload), as plain values."""
     try:
-        with path.open(newline="") as f:
-            return list(csv.DictReader(f))
+        with path.open("rb") as f:
+            raw = f.read(MAX_PROFILE_JSON + 1)
     except OSError as exc:
         raise StratagemError(f"cannot read {path.name}: {exc.strerror}", where=str(path),
-                             fix="check the profile directory") from exc
+                             fix=fix) from exc
+    if len(raw) > MAX_PROFILE_JSON:
+        raise StratagemError(f"{path.name} is larger than {MAX_PROFILE_JSON} bytes",
+                             where=str(path), fix=fix)
+    return load_json(raw, str(path), StratagemError, fix)
 
 
 def _num(row: Mapping[str, str], key: str, path: Path) -> float:
     try:
         value = float(row[key])
     except (KeyError, TypeError, ValueError) as exc:
-        raise StratagemError(f"column {key!r} missing or not a number in row {dict(row)}",
+        raise StratagemError(f"column {key!r} missing or not a number in row "
+                             f"{str(dict(row))[:300]}",
                              where=str(path), fix="see the profile format in the README") from exc
     if not math.isfinite(value):
-        raise StratagemError(f"{key} is not finite in row {dict(row)}", where=str(path))
+        raise StratagemError(f"{key} is not finite in row {str(dict(row))[:300]}",
+                             where=str(path))
     return value
 
 
@@ -143,16 +157,33 @@ def _overrides(directory: Path) -> dict[str, float]:
     out: dict[str, float] = dict(KNOWN_APPS.get(directory.name, {}))
     path = directory / "profile.json"
     if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise StratagemError(f"not valid JSON: {exc}", where=str(path)) from exc
+        data = _read_json(path, f"a JSON object with some of {list(_OVERRIDES)}")
+        if not isinstance(data, dict):
+            raise StratagemError("not a JSON object", where=str(path),
+                                 fix=f"a JSON object with some of {list(_OVERRIDES)}")
         unknown = set(data) - set(_OVERRIDES)
         if unknown:
-            raise StratagemError(f"unknown keys {sorted(unknown)}", where=str(path),
+            raise StratagemError(f"unknown keys {sorted(unknown)[:10]}"[:300], where=str(path),
                                  fix=f"use only {list(_OVERRIDES)}")
+        for key, value in data.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value <= (MAX_EPOCHS if key == "epochs" else 1e12):
+                raise StratagemError(f"{key} is {str(value)[:60]}, not a positive number"
+                                     + (f" up to {MAX_EPOCHS}" if key == "epochs" else ""),
+                                     where=str(path), fix="positive numbers only")
         out.update(data)
     return out
+
+
+def _check_measurement(m: Measurement, path: Path) -> None:
+    """A measured step: positive time and batch, sync time within the step, sane sizes."""
+    if not (0 < m.step_time <= 1e6 and 0 <= m.sync_time <= m.step_time
+            and 1 <= m.local_bsz <= 1 << 24 and 1 <= m.num_nodes <= m.num_replicas <= 65_536):
+        raise StratagemError(
+            f"a measurement with step_time {m.step_time:g}, sync_time {m.sync_time:g}, "
+            f"local_bsz {m.local_bsz:g} on {m.num_replicas} replicas / {m.num_nodes} nodes",
+            where=str(path), fix="step_time above 0 (seconds), 0 <= sync_time <= step_time, "
+                                 "local_bsz >= 1, 1 <= nodes <= replicas")
 
 
 def load_pollux_profile(directory: str | Path) -> AppProfile:
@@ -165,18 +196,21 @@ def load_pollux_profile(directory: str | Path) -> AppProfile:
         try:
             placement = parse_placement(row["placement"])
         except (KeyError, ValueError) as exc:
-            raise StratagemError(f"bad placement in row {row}", where=str(path),
+            raise StratagemError(f"bad placement in row {str(row)[:300]}", where=str(path),
                                  fix="a digit string, one digit per node") from exc
         m = Measurement(len(placement), sum(placement), _num(row, "local_bsz", path),
                         _num(row, "step_time", path), _num(row, "sync_time", path), placement)
+        _check_measurement(m, path)
         measurements.append(m)
     scal = d / "scalability.csv"
     if scal.is_file():
         for row in _read_csv(scal):
-            measurements.append(Measurement(
+            m = Measurement(
                 int(_num(row, "num_nodes", scal)), int(_num(row, "num_replicas", scal)),
                 _num(row, "local_bsz", scal), _num(row, "step_time", scal),
-                _num(row, "sync_time", scal)))
+                _num(row, "sync_time", scal))
+            _check_measurement(m, scal)
+            measurements.append(m)
     for m in measurements:
         records.append(ProfileRecord(m.num_nodes, m.num_replicas, int(m.local_bsz),
                                      m.step_time, 0, max(m.step_time - m.sync_time, 1e-9)))
@@ -200,6 +234,9 @@ def load_pollux_profile(directory: str | Path) -> AppProfile:
     progress = get("progress")
     over = _overrides(d)
     epochs = int(over.get("epochs", rows))
+    if not np.isfinite(progress).all() or (progress < 0).any():
+        raise StratagemError("progress is not a finite number >= 0 everywhere", where=str(d),
+                             fix="check the validation-B.csv files")
     if not 1 <= epochs <= rows:
         raise StratagemError(f"epochs {epochs} outside the {rows} measured epochs",
                              where=str(d))
@@ -227,11 +264,7 @@ def load_hints_profile(directory: str | Path) -> AppProfile:
     """
     d = Path(directory)
     path = d / "hints.json"
-    try:
-        h = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise StratagemError(f"cannot read the hints: {exc}", where=str(path),
-                             fix="copy the hints.json an adaptive job wrote") from exc
+    h = _read_json(path, "copy the hints.json an adaptive job wrote")
     try:
         batch = h["batch"]
         base = int(batch["base_batch_size"])
@@ -244,18 +277,28 @@ def load_hints_profile(directory: str | Path) -> AppProfile:
         done = float(progress.get("progress", 0.0))
         epoch = int(h.get("epoch") or 0)
         max_batch = int(batch.get("max_batch_size") or base)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise StratagemError(f"hints document incomplete: {exc!r}", where=str(path),
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise StratagemError(f"hints document incomplete: {exc!r}"[:300], where=str(path),
                              fix="hints of schema version 1 after at least one timed step "
                                  "(docs/reference/hints.md)") from exc
     over = _overrides(d)
     per_epoch = float(over.get("progress_per_epoch", done / epoch if epoch else done))
     epochs = int(over.get("epochs", epoch + 1))
-    if per_epoch <= 0 or epochs < 1:
-        raise StratagemError("no progress per epoch known", where=str(path),
+    if not (0 < per_epoch <= 1e15 and 1 <= epochs <= MAX_EPOCHS):
+        raise StratagemError(f"progress per epoch {per_epoch:g} and {epochs} epochs (at most "
+                             f"{MAX_EPOCHS})", where=str(path),
                              fix="set progress_per_epoch and epochs in profile.json")
-    lo = int(over.get("min_local_bsz", lo or 1))
-    hi = int(over.get("max_local_bsz", hi or max_batch))
+    if not (1 <= base <= 1 << 24 and base <= max_batch <= 1 << 24):
+        raise StratagemError(f"batch sizes {base} (base) and {max_batch} (max) out of range",
+                             where=str(path), fix="batch sizes from 1 to 16777216")
+    try:
+        lo = int(over.get("min_local_bsz", lo or 1))
+        hi = int(over.get("max_local_bsz", hi or max_batch))
+    except (TypeError, ValueError, OverflowError):
+        lo = hi = 0
+    if not 1 <= lo <= hi <= 1 << 24:
+        raise StratagemError("local batch size bounds out of range", where=str(path),
+                             fix="1 <= min_local_bsz <= max_local_bsz <= 16777216")
     measured = {(r.num_nodes, r.num_replicas, r.local_bsz): r for r in records
                 if r.accum_steps == 0}
     grid = np.unique(np.concatenate([np.geomspace(lo, hi, 12).round(),
