@@ -115,14 +115,15 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str) -> No
         from stratagem import adaptdl
         from stratagem.adaptdl.torch.scaling_rules import AdaScale
     torch.set_num_threads(1)
-    torch.manual_seed(seed)
     adl.init_process_group("gloo")
-    loader = adl.AdaptiveDataLoader(_data(TRAIN, 1), batch_size=BATCH, shuffle=True,
+    shuffle = os.environ.get("SEEDS_SHUFFLE", "1") == "1"  # 0: the same order on both
+    loader = adl.AdaptiveDataLoader(_data(TRAIN, 1), batch_size=BATCH, shuffle=shuffle,
                                     drop_last=True)
     if autoscale:
         loader.autoscale_batch_size(256, local_bsz_bounds=(16, 256),
                                     gradient_accumulation=True)
     test = adl.AdaptiveDataLoader(_data(TEST, 2), batch_size=128)
+    torch.manual_seed(seed)  # here: the same initial weights on both systems
     net = _lenet()
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9, weight_decay=5e-4)
     net = adl.AdaptiveDataParallel(net, opt, scaling_rule=AdaScale())
@@ -211,6 +212,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--replicas", default="1,2")
+    parser.add_argument("--autoscale", default="0,1", help="0: without, 1: with")
     parser.add_argument("--out", default=str(HERE.parent / "results" / "adaptdl_seeds.json"))
     args = parser.parse_args()
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"seeds-{os.getpid()}"
@@ -219,7 +221,7 @@ def main() -> None:
         "train": TRAIN, "test": TEST, "batch": BATCH, "lr": LR, "epochs": args.epochs,
         "seeds": args.seeds}, "configs": {}}
     for replicas in (int(r) for r in args.replicas.split(",")):
-        for autoscale in (False, True):
+        for autoscale in (a == "1" for a in args.autoscale.split(",")):
             runs: dict[str, list[dict]] = {"adaptdl": [], "stratagem": []}
             for seed in range(args.seeds):  # interleaved: the load drifts for both alike
                 for system, python in (("adaptdl", args.adaptdl_python),

@@ -145,12 +145,17 @@ def private_names(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
     dmodel = adl.AdaptiveDataParallel(model, opt, sched)
     loader = adl.AdaptiveDataLoader(TensorDataset(x, y), batch_size=20, shuffle=True)
+    unscaled = metrics._metrics_state().grad_params  # AdaptDL: None without autoscaling
+    # autoscaling on (the statistics are per sample: a larger batch changes nothing here)
+    loader.autoscale_batch_size(40)
     before = metrics._metrics_state().grad_params
+    batches = set()
     for _epoch in adl.remaining_epochs_until(1):
         for xb, yb in loader:
             opt.zero_grad()
             torch.nn.functional.mse_loss(dmodel(xb), yb).backward()
             opt.step()
+            batches.add(loader.current_batch_size)
 
     class Writer:
         def __init__(self) -> None:
@@ -165,11 +170,12 @@ def private_names(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     return {"model_is_module": state.model is model, "optimizer": state.optimizer is opt,
             "scheduler": state.lr_scheduler is sched, "scaler": state.mp_scaler,
             "gain": (state.gain, dmodel.gain), "lr_factor": state.lr_factor,
-            "before": before, "grad_params": metrics._metrics_state().grad_params,
+            "before": before, "unscaled": unscaled,
+            "grad_params": metrics._metrics_state().grad_params,
             "gns": (dmodel.gns.sqr_avg(), dmodel.gns.var_avg()),
             "hints": metrics._get_sched_hints() is not None,
             "progress": metrics.get_progress(), "goodput": metrics.get_goodput_fn(),
-            "scalars": writer.scalars, "initial": initial, "x": x, "y": y,
+            "scalars": writer.scalars, "batches": batches, "initial": initial, "x": x, "y": y,
             "saved": list(torch.load(__import__("io").BytesIO(_saved(state.model)),
                                      weights_only=True))}
 

@@ -231,15 +231,16 @@ def test_gradient_noise_scale_known_answer_with_accumulation() -> None:
 
 def test_private_names_that_adaptdl_examples_read(tmp_path: Path) -> None:
     """``model._state.model`` (AdaptDL's NCF example), ``adaptdl.torch._metrics``
-    (its DCGAN example, its Ray Tune integration), and gradient statistics measured without
-    ``autoscale_batch_size`` (not 0.0), checked against the exact statistics of the initial
-    weights: per-sample gradient variance over the base batch of 20, squared mean gradient."""
+    (its DCGAN example, its Ray Tune integration), and the gradient statistics (not 0.0),
+    checked against the exact statistics of the initial weights: per-sample gradient
+    variance over the base batch of 20, squared mean gradient."""
     results = _run(w.private_names, 2, tmp_path / "out")
     r = results[0]
     assert r["model_is_module"] and r["optimizer"] and r["scheduler"]
     assert r["scaler"] is None and r["gain"][0] == r["gain"][1] and r["lr_factor"] == 1.0
     assert r["saved"] == ["weight", "bias"]
-    assert r["before"] is None  # AdaptDL: None until measured
+    assert r["before"] is None and r["unscaled"] is None  # AdaptDL: None until measured
+    assert min(r["batches"]) == 20
     sqr, var = r["grad_params"]
     assert (sqr, var) == pytest.approx(r["gns"])
     assert r["scalars"]["Gradient_Norm_Sqr"] == pytest.approx(sqr)

@@ -4,7 +4,9 @@ integration calls ``_get_sched_hints()``).
 
 The values come from Stratagem's adaptive loop, in AdaptDL's units: ``grad_params`` is
 ``(squared gradient norm, gradient variance at the base batch)`` summed over the job's
-``AdaptiveDataParallel`` models (AdaptDL sums them the same way), None until measured;
+``AdaptiveDataParallel`` models (AdaptDL sums them the same way), None until measured and
+without ``autoscale_batch_size`` (AdaptDL records them only for its batch-size decisions;
+``model.gns`` and ``to_tensorboard`` always have them);
 ``progress`` is the scale-invariant progress. Stratagem profiles throughput with its own
 model (not AdaptDL's seven ``perf_params``), so ``perf_params`` is None, ``profile`` is
 empty and :func:`get_goodput_fn` returns None; the batch-size decisions are Stratagem's
@@ -37,7 +39,11 @@ class MetricsState:
     profile: dict[Any, Any] = field(default_factory=dict)
 
 
-def _grad_params() -> tuple[float, float] | None:
+def _grad_params(loader: AdaptiveDataLoaderHelper | None) -> tuple[float, float] | None:
+    """AdaptDL records them for its goodput model only while the batch size may grow
+    (``max_batch_size`` above ``batch_size``); None otherwise, and until measured."""
+    if loader is None or not (loader.max_batch_size or 0) > loader.batch_size:
+        return None
     measured = [m._gns() for m in job.models() if m.statistics_measured()]
     if not measured:
         return None
@@ -49,7 +55,7 @@ def _metrics_state() -> MetricsState:
     models = job.models()
     loader = AdaptiveDataLoaderHelper.training_loader()
     return MetricsState(
-        grad_params=_grad_params(),
+        grad_params=_grad_params(loader),
         progress=max((m.gns.get_progress() for m in models), default=0.0),
         init_batch_size=loader.batch_size if loader is not None else None,
         max_batch_size=loader.max_batch_size if loader is not None else None,

@@ -94,10 +94,10 @@ class AdaptiveDataParallel(nn.Module):
         object.__setattr__(self, "_dist", _distribute(ad, model, optimizer,
                                                       self.scaling_rule))
         self._trainer = getattr(ad, "adaptive", None)  # the adaptive loop, when available
-        if self._trainer is not None and hasattr(self._trainer, "collect_stats"):
-            # AdaptDL measures the gradient statistics with or without autoscaling (its
-            # TensorBoard scalars and _metrics read them)
-            self._trainer.collect_stats = True
+        if self._trainer is not None and hasattr(self._trainer, "measure_every_step"):
+            # AdaptDL measures the gradient statistics at every step, with or without
+            # autoscaling (its TensorBoard scalars, _metrics and scaling rules read them)
+            self._trainer.measure_every_step()
         self._syncing = True
         initialize = getattr(self.scaling_rule, "initialize", None)
         if initialize is not None:  # an AdaptDL-style rule: its adp is this model
