@@ -398,6 +398,19 @@ class AdaptiveTrainer:
         if self.stats is not None:
             self._renew_stats()
 
+    def use_preconditioner(self, on: bool) -> None:
+        """Whether the gradient statistics are Adam-preconditioned (default: with an
+        Adam-like optimizer). AdaptDL preconditions only under an explicit ``AdamScale``
+        rule; its drop-in says so here."""
+        if self.preconditioned == bool(on):
+            return
+        self.preconditioned = bool(on)
+        if self.gns is not None:
+            self.gns = GradientNoiseScale(self.base_batch_size, self.smoothing,
+                                          len(self.optimizer.param_groups),
+                                          preconditioned=self.preconditioned)
+            self._renew_stats()
+
     def measure_every_step(self) -> None:
         """Gradient statistics from every step, applied after it, with the Adam
         preconditioner refreshed every step, with or without autoscaling (AdaptDL's

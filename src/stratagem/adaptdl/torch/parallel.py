@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from stratagem.adaptdl.torch import job
-from stratagem.adaptdl.torch.scaling_rules import AdaScale, StatisticsView
+from stratagem.adaptdl.torch.scaling_rules import AdamScale, AdaScale, StatisticsView
 from stratagem.elastic.state import State, load_state, register_state
 
 
@@ -90,7 +90,11 @@ class AdaptiveDataParallel(nn.Module):
         ad = job.autodist()
         self.module = model
         self.optimizer = optimizer
-        self.scaling_rule = scaling_rule if scaling_rule is not None else AdaScale()
+        if scaling_rule is None:  # AdaptDL's default: AdamScale for Adam and AdamW
+            adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+            self.scaling_rule = AdamScale() if adam else AdaScale()
+        else:
+            self.scaling_rule = scaling_rule
         object.__setattr__(self, "_dist", _distribute(ad, model, optimizer,
                                                       self.scaling_rule))
         self._trainer = getattr(ad, "adaptive", None)  # the adaptive loop, when available
@@ -98,6 +102,9 @@ class AdaptiveDataParallel(nn.Module):
             # AdaptDL measures the gradient statistics at every step, with or without
             # autoscaling (its TensorBoard scalars, _metrics and scaling rules read them)
             self._trainer.measure_every_step()
+            # AdaptDL preconditions the statistics only under an AdamScale the script
+            # passed itself (its default AdamScale for Adam measures them plain)
+            self._trainer.use_preconditioner(isinstance(scaling_rule, AdamScale))
         self._syncing = True
         initialize = getattr(self.scaling_rule, "initialize", None)
         if initialize is not None:  # an AdaptDL-style rule: its adp is this model
