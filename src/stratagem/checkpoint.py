@@ -146,7 +146,13 @@ def commit(tmp: Path, final: Path, meta: dict[str, Any], world: int, sums: dict[
     """Make the written directory ``tmp`` the checkpoint ``final``: record ``meta`` and the
     files' SHA-256 ``sums`` in ``meta.json``, fsync, rename into place (an existing
     ``final`` is moved to ``old`` first and deleted after). Until the rename, ``final`` is
-    untouched: a crash at any point leaves the previous state."""
+    untouched: a crash at any point leaves the previous state. A ``save_started`` entry
+    (this process's ``time.monotonic()`` when the save began) is recorded as
+    ``save_seconds``, which sizes the grace of a stop (:mod:`stratagem.launch.grace`)."""
+    meta = dict(meta)
+    started = meta.pop("save_started", None)
+    if isinstance(started, float):
+        meta["save_seconds"] = round(time.monotonic() - started, 3)
     _save_json({"format": 1, "world_size": world, "time": time.time(), **meta,
                 "sha256": sums}, tmp / META)
     fsync_dir(tmp)

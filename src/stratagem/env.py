@@ -33,6 +33,7 @@ CHECKPOINT_DIR = "STRATAGEM_CHECKPOINT_DIR"
 CHECKPOINT_STEPS = "STRATAGEM_CHECKPOINT_STEPS"
 CHECKPOINT_SECONDS = "STRATAGEM_CHECKPOINT_SECONDS"
 CHECKPOINT_ASYNC = "STRATAGEM_CHECKPOINT_ASYNC"
+STOP_GRACE = "STRATAGEM_STOP_GRACE_S"
 RESTART_COUNT = "STRATAGEM_RESTART_COUNT"
 PG_TIMEOUT = "STRATAGEM_PG_TIMEOUT_S"
 PEER_TIMEOUT = "STRATAGEM_PEER_TIMEOUT_S"
@@ -280,6 +281,29 @@ def checkpoint_async() -> bool:
                              where=CHECKPOINT_ASYNC, fix=f"set {CHECKPOINT_ASYNC} to 1 "
                                                          "(background writes) or 0")
     return value in ("1", "true")
+
+
+MAX_STOP_GRACE_S = 86400.0
+
+
+def stop_grace() -> float | None:
+    """``STRATAGEM_STOP_GRACE_S`` (``stratagem run --stop-grace``): how long a stop (SIGTERM,
+    Ctrl-C) waits for the workers to finish the save in flight and their stop save before
+    they are killed; None (unset): derived from the job's last measured save
+    (:func:`stratagem.launch.grace.stop_grace_s`)."""
+    value = _first(STOP_GRACE)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds <= MAX_STOP_GRACE_S:  # also NaN
+        raise StratagemError(f"{STOP_GRACE}={value!r} is not a number of seconds above 0 and "
+                             f"at most {MAX_STOP_GRACE_S:g}", where=STOP_GRACE,
+                             fix=f"set {STOP_GRACE} to e.g. 60, or unset it for the default "
+                                 "(twice the last save plus a margin, at least 30 s)")
+    return seconds
 
 
 def nodes() -> str | None:

@@ -127,3 +127,63 @@ def custom_rule(rank: int, world: int, ckpt: str) -> dict[str, Any]:
                 break
     return {"initial": initial, "final": {k: v.clone() for k, v in model.state_dict().items()},
             "lr_after": opt.param_groups[0]["lr"], "bound": bound, "x": x, "y": y}
+
+
+def private_names(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    """AdaptDL's private names that its examples read (``model._state``,
+    ``adaptdl.torch._metrics``), on a linear model trained without autoscaling at a tiny
+    learning rate (the gradient statistics stay those of the initial weights)."""
+    adl = _setup(ckpt)
+    import stratagem.adaptdl.torch._metrics as metrics
+
+    torch.manual_seed(0)
+    x = torch.randn(1000, 4)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + torch.randn(1000, 1)
+    model = torch.nn.Linear(4, 1)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    dmodel = adl.AdaptiveDataParallel(model, opt, sched)
+    loader = adl.AdaptiveDataLoader(TensorDataset(x, y), batch_size=20, shuffle=True)
+    unscaled = metrics._metrics_state().grad_params  # AdaptDL: None without autoscaling
+    # autoscaling on (the statistics are per sample: a larger batch changes nothing here)
+    loader.autoscale_batch_size(40)
+    before = metrics._metrics_state().grad_params
+    batches = set()
+    for _epoch in adl.remaining_epochs_until(1):
+        for xb, yb in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(dmodel(xb), yb).backward()
+            opt.step()
+            batches.add(loader.current_batch_size)
+
+    class Writer:
+        def __init__(self) -> None:
+            self.scalars: dict[str, float] = {}
+
+        def add_scalar(self, tag: str, value: float, step: int) -> None:
+            self.scalars[tag] = float(value)
+
+    writer = Writer()
+    dmodel.to_tensorboard(writer, 0)
+    state = dmodel._state
+    return {"model_is_module": state.model is model, "optimizer": state.optimizer is opt,
+            "scheduler": state.lr_scheduler is sched, "scaler": state.mp_scaler,
+            "gain": (state.gain, dmodel.gain), "lr_factor": state.lr_factor,
+            "before": before, "unscaled": unscaled,
+            "grad_params": metrics._metrics_state().grad_params,
+            "gns": (dmodel.gns.sqr_avg(), dmodel.gns.var_avg()),
+            "hints": metrics._get_sched_hints() is not None,
+            "progress": metrics.get_progress(), "goodput": metrics.get_goodput_fn(),
+            "scalars": writer.scalars, "batches": batches, "initial": initial, "x": x, "y": y,
+            "saved": list(torch.load(__import__("io").BytesIO(_saved(state.model)),
+                                     weights_only=True))}
+
+
+def _saved(module: torch.nn.Module) -> bytes:
+    """What AdaptDL's NCF example does with ``model._state.model``: ``torch.save`` it."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(module.state_dict(), buf)
+    return buf.getvalue()

@@ -184,3 +184,32 @@ def test_scaling_rules_are_stratagem_rules() -> None:
     for rule in (AdaScale(), AdamScale(), LinearScale(), SqrtScale(), LEGWScale(1, 100)):
         assert isinstance(rule, ScalingRule)
     assert LinearScale().lr_factors(4.0, num_groups=2).tolist() == [4.0, 4.0]
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_adam_gets_adamscale_and_preconditioned_statistics_only_when_asked(
+        explicit: bool) -> None:
+    """AdaptDL 0.2.11: an Adam optimizer without a rule gets ``AdamScale`` but plain
+    gradient statistics; only an ``AdamScale`` the script passes preconditions them (its NCF
+    example passes none: preconditioned statistics of never-seen embedding rows read
+    ~1e9-1e11 there, against AdaptDL's ~0.005 / 0.05)."""
+    import stratagem.adaptdl.torch as adl
+    from stratagem.adaptdl.torch import job
+    from stratagem.adaptdl.torch.scaling_rules import AdamScale
+
+    try:
+        model = torch.nn.Linear(3, 1)
+        opt = torch.optim.Adam(model.parameters())
+        dmodel = adl.AdaptiveDataParallel(model, opt,
+                                          scaling_rule=AdamScale() if explicit else None)
+        assert isinstance(dmodel.scaling_rule, AdamScale)
+        assert dmodel._trainer.preconditioned is explicit
+        other = torch.nn.Linear(3, 1)
+        sgd = adl.AdaptiveDataParallel(other, torch.optim.SGD(other.parameters(), lr=0.1),
+                                       name="sgd")
+        assert type(sgd.scaling_rule).__name__ == "AdaScale"
+    finally:
+        job.reset()
+        drop_job()
+        if torch.distributed.is_initialized():  # the one-process group the model joined
+            torch.distributed.destroy_process_group()

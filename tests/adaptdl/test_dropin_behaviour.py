@@ -259,3 +259,35 @@ def test_an_accumulator_s_loss_is_recorded_like_log_metrics(
     with train.synchronized():  # the next epoch: only loss_sum and total (no average)
         pass
     assert logged == [{"loss": 1.5}, {"loss": 1.5}]
+
+
+def test_private_names_that_adaptdl_examples_read(tmp_path: Path) -> None:
+    """``model._state.model`` (AdaptDL's NCF example), ``adaptdl.torch._metrics``
+    (its DCGAN example, its Ray Tune integration), and the gradient statistics (not 0.0),
+    checked against the exact statistics of the initial weights: per-sample gradient
+    variance over the base batch of 20, squared mean gradient."""
+    results = _run(w.private_names, 2, tmp_path / "out")
+    r = results[0]
+    assert r["model_is_module"] and r["optimizer"] and r["scheduler"]
+    assert r["scaler"] is None and r["gain"][0] == r["gain"][1] and r["lr_factor"] == 1.0
+    assert r["saved"] == ["weight", "bias"]
+    assert r["before"] is None and r["unscaled"] is None  # AdaptDL: None until measured
+    assert min(r["batches"]) == 20
+    sqr, var = r["grad_params"]
+    assert (sqr, var) == pytest.approx(r["gns"])
+    assert r["scalars"]["Gradient_Norm_Sqr"] == pytest.approx(sqr)
+    assert r["scalars"]["Gradient_Variance"] == pytest.approx(var)
+    assert r["hints"] and r["progress"] > 0 and r["goodput"] is None
+    model = torch.nn.Linear(4, 1)
+    model.load_state_dict(r["initial"])
+    grads = []
+    for xi, yi in zip(r["x"], r["y"], strict=True):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(xi[None]), yi[None]).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    g = torch.stack(grads).double()
+    want_sqr = float(g.mean(0).pow(2).sum())
+    want_var = float(g.var(0).sum()) / 20  # at AdaptDL's base batch
+    assert sqr == pytest.approx(want_sqr, rel=0.2)
+    assert var == pytest.approx(want_var, rel=0.2)
+    assert all(o["grad_params"] == r["grad_params"] for o in results)

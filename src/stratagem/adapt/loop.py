@@ -159,6 +159,7 @@ class AdaptiveTrainer:
         self.stats: GradStats | None = None
         self.autoscaler: Autoscaler | None = None
         self.collect_stats = False  # force gradient statistics without autoscaling
+        self.stats_flush_every = 16  # steps whose statistics are summed in one all-reduce
         self.stats_every = 1  # steps per statistics sample (set by the decisions)
         self.max_stats_every = MAX_STATS_EVERY
         self.steps = 0
@@ -373,7 +374,8 @@ class AdaptiveTrainer:
         if self.stats is not None:
             self.stats.close()
         self.stats = GradStats(self.model, self.optimizer, self.gns, world_size=self.world_size,
-                               precond_every=self.precond_every)
+                               precond_every=self.precond_every,
+                               flush_every=self.stats_flush_every)
 
     def before_membership_change(self) -> None:
         """In the old group, before an in-process rescale: apply the queued gradient
@@ -397,6 +399,32 @@ class AdaptiveTrainer:
         self._decided = False
         if self.stats is not None:
             self._renew_stats()
+
+    def use_preconditioner(self, on: bool) -> None:
+        """Whether the gradient statistics are Adam-preconditioned (default: with an
+        Adam-like optimizer). AdaptDL preconditions only under an explicit ``AdamScale``
+        rule; its drop-in says so here."""
+        if self.preconditioned == bool(on):
+            return
+        self.preconditioned = bool(on)
+        if self.gns is not None:
+            self.gns = GradientNoiseScale(self.base_batch_size, self.smoothing,
+                                          len(self.optimizer.param_groups),
+                                          preconditioned=self.preconditioned)
+            self._renew_stats()
+
+    def measure_every_step(self) -> None:
+        """Gradient statistics from every step, applied after it, with the Adam
+        preconditioner refreshed every step, with or without autoscaling (AdaptDL's
+        sampling, for its drop-in: ``model.gns`` then follows AdaptDL's step by step).
+        Costs one small all-reduce per step; Stratagem's default samples so that the
+        statistics take at most ``STATS_BUDGET`` of the step time and sums them in one
+        all-reduce every ``stats_flush_every`` steps."""
+        self.collect_stats = True
+        self.max_stats_every = self.stats_every = 1
+        self.stats_flush_every = self.precond_every = 1
+        if self.stats is not None:
+            self.stats.flush_every = self.stats.precond_every = 1
 
     @property
     def needs_gradient_statistics(self) -> bool:

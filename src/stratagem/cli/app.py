@@ -76,6 +76,11 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
                    help="write periodic checkpoints synchronously, stalling training for the "
                         "whole write (default: in the background after an in-memory "
                         "snapshot; STRATAGEM_CHECKPOINT_ASYNC=0)")
+    p.add_argument("--stop-grace", type=float, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, wait this long for the workers to finish the "
+                        "save in flight and save the job state before killing them "
+                        "(STRATAGEM_STOP_GRACE_S; default: twice the last save plus 10 s, "
+                        "at least 30 s)")
     p.add_argument("--nnodes", metavar="MIN:MAX",
                    help="elastic node count (needs --resource-spec listing up to MAX nodes): "
                         "start on the reachable nodes if at least MIN are; when a node is "
@@ -109,7 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         tensorboard=args.tensorboard, max_restarts=args.max_restarts,
         restart_backoff=args.restart_backoff, checkpoint_dir=args.checkpoint_dir,
         checkpoint_steps=args.checkpoint_steps, checkpoint_seconds=args.checkpoint_seconds,
-        checkpoint_sync=args.checkpoint_sync,
+        checkpoint_sync=args.checkpoint_sync, stop_grace=args.stop_grace,
         nnodes=args.nnodes, node_probe_seconds=args.node_probe_seconds))
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -243,6 +244,7 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
         warnings.warn(f"no checkpoint saved: set {ENV_CHECKPOINT_DIR}", stacklevel=2)
         return None
     background_save.finish_previous()  # at most one in flight, and in order
+    started = time.monotonic()  # meta.json's save_seconds (sizes a stop's grace)
     rank, world = rank_world()
     ctx = current_job()
     states = [s for s in ctx.states.values() if only is None or s.name in only]
@@ -250,7 +252,8 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
         for state in states:
             state.sync()
     layout = {s.name: {"format": s.format, "per_rank": s.per_rank} for s in states}
-    meta = {"states": layout, "metadata": {}, "strategy_id": None}
+    meta: dict[str, Any] = {"states": layout, "metadata": {}, "strategy_id": None,
+                            "save_started": started}
     if background and only is None and background_save.can_write_in_background():
         files = {s.filename(rank): _snapshot(s) for s in states if s.per_rank or rank == 0}
         path = background_save.start(ckpt.CheckpointDir(root_path, keep=KEEP), files, meta)
@@ -259,7 +262,8 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
     kept: list[Path] = []  # files of the states not saved now, from the latest checkpoint
     previous = ckpt.CheckpointDir(root_path).latest_good() if only is not None else None
     if previous is not None:
-        meta = ckpt.read_meta(previous)
+        meta = {**ckpt.read_meta(previous), "save_started": started}
+        meta.pop("save_seconds", None)
         for name, entry in meta.get("states", {}).items():
             if name in layout or (entry["per_rank"] and meta["world_size"] != world):
                 continue

@@ -8,6 +8,10 @@ torchrun itself, run in-process, plus:
    elastic leaves the workers' error files there;
 3. with ``--watch-stdin``, SIGTERM to itself when stdin reaches end-of-file (the launcher, or
    the ssh connection, went away); torchrun then stops its workers;
+   a stop signals each training process alone (torch elastic signals the worker's whole
+   process group, which also killed its DataLoader's worker processes before the training
+   process could save), and waits the stop grace (:mod:`stratagem.launch.grace`) for the
+   save in flight and the stop save before SIGKILL;
 4. as a child subreaper, kills whatever torchrun leaves behind (torch elastic starts each
    worker in its own session, so a worker that outlives its shutdown would be orphaned);
 5. torch elastic's own log lines go to Stratagem's logger at DEBUG (shown with
@@ -45,6 +49,7 @@ from collections.abc import Collection
 from typing import Any
 
 from stratagem import env
+from stratagem.launch import grace
 from stratagem.launch.env import ENV_JOB_ID, apply_node_env
 
 FAILURE_MARKER = "@@stratagem-failure@@ "
@@ -53,8 +58,7 @@ TORCH_PCONTEXT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 # torch elastic's loggers (each module's, below these) and torchrun's own
 TORCH_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run",
                          "torch.distributed.launcher")
-GRACE_S = 4.0  # after a stop request, before the agent kills the workers itself
-SHUTDOWN_TIMEOUT_S = "3"  # torch elastic: SIGTERM -> SIGKILL for workers (default 30)
+SHUTDOWN_TIMEOUT_S = "3"  # torch elastic, after a failure: SIGTERM -> SIGKILL for the rest
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -222,13 +226,14 @@ def _set_subreaper() -> None:
 
 
 def _watch_stdin() -> None:
-    """On end-of-file: SIGTERM ourselves; if torchrun has not finished after GRACE_S, kill
-    the workers and exit."""
+    """On end-of-file: SIGTERM ourselves; if torchrun has not finished within the stop
+    grace (plus its teardown), kill the workers and exit."""
     with contextlib.suppress(OSError):  # raw fd: no buffered-reader lock at shutdown
         while os.read(0, 4096):
             pass
+    wait = grace.stop_grace_s(env.checkpoint_dir()) + grace.AGENT_MARGIN_S / 2
     os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(GRACE_S)
+    time.sleep(wait)
     kill_leftovers()
     os._exit(128 + signal.SIGTERM)
 
@@ -265,6 +270,55 @@ def bound_failure_shutdown(seconds: int) -> None:
 
     close._stratagem_original = original  # type: ignore[attr-defined]
     PContext.close = close  # type: ignore[method-assign]
+
+
+def give_stops_the_grace() -> None:
+    """Make torch elastic's agent wait the stop grace (:func:`stratagem.launch.grace.stop_grace_s`,
+    decided when the stop arrives) between SIGTERM and SIGKILL when it stops its workers:
+    they finish the save in flight and write the stop save. torch passes its fixed
+    ``--shutdown-timeout`` instead, which cut saves short. Idempotent."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    original = LocalElasticAgent._shutdown
+    original = getattr(original, "_stratagem_original", original)
+
+    def shutdown(self: Any, death_sig: Any = signal.SIGTERM, timeout: Any = 30) -> None:
+        original(self, death_sig, grace.stop_grace_s(env.checkpoint_dir()))
+
+    shutdown._stratagem_original = original  # type: ignore[attr-defined]
+    LocalElasticAgent._shutdown = shutdown  # type: ignore[method-assign]
+
+
+def signal_training_process_only() -> None:
+    """Make torch elastic send a stop signal (SIGTERM, SIGINT, ...) to each training process
+    alone; SIGKILL still goes to its whole process group.
+
+    torch elastic starts each worker in a session of its own and signals the session's
+    process group, so a stop also reached the worker's DataLoader worker processes, which
+    died at once; the training process then failed ("DataLoader worker ... is killed by
+    signal") before it reached the step boundary where it saves. Signalled alone, it saves
+    and exits, and its loader's workers end with it (or with the agent's sweep of
+    leftovers). Idempotent."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as handlers,
+    )
+
+    cls = handlers.SubprocessHandler
+    original = cls.close
+    original = getattr(original, "_stratagem_original", original)
+
+    def close(self: Any, death_sig: Any = None) -> None:
+        if death_sig is None or death_sig == signal.SIGKILL or os.name != "posix":
+            original(self, death_sig)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(death_sig)
+        for stream in (self._stdout, self._stderr):
+            if stream:
+                stream.close()
+
+    close._stratagem_original = original  # type: ignore[attr-defined]
+    cls.close = close  # type: ignore[method-assign]
 
 
 def tolerate_torn_error_files() -> None:
@@ -319,6 +373,8 @@ def _run_torchrun(args: list[str], untraced: list[dict[str, Any]], summary: bool
     route_torch_elastic_logs()
     stopped = StoppedPids().install()
     bound_failure_shutdown(_shutdown_timeout())
+    give_stops_the_grace()
+    signal_training_process_only()
     tolerate_torn_error_files()
     try:
         torchrun_main(args)
@@ -362,7 +418,6 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, stop)  # until torchrun installs its own
         apply_node_env()
         os.environ["TORCHELASTIC_ERROR_FILE"] = os.path.join(workdir, "agent-error.json")
-        os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
         _set_subreaper()
         if args.watch_stdin:
             threading.Thread(target=_watch_stdin, daemon=True).start()

@@ -96,7 +96,8 @@ def observe_env(job_id: str, run_dir: str | None, log_dir: str | None,
 
 
 def checkpoint_env(checkpoint_dir: str | None, steps: int | None, seconds: float | None,
-                   restart: int, *, sync: bool = False) -> dict[str, str]:
+                   restart: int, *, sync: bool = False,
+                   stop_grace: float | None = None) -> dict[str, str]:
     """The workers' checkpoint settings (``--checkpoint-dir/-steps/-seconds/-sync``,
     absolute path) and how many times the job was restarted before this attempt."""
     out = {env.RESTART_COUNT: str(restart)}
@@ -108,6 +109,8 @@ def checkpoint_env(checkpoint_dir: str | None, steps: int | None, seconds: float
         out[env.CHECKPOINT_STEPS] = str(steps)
     if seconds:
         out[env.CHECKPOINT_SECONDS] = repr(float(seconds))
+    if stop_grace:
+        out[env.STOP_GRACE] = repr(float(stop_grace))
     return out
 
 

@@ -38,6 +38,7 @@ class JobOptions:
     checkpoint_steps: int | None = None  # the workers' STRATAGEM_CHECKPOINT_STEPS
     checkpoint_seconds: float | None = None  # the workers' STRATAGEM_CHECKPOINT_SECONDS
     checkpoint_sync: bool = False  # periodic saves synchronous (STRATAGEM_CHECKPOINT_ASYNC=0)
+    stop_grace: float | None = None  # STRATAGEM_STOP_GRACE_S (None: from the last save)
     nnodes: str | None = None  # "MIN:MAX" (or "N"): how many of the spec's nodes to run on
     node_probe_seconds: float = DEFAULT_NODE_PROBE_S  # below MAX: how often to look for nodes
 
@@ -53,6 +54,7 @@ class RestartPolicy:
     min_nodes: int | None = None  # --nnodes MIN:MAX: fewer reachable nodes end the job
     max_nodes: int | None = None  # ... and never more than MAX are started
     probe_interval_s: float = DEFAULT_NODE_PROBE_S  # below MAX: look for nodes this often
+    stop_grace_s: float | None = None  # a stop waits this long (None: launch.grace decides)
 
 
 @dataclass(frozen=True)

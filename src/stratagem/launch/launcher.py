@@ -75,6 +75,12 @@ def check_options(opts: JobOptions) -> None:
         raise LaunchError("periodic checkpoints need a checkpoint directory",
                           where="--checkpoint-steps/--checkpoint-seconds",
                           fix=f"pass --checkpoint-dir DIR (or set {env.CHECKPOINT_DIR})")
+    if opts.stop_grace is not None and not 0 < opts.stop_grace <= env.MAX_STOP_GRACE_S:
+        raise LaunchError(f"--stop-grace must be above 0 and at most "
+                          f"{env.MAX_STOP_GRACE_S:g} s, got {opts.stop_grace}",
+                          where="--stop-grace",
+                          fix="e.g. --stop-grace 120, or leave it out: twice the job's last "
+                              "save plus a margin, at least 30 s")
     if not 0 < opts.node_probe_seconds <= 3600:
         raise LaunchError(f"--node-probe-seconds must be above 0 and at most 3600, got "
                           f"{opts.node_probe_seconds}", where="--node-probe-seconds",
@@ -148,7 +154,8 @@ def restart_policy(opts: JobOptions) -> RestartPolicy:
     return RestartPolicy(max_restarts=limit, backoff_s=opts.restart_backoff,
                          checkpoint_dir=str(Path(where).resolve()) if where else None,
                          min_nodes=low, max_nodes=high,
-                         probe_interval_s=opts.node_probe_seconds)
+                         probe_interval_s=opts.node_probe_seconds,
+                         stop_grace_s=opts.stop_grace or env.stop_grace())
 
 
 def first_nodes(pool: NodePool) -> tuple[str, ...]:

@@ -30,7 +30,8 @@ def plan_local(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path: str
     env.update(observe_env(job_id, opts.run_dir, opts.log_dir, opts.log_level,
                            tensorboard=opts.tensorboard))
     env.update(checkpoint_env(opts.checkpoint_dir, opts.checkpoint_steps,
-                              opts.checkpoint_seconds, restart, sync=opts.checkpoint_sync))
+                              opts.checkpoint_seconds, restart, sync=opts.checkpoint_sync,
+                              stop_grace=opts.stop_grace))
     agent = AgentLaunch(
         index=0, node=node,
         argv=tuple(agent_argv(sys.executable, torchrun, opts.script, opts.script_args)),

@@ -65,7 +65,8 @@ def plan_multinode(opts: JobOptions, spec: ResourceSpec, job_id: str, spec_path:
                **observe_env(job_id, opts.run_dir, opts.log_dir, opts.log_level,
                              tensorboard=opts.tensorboard),
                **checkpoint_env(opts.checkpoint_dir, opts.checkpoint_steps,
-                                opts.checkpoint_seconds, restart, sync=opts.checkpoint_sync)}
+                                opts.checkpoint_seconds, restart, sync=opts.checkpoint_sync,
+                                stop_grace=opts.stop_grace)}
         if active is not None:
             env[ENV_NODES] = ",".join(sorted(keep))
         if node.workers == 0:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from stratagem.errors import LaunchError
+from stratagem.launch import grace as stop_grace
 from stratagem.launch.agent import FAILURE_MARKER
 from stratagem.launch.env import ENV_JOB_ID
 from stratagem.launch.job import AgentLaunch, LaunchPlan, RestartPolicy
@@ -46,7 +47,7 @@ from stratagem.launch.probe import NodePool
 
 CKPT_NAME = re.compile(r"ckpt-(\d+)")
 STOP_CODE = 143  # a worker that saved and exited on SIGTERM (stratagem.elastic.EXIT_CODE)
-GRACE_S = 6.0  # after SIGTERM, before SIGKILL (longer than the agent's own grace)
+GRACE_S = 6.0  # after SIGTERM, before SIGKILL, when the job is not being stopped
 TAIL_LINES = 25
 POLL_S = 0.05
 
@@ -111,7 +112,7 @@ class Supervisor:
     the launcher's exit code (0 ok, 1 failed, 128+N stopped by signal N)."""
 
     def __init__(self, plan: LaunchPlan, out: IO[str] | None = None,
-                 err: IO[str] | None = None, grace: float = GRACE_S,
+                 err: IO[str] | None = None, grace: float | None = None,
                  policy: RestartPolicy | None = None,
                  replan: Callable[..., LaunchPlan] | None = None,
                  pool: NodePool | None = None) -> None:
@@ -132,7 +133,8 @@ class Supervisor:
         self._told_waiting: set[tuple[str, int]] = set()  # (node, losses) announced
         self.out = out or sys.stdout
         self.err = err or sys.stderr
-        self.grace = grace
+        self.grace = grace  # None: GRACE_S, or for a stop the stop grace (launch.grace)
+        self.stop_report: str | None = None  # what a stop saved (the final message)
         self.agents: list[_Agent] = []
         self._lock = threading.Lock()
         self._signal: int | None = None
@@ -380,6 +382,8 @@ class Supervisor:
             name = signal.Signals(self._signal).name
             self.say(f"job {self.plan.job_id}: {name} received; stopped every worker "
                      f"on {len(self.agents)} node{'s' * (len(self.agents) != 1)}{again}")
+            if self.stop_report:
+                self.say(self.stop_report)
             return 128 + self._signal
         if self._lost_error is not None:
             self.say(self.failures[-1].summary)
@@ -440,19 +444,31 @@ class Supervisor:
 
     def stop_all(self) -> None:
         """SIGTERM every running agent's process group, SIGKILL after the grace; then sweep
-        this machine for processes still carrying the job id."""
+        this machine for processes still carrying the job id. On a stop signal the grace is
+        the stop grace (:mod:`stratagem.launch.grace`: the workers finish the save in flight
+        and save the job state) and :attr:`stop_report` says what was saved where."""
         live = [a for a in self.agents if a.proc.poll() is None]
+        root = self.policy.checkpoint_dir
+        before = stop_grace.newest_checkpoint(root)
+        stopping = self._signal is not None
+        saving = stopping or self._grow_to is not None  # the workers save before they exit
+        allowed = stop_grace.stop_grace_s(root, self.policy.stop_grace_s) if saving else GRACE_S
+        wait = self.grace if self.grace is not None else (
+            allowed + stop_grace.AGENT_MARGIN_S if saving else GRACE_S)
+        started = time.monotonic()
+        killed = False
         for agent in live:
             agent.quiet = True
             with contextlib.suppress(OSError):
                 assert agent.proc.stdin is not None
                 agent.proc.stdin.close()  # remote agents stop on end-of-file
             self._killpg(agent, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace
+        deadline = time.monotonic() + wait
         while any(a.proc.poll() is None for a in live):
             if self._hurry or time.monotonic() > deadline:
                 for agent in live:
                     self._killpg(agent, signal.SIGKILL)
+                killed = True
                 break
             for agent in live:  # a lost node's agent cannot stop its workers: no grace
                 if agent.launch.node.address in self._probed_lost():
@@ -470,6 +486,30 @@ class Supervisor:
         for agent in self.agents:
             for t in agent.pumps:
                 t.join(timeout=1.0)
+        removed = stop_grace.remove_unfinished(root)  # writes the stop cut short
+        if stopping:  # killed by us, or by the agents when their grace ran out
+            killed = killed or time.monotonic() - started >= allowed
+            self.stop_report = self._describe_stop(root, before, allowed, killed, removed)
+
+    def _describe_stop(self, root: str | None, before: Path | None, wait: float,
+                       killed: bool, removed: list[str]) -> str:
+        """One line for the final message: whether the stop saved the job state, and where."""
+        after = stop_grace.newest_checkpoint(root)
+        cut = (f"; the workers did not finish within the stop grace of {wait:.3g} s and were "
+               "killed (raise it with --stop-grace or STRATAGEM_STOP_GRACE_S)") if killed \
+            else ""
+        dropped = f"; removed the unfinished {', '.join(removed)}" if removed else ""
+        if root is None:
+            return ("no checkpoint directory: the job state was not saved (pass "
+                    "--checkpoint-dir to save it on a stop)")
+        if after is not None and after != before and not killed:
+            return f"the job state was saved to {after}{dropped}"
+        if after is not None and after != before:
+            return (f"the newest checkpoint is {after}, written during the stop (it may hold "
+                    f"the state of a periodic save, not of the stop){cut}{dropped}")
+        last = f"the newest checkpoint is still {after}" if after else "there is no checkpoint"
+        return (f"no new checkpoint was saved in {root} during the stop ({last}){cut}"
+                f"{dropped}")
 
     @staticmethod
     def _killpg(agent: _Agent, sig: int) -> None:

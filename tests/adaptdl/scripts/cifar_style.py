@@ -53,6 +53,7 @@ parser.add_argument("--autoscale-bsz", dest="autoscale_bsz", default=False,
                     action="store_true", help="autoscale batchsize")
 parser.add_argument("--out", default="/tmp/cifar-style", type=str, help="log directory")
 parser.add_argument("--stop-at", dest="stop_at", default=0, type=int, help="park at step")
+parser.add_argument("--workers", default=0, type=int, help="data loader worker processes")
 args = parser.parse_args()
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,13 +79,13 @@ adaptdl.torch.init_process_group("nccl" if torch.cuda.is_available() else "gloo"
 if adaptdl.env.replica_rank() == 0:
     trainset = SyntheticImages(args.samples, seed=1)
     trainloader = adl.AdaptiveDataLoader(trainset, batch_size=args.bs, shuffle=True,
-                                         drop_last=True)
+                                         drop_last=True, num_workers=args.workers)
     dist.barrier()  # the other replicas wait for rank 0 (e.g. to download the data)
 else:
     dist.barrier()
     trainset = SyntheticImages(args.samples, seed=1)
     trainloader = adl.AdaptiveDataLoader(trainset, batch_size=args.bs, shuffle=True,
-                                         drop_last=True)
+                                         drop_last=True, num_workers=args.workers)
 
 if args.autoscale_bsz:
     trainloader.autoscale_batch_size(256, local_bsz_bounds=(4, 64), gradient_accumulation=True)

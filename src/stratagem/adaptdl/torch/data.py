@@ -179,6 +179,11 @@ class AdaptiveDataLoaderHelper:
         return self._max_batch_size
 
     @property
+    def gradient_accumulation(self) -> bool:
+        """Whether ``autoscale_batch_size`` allowed gradient accumulation."""
+        return self._gradient_accumulation
+
+    @property
     def local_bsz_bounds(self) -> tuple[int | None, int | None] | None:
         return self._local_bsz_bounds
 

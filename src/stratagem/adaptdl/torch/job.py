@@ -124,6 +124,11 @@ def register_model(model: Any) -> None:
     _models.add(model)
 
 
+def models() -> list[Any]:
+    """The job's live ``AdaptiveDataParallel`` models, oldest first."""
+    return sorted(_models, key=id) if len(_models) > 1 else list(_models)
+
+
 def register_loader(loader: Any) -> None:
     _loaders.add(loader)
     loader.attach_autodist(autodist())

@@ -17,8 +17,35 @@ import torch
 from torch import nn
 
 from stratagem.adaptdl.torch import job
-from stratagem.adaptdl.torch.scaling_rules import AdaScale, StatisticsView
+from stratagem.adaptdl.torch.scaling_rules import AdamScale, AdaScale, StatisticsView
 from stratagem.elastic.state import State, load_state, register_state
+
+
+class ParallelState:
+    """What AdaptDL programs read as ``model._state`` (AdaptDL's private
+    ``_AdaptiveDataParallelState``): the wrapped ``model`` (not the parallel wrapper; what
+    AdaptDL's NCF example saves), ``optimizer``, ``lr_scheduler``, ``mp_scaler``, and the
+    last step's ``gain`` and ``lr_factor``. Read-only: the job state is saved by
+    Stratagem."""
+
+    def __init__(self, adp: AdaptiveDataParallel, lr_scheduler: Any, mp_scaler: Any) -> None:
+        self._adp, self.lr_scheduler, self.mp_scaler = adp, lr_scheduler, mp_scaler
+
+    @property
+    def model(self) -> nn.Module:
+        return self._adp.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._adp.optimizer
+
+    @property
+    def gain(self) -> float:
+        return self._adp.gain
+
+    @property
+    def lr_factor(self) -> float:
+        return self._adp._lr_factor()
 
 
 class _Stats(State):
@@ -63,10 +90,21 @@ class AdaptiveDataParallel(nn.Module):
         ad = job.autodist()
         self.module = model
         self.optimizer = optimizer
-        self.scaling_rule = scaling_rule if scaling_rule is not None else AdaScale()
+        if scaling_rule is None:  # AdaptDL's default: AdamScale for Adam and AdamW
+            adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+            self.scaling_rule = AdamScale() if adam else AdaScale()
+        else:
+            self.scaling_rule = scaling_rule
         object.__setattr__(self, "_dist", _distribute(ad, model, optimizer,
                                                       self.scaling_rule))
         self._trainer = getattr(ad, "adaptive", None)  # the adaptive loop, when available
+        if self._trainer is not None and hasattr(self._trainer, "measure_every_step"):
+            # AdaptDL measures the gradient statistics at every step, with or without
+            # autoscaling (its TensorBoard scalars, _metrics and scaling rules read them)
+            self._trainer.measure_every_step()
+            # AdaptDL preconditions the statistics only under an AdamScale the script
+            # passed itself (its default AdamScale for Adam measures them plain)
+            self._trainer.use_preconditioner(isinstance(scaling_rule, AdamScale))
         self._syncing = True
         initialize = getattr(self.scaling_rule, "initialize", None)
         if initialize is not None:  # an AdaptDL-style rule: its adp is this model
@@ -78,6 +116,7 @@ class AdaptiveDataParallel(nn.Module):
             register_state(f"{name}-mp_scaler", mp_scaler)
         self._stats = _Stats(name)
         load_state(self._stats)
+        object.__setattr__(self, "_state", ParallelState(self, lr_scheduler, mp_scaler))
         job.register_model(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -131,11 +170,18 @@ class AdaptiveDataParallel(nn.Module):
             self._stats.lr_factor = float(factor)
         return self._stats.lr_factor
 
-    def _gns(self) -> tuple[float, float]:
+    def statistics_measured(self) -> bool:
+        """Whether the gradient statistics have been measured yet."""
         gns = getattr(self._trainer, "gns", None)
-        if gns is None or not getattr(gns, "ready", False):
+        return gns is not None and bool(getattr(gns, "ready", False))
+
+    def _gns(self) -> tuple[float, float]:
+        """(squared gradient norm, gradient variance at the base batch): AdaptDL's
+        ``gns.sqr_avg()`` and ``gns.var_avg()``, (0, 0) until measured."""
+        if not self.statistics_measured():
             return 0.0, 0.0
-        return float(gns.sqr_norm), float(gns.var)
+        view = self.gns
+        return view.sqr_avg(), view.var_avg()
 
     def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
         """Write gradient statistics, gain and LR factor to TensorBoard."""

@@ -1,0 +1,250 @@
+"""Final accuracy of an AdaptDL program over seeds: AdaptDL itself against the drop-in.
+
+A LeNet on CIFAR-shaped synthetic images (3x32x32, 10 classes: a fixed random prototype
+per class plus noise; the data are the same for every run, the seed sets the initial
+weights and the shuffling)
+at AdaptDL's CIFAR example learning rate (SGD 0.1, momentum 0.9, weight decay 5e-4,
+AdaScale), trained for a few epochs, with ``import adaptdl`` (in a virtual environment
+where ``adaptdl==0.2.11`` is installed) and with ``from stratagem import adaptdl``; 1 and 2
+replicas (AdaptDL's standalone rendezvous), without and with ``autoscale_batch_size``. Each
+configuration runs ``--seeds`` seeds per system; the final test accuracies of the two
+systems are compared with an exact two-sided Mann-Whitney U test, and the counts of
+diverged runs (a non-finite loss) with Fisher's exact test, both at 5%.
+
+Writes bench/results/adaptdl_seeds.json (every run, per-configuration tests, the machine's
+load). Run it under ``nice``: it is 8 runs per configuration and system by default.
+
+    nice python bench/adaptdl_seeds.py --adaptdl-python /work/adaptdl-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+TRAIN, TEST = 512, 256
+BATCH = 32
+LR = 0.1  # AdaptDL's pytorch-cifar example
+
+
+# -- statistics (no scipy here) ---------------------------------------------------------------
+def _midranks(values: Sequence[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def mann_whitney(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """Exact two-sided Mann-Whitney U test (midranks for ties, the permutation distribution
+    of the rank sum enumerated): returns (U of ``a``, p-value)."""
+    if not a or not b:
+        raise ValueError("both samples need at least one value")
+    ranks = _midranks([*a, *b])
+    n = len(a)
+    observed = sum(ranks[:n]) - n * (n + 1) / 2
+    mean = n * len(b) / 2
+    extreme = abs(observed - mean)
+    total = hits = 0
+    for chosen in itertools.combinations(range(len(ranks)), n):
+        u = sum(ranks[i] for i in chosen) - n * (n + 1) / 2
+        total += 1
+        hits += abs(u - mean) >= extreme - 1e-9
+    return observed, hits / total
+
+
+def fisher_exact(k1: int, n1: int, k2: int, n2: int) -> float:
+    """Two-sided Fisher's exact test of k1 of n1 against k2 of n2 (sum of the tables no
+    more likely than the observed one)."""
+    k, n = k1 + k2, n1 + n2
+
+    def prob(x: int) -> float:
+        return math.comb(n1, x) * math.comb(n2, k - x) / math.comb(n, k)
+
+    observed = prob(k1)
+    return min(1.0, sum(prob(x) for x in range(max(0, k - n2), min(k, n1) + 1)
+                        if prob(x) <= observed * (1 + 1e-9)))
+
+
+# -- worker -----------------------------------------------------------------------------------
+def _data(n: int, seed: int):  # noqa: ANN202
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prototypes = torch.randn(10, 3, 32, 32, generator=torch.Generator().manual_seed(99))
+    y = torch.randint(0, 10, (n,), generator=g)
+    x = 0.5 * prototypes[y] + torch.randn(n, 3, 32, 32, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def _lenet():  # noqa: ANN202
+    from torch import nn
+
+    return nn.Sequential(nn.Conv2d(3, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5),
+                         nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 5 * 5, 120),
+                         nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10))
+
+
+def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str) -> None:
+    """One replica of one run; rank 0 writes {"accuracy", "diverged", "losses"} to ``out``."""
+    import torch
+
+    if system == "adaptdl":
+        import adaptdl
+        import adaptdl.torch as adl
+        from adaptdl.torch.scaling_rules import AdaScale
+    else:
+        import stratagem.adaptdl.torch as adl
+        from stratagem import adaptdl
+        from stratagem.adaptdl.torch.scaling_rules import AdaScale
+    torch.set_num_threads(1)
+    adl.init_process_group("gloo")
+    shuffle = os.environ.get("SEEDS_SHUFFLE", "1") == "1"  # 0: the same order on both
+    loader = adl.AdaptiveDataLoader(_data(TRAIN, 1), batch_size=BATCH, shuffle=shuffle,
+                                    drop_last=True)
+    if autoscale:
+        loader.autoscale_batch_size(256, local_bsz_bounds=(16, 256),
+                                    gradient_accumulation=True)
+    test = adl.AdaptiveDataLoader(_data(TEST, 2), batch_size=128)
+    torch.manual_seed(seed)  # here: the same initial weights on both systems
+    net = _lenet()
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9, weight_decay=5e-4)
+    net = adl.AdaptiveDataParallel(net, opt, scaling_rule=AdaScale())
+    losses: list[float] = []
+    for _epoch in adl.remaining_epochs_until(epochs):
+        stats = adl.Accumulator()
+        for x, y in loader:
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            stats["loss"] += float(loss) * len(y)
+            stats["n"] += len(y)
+        with stats.synchronized():
+            losses.append(stats["loss"] / max(stats["n"], 1))
+    net.eval()
+    stats = adl.Accumulator()
+    with torch.no_grad():
+        for x, y in test:
+            stats["correct"] += int((net(x).argmax(1) == y).sum())
+            stats["n"] += len(y)
+    with stats.synchronized():
+        accuracy = stats["correct"] / stats["n"]
+    if adaptdl.env.replica_rank() == 0:
+        Path(out).write_text(json.dumps({
+            "accuracy": accuracy, "losses": losses,
+            "diverged": not all(math.isfinite(v) for v in losses)}))
+
+
+# -- driver -----------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_once(python: str, system: str, replicas: int, seed: int, epochs: int,
+             autoscale: bool, work: Path, timeout: float = 900) -> dict:
+    """One run on ``replicas`` processes (AdaptDL's standalone rendezvous)."""
+    tag = f"{system}-r{replicas}-a{int(autoscale)}-s{seed}"
+    out, ckpt = work / f"{tag}.json", work / "ckpt" / tag
+    ckpt.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    procs = []
+    for rank in range(replicas):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("ADAPTDL_", "STRATAGEM_", "RANK", "WORLD_SIZE",
+                                    "MASTER_", "LOCAL_"))}
+        env.update(ADAPTDL_MASTER_ADDR="127.0.0.1", ADAPTDL_MASTER_PORT=str(port),
+                   ADAPTDL_NUM_REPLICAS=str(replicas), ADAPTDL_REPLICA_RANK=str(rank),
+                   ADAPTDL_CHECKPOINT_PATH=str(ckpt), ADAPTDL_JOB_ID=tag,
+                   STRATAGEM_VERBOSE="0", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                   PYTHONPATH=str(HERE.parents[1] / "src") if system == "stratagem" else "")
+        procs.append(subprocess.Popen(
+            [python, str(HERE), "--worker", system, str(seed), str(epochs),
+             str(int(autoscale)), str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    started = time.monotonic()
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        return {"error": "\n".join(t[-2000:] for t in logs), "seconds":
+                time.monotonic() - started}
+    return {**json.loads(out.read_text()), "seconds": time.monotonic() - started}
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """The tests of one configuration: ``runs`` maps system -> its runs."""
+    acc = {s: [r["accuracy"] for r in rs if "accuracy" in r] for s, rs in runs.items()}
+    div = {s: sum(bool(r.get("diverged")) for r in rs) for s, rs in runs.items()}
+    n = {s: len(rs) for s, rs in runs.items()}
+    u, p = mann_whitney(acc["stratagem"], acc["adaptdl"])
+    p_div = fisher_exact(div["stratagem"], n["stratagem"], div["adaptdl"], n["adaptdl"])
+    return {"accuracy": acc, "diverged": div, "runs": n,
+            "median": {s: sorted(v)[len(v) // 2] for s, v in acc.items() if v},
+            "mann_whitney_u": u, "p_accuracy": p, "p_diverged": p_div,
+            "same_at_5pct": p >= 0.05 and p_div >= 0.05}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        system, seed, epochs, autoscale, out = sys.argv[2:7]
+        worker(system, int(seed), int(epochs), autoscale == "1", out)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--adaptdl-python", default="/work/adaptdl-venv/bin/python")
+    parser.add_argument("--seeds", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--replicas", default="1,2")
+    parser.add_argument("--autoscale", default="0,1", help="0: without, 1: with")
+    parser.add_argument("--out", default=str(HERE.parent / "results" / "adaptdl_seeds.json"))
+    args = parser.parse_args()
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"seeds-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"load_before": os.getloadavg(), "setup": {
+        "train": TRAIN, "test": TEST, "batch": BATCH, "lr": LR, "epochs": args.epochs,
+        "seeds": args.seeds}, "configs": {}}
+    for replicas in (int(r) for r in args.replicas.split(",")):
+        for autoscale in (a == "1" for a in args.autoscale.split(",")):
+            runs: dict[str, list[dict]] = {"adaptdl": [], "stratagem": []}
+            for seed in range(args.seeds):  # interleaved: the load drifts for both alike
+                for system, python in (("adaptdl", args.adaptdl_python),
+                                       ("stratagem", sys.executable)):
+                    runs[system].append(run_once(python, system, replicas, seed,
+                                                 args.epochs, autoscale, work))
+                    errors = [r["error"] for r in runs[system] if "error" in r]
+                    if errors:
+                        raise SystemExit(f"{system} failed:\n{errors[0]}")
+            key = f"replicas={replicas},autoscale={autoscale}"
+            summary = summarize(runs)
+            result["configs"][key] = {**summary, "runs_detail": runs}
+            print(f"{key}: median accuracy stratagem {summary['median']['stratagem']:.3f} "
+                  f"adaptdl {summary['median']['adaptdl']:.3f}, p={summary['p_accuracy']:.3f}; "
+                  f"diverged {summary['diverged']}, p={summary['p_diverged']:.3f}",
+                  flush=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+    result["load_after"] = os.getloadavg()
+    result["summary"] = {k: v["same_at_5pct"] for k, v in result["configs"].items()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

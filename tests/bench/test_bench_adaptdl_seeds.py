@@ -1,0 +1,55 @@
+"""The seed-comparison harness of bench/adaptdl_seeds.py (issue 48 item 4): its tests
+against known answers, and one drop-in run (AdaptDL itself is not installed here)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import adaptdl_seeds as seeds  # noqa: E402
+
+
+def test_mann_whitney_exact_known_answers() -> None:
+    # completely separated samples of 3 and 3: 2 of the C(6,3) = 20 splits are as extreme
+    assert seeds.mann_whitney([1, 2, 3], [4, 5, 6]) == (0.0, pytest.approx(0.1))
+    assert seeds.mann_whitney([5, 6, 7, 8], [1, 2, 3, 4]) == (16.0, pytest.approx(2 / 70))
+    # identical samples: nothing is more extreme than the middle
+    assert seeds.mann_whitney([0.5] * 4, [0.5] * 4)[1] == pytest.approx(1.0)
+    # ties get midranks: a = [1, 2, 2], b = [2, 3, 4]: ranks 1, 3, 3 | 3, 5, 6
+    u, p = seeds.mann_whitney([1, 2, 2], [2, 3, 4])
+    assert u == pytest.approx(1.0) and 0.05 < p < 1
+    with pytest.raises(ValueError):
+        seeds.mann_whitney([], [1.0])
+
+
+def test_fisher_exact_known_answers() -> None:
+    assert seeds.fisher_exact(3, 3, 0, 3) == pytest.approx(0.1)
+    assert seeds.fisher_exact(0, 8, 0, 8) == pytest.approx(1.0)
+    # 3 of 5 against 1 of 5: p = 0.5238 (two-sided, tables no more likely than observed)
+    assert seeds.fisher_exact(3, 5, 1, 5) == pytest.approx(0.5238, abs=1e-4)
+
+
+def test_summary_flags_a_difference_and_accepts_equal_samples() -> None:
+    same = {s: [{"accuracy": a, "diverged": False} for a in (0.5, 0.6, 0.7, 0.8)]
+            for s in ("adaptdl", "stratagem")}
+    assert seeds.summarize(same)["same_at_5pct"]
+    worse = {"adaptdl": same["adaptdl"],
+             "stratagem": [{"accuracy": a, "diverged": True} for a in (0.1, 0.1, 0.2, 0.2)]}
+    out = seeds.summarize(worse)
+    assert not out["same_at_5pct"] and out["diverged"] == {"adaptdl": 0, "stratagem": 4}
+    assert out["p_accuracy"] == pytest.approx(2 / 70)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_one_drop_in_run_trains(tmp_path: Path) -> None:
+    run = seeds.run_once(sys.executable, "stratagem", 1, 0, 2, False, tmp_path, timeout=150)
+    assert "error" not in run, run.get("error")
+    assert not run["diverged"] and len(run["losses"]) == 2
+    assert all(math.isfinite(v) for v in run["losses"])
+    assert run["losses"][1] < run["losses"][0]
+    assert 0.0 <= run["accuracy"] <= 1.0
