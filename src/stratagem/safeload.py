@@ -7,6 +7,7 @@ gigabytes once the values are turned into strings), and both YAML and JSON recur
 nesting level, so a file nested 100,000 deep ends in a RecursionError traceback. Here:
 
 * YAML aliases (``*name``) are refused: every value is written out where it is used;
+* a key written twice in one mapping is refused (YAML would keep the last one silently);
 * nesting deeper than :data:`MAX_DEPTH` is refused, before any recursion gets deep;
 * files larger than :data:`MAX_BYTES` are refused;
 * every failure is the caller's :class:`StratagemError` subclass with a fix.
@@ -51,6 +52,21 @@ class _BoundedLoader(yaml.SafeLoader):
             if nested:
                 self._depth -= 1
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: SafeLoader refuses it itself
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {short(key)}", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
 
 def _check_size(text: str | bytes, where: str, error: type[StratagemError]) -> None:
     if len(text) > MAX_BYTES:
@@ -73,7 +89,9 @@ def load_yaml(text: str, where: str, error: type[StratagemError] = StratagemErro
         mark = getattr(exc, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        if "alias" in problem:
+        if "duplicate key" in problem:
+            fix = "write each key once in a mapping"
+        elif "alias" in problem:
             fix = "write the value out in full: YAML aliases (*name) are not supported"
         elif "nested deeper" in problem:
             fix = f"flatten the file: it may nest at most {MAX_DEPTH} levels"
@@ -97,6 +115,12 @@ def load_json(text: str | bytes, where: str, error: type[StratagemError] = Strat
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise error(f"malformed JSON: {exc}", where=where, fix=fix) from None
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages about user input."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} chars)"
 
 
 def json_depth(text: str) -> int:

@@ -38,7 +38,7 @@ from stratagem.errors import StratagemError
 from stratagem.sched.policy import ClusterSpec, JobView, make_policy
 from stratagem.service import store as st
 from stratagem.service.autoscale import AutoscaleOptions, request_nodes, target_nodes
-from stratagem.service.hints_reader import read_hints
+from stratagem.service.hints_reader import JobHints, read_hints
 from stratagem.service.jobfile import JobSpec
 from stratagem.service.ray_backend import LOST, Launched
 
@@ -102,6 +102,7 @@ class Scheduler:
         self.draining: set[str] = set()
         self._lock = threading.RLock()  # step() and drain() come from different threads
         self.autoscale_target: int | None = None
+        self.hint_problems: dict[str, str] = {}  # job -> why its hints.json is unusable
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -217,9 +218,30 @@ class Scheduler:
             request_nodes(n, {self.options.gpu_resource: float(cluster.gpus_per_node)})
             self.autoscale_target = n
 
+    def hints(self, job: st.JobRow) -> JobHints | None:
+        """An adaptive job's hints (None otherwise). An unusable hints file gives empty
+        hints: the job is scheduled without a goodput model, and an event (once per
+        distinct problem) says why, so one job's bad file never stops the others."""
+        if not job.spec.adaptive:
+            return None
+        hints = read_hints(job_dirs(self.directory, job.spec)[0])
+        if hints.problem != self.hint_problems.get(job.name):
+            if hints.problem:
+                log.warning("job %s: %s", job.name, hints.problem)
+                self.store.update(job.name, f"{hints.problem}; scheduling without hints")
+                self.hint_problems[job.name] = hints.problem
+            else:
+                self.store.update(job.name, "hints.json is usable again")
+                self.hint_problems.pop(job.name, None)
+        return hints
+
     def view(self, job: st.JobRow, now: float) -> JobView:
         spec = job.spec
-        hints = read_hints(job_dirs(self.directory, spec)[0]) if spec.adaptive else None
+        try:
+            hints = self.hints(job)
+        except Exception:  # e.g. the store busy: this round without hints
+            log.exception("hints of %s", job.name)
+            hints = None
         return JobView(
             name=spec.name, submit_time=job.submitted, age=max(now - job.submitted, 0.0),
             attained_service=job.service, num_restarts=job.restarts,
@@ -323,12 +345,17 @@ class Scheduler:
 
 def status_table(rows: list[st.JobRow], allocations: Mapping[str, st.AllocationRow],
                  directory: Path) -> str:
-    """``stratagem ls``: job, state, replicas, batch, goodput, progress; <= 80 columns."""
+    """``stratagem ls``: job, state, replicas, batch, goodput, progress; <= 80 columns.
+    Hints are read for unfinished jobs only; an unusable hints file adds a warning line."""
+    warnings = []
     lines = [f"{'JOB':<20} {'STATE':<10} {'REPLICAS':>8} {'BATCH':>7} {'GOODPUT':>9} "
              f"{'PROGRESS':>9} {'RESTARTS':>8}"]
     for job in rows:
         alloc = allocations.get(job.name)
-        hints = read_hints(job_dirs(directory, job.spec)[0])
+        hints = (JobHints() if job.state in st.FINAL
+                 else read_hints(job_dirs(directory, job.spec)[0]))
+        if hints.problem:
+            warnings.append(f"warning: {job.name}: {hints.problem}")
         reps = f"{len(alloc.replicas) if alloc else 0}/{job.spec.max_replicas}"
         bsz = "-" if hints.global_bsz is None else str(hints.global_bsz)
         good = "-" if hints.goodput_now is None else f"{hints.goodput_now:.4g}"
@@ -336,4 +363,5 @@ def status_table(rows: list[st.JobRow], allocations: Mapping[str, st.AllocationR
         name = job.name if len(job.name) <= 20 else job.name[:19] + "~"
         lines.append(f"{name:<20} {job.state:<10} {reps:>8} {bsz:>7} {good:>9} {prog:>9} "
                      f"{job.restarts:>8}")
+    lines += [w if len(w) <= 80 else w[:77] + "..." for w in warnings]
     return "\n".join(lines)
