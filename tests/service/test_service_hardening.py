@@ -265,3 +265,67 @@ def test_service_file_and_database_are_private_and_never_written_through_a_link(
     st_mod.Store(fresh)
     assert fresh.stat().st_mode & 0o777 == 0o700
     assert (fresh / "state.db").stat().st_mode & 0o777 == 0o600
+
+
+# -- 4 and 6: `cluster down` stops only what `up` started, within its grace ------------------
+def own_group(code: str):
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True,
+                            stdin=subprocess.DEVNULL)
+    time.sleep(0.3)  # its command line is the interpreter's by now
+    return proc
+
+
+def test_down_never_signals_a_reused_pid_and_kills_what_ignores_sigterm_after_grace(
+        tmp_path):
+    import time
+
+    from stratagem.service import cluster
+
+    d = tmp_path / "c"
+    d.mkdir()
+    other = own_group("import time; time.sleep(60)")  # someone else's process, same PID
+    stubborn = own_group("import signal, time; signal.signal(signal.SIGTERM, "
+                         "signal.SIG_IGN); time.sleep(60)")
+    try:
+        ident = cluster.identity(other.pid)
+        stale = {**ident, "start": ident["start"] - 1}  # an earlier process with that PID
+        (d / "cluster.json").write_text(json.dumps({
+            "address": "127.0.0.1:1", "ray_pid": other.pid, "scheduler_pid": other.pid,
+            "ray": stale, "scheduler": {**stale, "cmdline": ["python", "x"]}}))
+        done = cluster.down(d)
+        time.sleep(0.3)
+        assert other.poll() is None, "down signalled a process that up did not start"
+        assert done["ray"].startswith("not stopped") and not (d / "cluster.json").exists()
+        # a recorded process that is still ours and ignores SIGTERM: killed after grace
+        rec = {k: v for k, v in cluster.identity(stubborn.pid).items()
+               if k in ("pid", "start", "boot", "cmdline")}
+        (d / "cluster.json").write_text(json.dumps({"address": None, "ray_pid": None,
+                                                    "scheduler": rec}))
+        assert cluster.down(d, grace=0.5) == {"scheduler": "killed after 0.5 s"}
+        stubborn.wait(timeout=10)  # (down reaped it: it is this test's child)
+        assert cluster.identity(stubborn.pid) is None
+    finally:
+        for proc in (other, stubborn):
+            proc.kill()
+            proc.wait()
+
+
+def test_up_writes_a_private_ray_token_and_turns_the_heads_drain_wait_off(tmp_path):
+    from stratagem.service import cluster
+
+    if not cluster._ray_has_tokens():
+        pytest.skip("this Ray has no token authentication")
+    d = tmp_path / "c"
+    d.mkdir(mode=0o755)
+    cluster.private_dir(d)
+    env = cluster._ray_env(d)
+    token = Path(env["RAY_AUTH_TOKEN_PATH"])
+    assert token.parent == d and token.stat().st_mode & 0o777 == 0o600
+    assert len(token.read_text()) == 64 and env["RAY_AUTH_MODE"] == "token"
+    assert env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
+    assert d.stat().st_mode & 0o777 == 0o700
+    assert cluster._ray_env(d)["RAY_AUTH_TOKEN_PATH"] == str(token)  # kept, not remade

@@ -11,6 +11,7 @@ import argparse
 import logging
 import signal
 import threading
+import time
 from pathlib import Path
 
 from stratagem.service.autoscale import AutoscaleOptions
@@ -25,6 +26,23 @@ def cluster_status(ray, gpu_resource: str) -> dict:
                                      if not k.startswith(("node:", "object_store",
                                                           "memory", "accelerator_type"))}}
                       for n in nodes]}
+
+
+def wait_for_head(log: Path, timeout: float) -> None:
+    """Until the local head's ``ray start`` reports it started (``cluster up`` starts this
+    process beside the head, so that the imports overlap the head's start)."""
+    from stratagem.service.cluster import HEAD_READY
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if HEAD_READY in log.read_text(errors="replace"):
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the Ray head did not start within {timeout:g} s (see {log})")
+        time.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,10 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-nodes", type=int, default=16)
     p.add_argument("--node-gpus", type=int, default=1,
                    help="autoscale: accelerators of a node the autoscaler adds")
+    p.add_argument("--head-log", help="wait for the local head's start in this log first")
+    p.add_argument("--head-timeout", type=float, default=120.0)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     import ray
 
+    if a.head_log:
+        wait_for_head(Path(a.head_log), a.head_timeout)
     from stratagem.service.api import ControlServer
 
     ray.init(address=a.address, namespace="stratagem", log_to_driver=False)
