@@ -74,7 +74,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         rec = cluster.up(d, args.address, args.num_cpus, args.gpus, args.gpu_resource,
                          args.policy, args.interval, args.host, args.token_file,
-                         args.node_cost, args.max_nodes)
+                         args.node_cost, args.max_nodes, min_runtime=args.min_runtime)
         if rec.get("restarted"):
             print(f"scheduler restarted (pid {rec['scheduler_pid']}) on the running Ray at "
                   f"{rec['address']}; it takes over the jobs")
@@ -150,6 +150,9 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
                    help="autoscale: request nodes from Ray's autoscaler while one more adds "
                         "at least this much speedup (default: no autoscaling)")
     p.add_argument("--max-nodes", type=int, default=16, help="autoscale: at most this many")
+    p.add_argument("--min-runtime", type=_grace, default=60.0,
+                   help="up: seconds a job keeps the replicas it was given before the "
+                        "policy may change them (default 60)")
     p.add_argument("--grace", type=_grace, default=5.0,
                    help="down: seconds the jobs and Ray get to stop (they checkpoint on "
                         "SIGTERM) before they are killed (default 5)")

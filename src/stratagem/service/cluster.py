@@ -176,7 +176,8 @@ def _start_scheduler(d: Path, record: dict[str, Any], env: dict[str, str] | None
 def up(directory: str | Path, address: str | None = None, num_cpus: int | None = None,
        gpus: int = 0, gpu_resource: str = "GPU", policy: str = "pollux",
        interval: float = 5.0, host: str = "127.0.0.1", token_file: str | None = None,
-       node_cost: float | None = None, max_nodes: int = 16, timeout: float = 120.0) -> dict:
+       node_cost: float | None = None, max_nodes: int = 16, timeout: float = 120.0,
+       min_runtime: float = 60.0) -> dict:
     """Start a local Ray head (unless ``address``) and the scheduler; the cluster record
     (``restarted``: true when only a dead scheduler was started again)."""
     d = private_dir(Path(directory).resolve())
@@ -216,7 +217,8 @@ def up(directory: str | Path, address: str | None = None, num_cpus: int | None =
         write_private(d / CLUSTER_FILE, json.dumps(record))
     sched = [sys.executable, "-m", "stratagem.service.daemon", "--dir", str(d),
              "--address", record["address"], "--host", host, "--policy", policy,
-             "--interval", str(interval), "--gpu-resource", gpu_resource]
+             "--interval", str(interval), "--gpu-resource", gpu_resource,
+             "--min-runtime", str(min_runtime)]
     if ray_proc is not None:  # it imports while the head starts, then waits for it
         sched += ["--head-log", str(d / "ray.log"), "--head-timeout", str(timeout)]
     if node_cost is not None:

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=5.0)
     p.add_argument("--restart-delay", type=float, default=30.0)
     p.add_argument("--gpu-resource", default="GPU")
+    p.add_argument("--min-runtime", type=float, default=60.0)
     p.add_argument("--node-cost", type=float, help="autoscale: speedup a node must add")
     p.add_argument("--max-nodes", type=int, default=16)
     p.add_argument("--node-gpus", type=int, default=1,
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
              if a.node_cost is not None else None)
     options = SchedulerOptions(policy=a.policy, interval=a.interval,
                                restart_delay=a.restart_delay, gpu_resource=a.gpu_resource,
+                               min_runtime=a.min_runtime,
                                autoscale=scale)
     scheduler = Scheduler(a.dir, options)
     token = Path(a.token_file).read_text().strip() if a.token_file else None

@@ -51,7 +51,10 @@ class SchedulerOptions:
     go to pollux); ``interval``: seconds between decisions; ``max_failures``: crashes before
     a job is failed; ``backoff``: seconds before the first retry (doubling); ``grace``:
     seconds a stopped replica has to checkpoint; ``gpu_resource``: the Ray resource that
-    counts as an accelerator (a custom one for fake GPUs)."""
+    counts as an accelerator (a custom one for fake GPUs); ``min_runtime``: seconds a job
+    keeps the replicas it was just given (started, restarted or resized) before the policy
+    may change them again (deletions and drains still apply), so that jobs that tie for
+    the accelerators do not take turns every interval."""
 
     policy: str = "pollux"
     interval: float = 5.0
@@ -63,6 +66,7 @@ class SchedulerOptions:
     start_timeout: float = 60.0
     gpu_resource: str = "GPU"
     autoscale: AutoscaleOptions | None = None
+    min_runtime: float = 60.0
 
 
 def job_dirs(directory: Path, spec: JobSpec) -> tuple[Path, Path]:
@@ -235,8 +239,12 @@ class Scheduler:
                 self.hint_problems.pop(job.name, None)
         return hints
 
-    def view(self, job: st.JobRow, now: float) -> JobView:
+    def view(self, job: st.JobRow, now: float,
+             alloc: st.AllocationRow | None = None) -> JobView:
+        """What the policy sees of ``job``; one whose allocation (``alloc``) is younger than
+        ``min_runtime`` is shown as not preemptible: it keeps its replicas this round."""
         spec = job.spec
+        held = alloc is not None and now - alloc.time < self.options.min_runtime
         try:
             hints = self.hints(job)
         except Exception:  # e.g. the store busy: this round without hints
@@ -246,7 +254,7 @@ class Scheduler:
             name=spec.name, submit_time=job.submitted, age=max(now - job.submitted, 0.0),
             attained_service=job.service, num_restarts=job.restarts,
             min_replicas=spec.min_replicas, max_replicas=spec.max_replicas,
-            preemptible=spec.preemptible, requested_replicas=spec.max_replicas,
+            preemptible=spec.preemptible and not held, requested_replicas=spec.max_replicas,
             goodput=hints.goodput if hints else None,
             max_batch_size=hints.max_batch_size if hints else None,
             local_bsz_bounds=hints.local_bsz_bounds if hints else (None, None),
@@ -258,12 +266,13 @@ class Scheduler:
                   if j.state in (st.PENDING, st.RUNNING)]
         if not active:
             return {}
-        views = [self.view(j, now) for j in active]
+        allocs = self.store.allocations()
+        views = [self.view(j, now, allocs.get(j.name)) for j in active]
         if cluster is None:  # no accelerators yet: only the autoscaler can help
             if self.options.autoscale is not None:
                 self._autoscale(views, ClusterSpec(0, self.options.autoscale.node_gpus))
             return {}
-        current = {n: a.replicas for n, a in self.store.allocations().items()}
+        current = {n: a.replicas for n, a in allocs.items()}
         self._autoscale(views, cluster)
         target = self.policy.allocate(views, cluster, current, now)
         counts = {j.name: len(target.get(j.name, ())) for j in active}
@@ -307,7 +316,7 @@ class Scheduler:
             return False
         if done is None:
             return False
-        self.store.set_allocation(job.name, replicas, done.group_name, done.actors)
+        self.store.set_allocation(job.name, replicas, done.group_name, done.actors, now)
         self.store.update(job.name, f"rescaling: {len(alloc.replicas)} -> {len(replicas)} "
                           "replicas (in-process)")
         self.resizes.append((now, job.name, len(alloc.replicas), len(replicas), "in-process"))
@@ -338,7 +347,8 @@ class Scheduler:
             return
         self.resizes.append((now, spec.name, old, len(replicas),
                              "restart" if old else "start"))
-        self.store.set_allocation(spec.name, replicas, launched.group_name, launched.actors)
+        self.store.set_allocation(spec.name, replicas, launched.group_name, launched.actors,
+                                  now)
         self.store.update(spec.name, f"started with {len(replicas)} replicas",
                           state=st.RUNNING, started=job.started or now)
 

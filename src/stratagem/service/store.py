@@ -170,12 +170,15 @@ class Store:
 
     # -- allocations -----------------------------------------------------------------------
     def set_allocation(self, name: str, replicas: tuple[int, ...], group_name: str | None,
-                       actors: tuple[str, ...]) -> None:
+                       actors: tuple[str, ...], now: float | None = None) -> None:
+        """Make this the job's live allocation (none when ``replicas`` is empty), given at
+        ``now`` (default: the current time)."""
+        now = time.time() if now is None else now
         with self._tx() as db:
             db.execute("UPDATE allocations SET active=0 WHERE name=?", (name,))
             if replicas:
                 db.execute("INSERT INTO allocations (name, time, replicas, group_name, actors)"
-                           " VALUES (?,?,?,?,?)", (name, time.time(), json.dumps(replicas),
+                           " VALUES (?,?,?,?,?)", (name, now, json.dumps(replicas),
                                                    group_name, json.dumps(actors)))
 
     def allocations(self) -> dict[str, AllocationRow]:
