@@ -300,7 +300,12 @@ class ServiceClient:
             with urllib.request.urlopen(req, timeout=60) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
-            info = json.loads(exc.read() or b"{}")
+            try:
+                info = json.loads(exc.read(MAX_BODY) or b"{}")
+            except ValueError:
+                info = {}
+            if not isinstance(info, dict):
+                info = {}
             raise StratagemError(info.get("error", str(exc)), where=info.get("where") or
                                  "cluster service", fix=info.get("fix")) from None
         except OSError as exc:

@@ -138,11 +138,13 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def _wait_for(done: Any, proc: subprocess.Popen[bytes], d: Path, timeout: float,
-              what: str, log: str, fix: str) -> None:
+              what: str, log: str, fix: str, undo: Any = None) -> None:
+    """Until ``done()``; when ``proc`` exits or ``timeout`` passes first, ``undo()`` (by
+    default: stop all that the record names) and an error with the log's tail."""
     deadline = time.monotonic() + timeout
     while not done():
         if proc.poll() is not None or time.monotonic() > deadline:
-            down(d)
+            (undo or (lambda: down(d)))()
             raise StratagemError(f"{what} did not start:\n" + _tail(d / log), where=str(d),
                                  fix=fix)
         time.sleep(0.1)
@@ -192,7 +194,8 @@ def up(directory: str | Path, address: str | None = None, num_cpus: int | None =
             env = _ray_env(d) if record.get("ray_pid") else None
             proc = _start_scheduler(d, record, env, timeout)
             _wait_for(lambda: (d / SERVICE_FILE).exists(), proc, d, timeout,
-                      "the scheduler", "scheduler.log", "see scheduler.log there")
+                      "the scheduler", "scheduler.log", "see scheduler.log there",
+                      undo=lambda: _stop(record["scheduler"], DOWN_GRACE_S))  # not the head
             return {**record, "restarted": True}
         (d / CLUSTER_FILE).unlink()  # nothing it names runs any more: a stale record
     record = {"address": address, "ray_pid": None, "ray": None}
