@@ -329,3 +329,19 @@ def test_up_writes_a_private_ray_token_and_turns_the_heads_drain_wait_off(tmp_pa
     assert env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
     assert d.stat().st_mode & 0o777 == 0o700
     assert cluster._ray_env(d)["RAY_AUTH_TOKEN_PATH"] == str(token)  # kept, not remade
+
+
+def test_the_identity_recorded_at_spawn_is_the_programs_not_the_exec_in_progress(tmp_path):
+    import sys
+
+    from stratagem.service import cluster
+
+    for _ in range(10):  # the race (reading /proc during execve) shows within a few spawns
+        argv = [sys.executable, "-c", "import time; time.sleep(20)"]
+        proc = cluster._spawn(argv, tmp_path / "log")
+        try:
+            record = cluster._record_of(proc.pid, argv)
+            assert record["cmdline"] == argv and cluster.is_ours(record), record
+        finally:
+            proc.kill()
+            proc.wait()

@@ -72,10 +72,19 @@ def identity(pid: int) -> dict[str, Any] | None:
             "pgid": int(fields[2]), "state": fields[0]}
 
 
-def _record_of(pid: int) -> dict[str, Any] | None:
-    ident = identity(pid)
-    return None if ident is None else {k: ident[k] for k in ("pid", "start", "boot",
-                                                               "cmdline")}
+def _record_of(pid: int, argv: list[str], wait: float = 5.0) -> dict[str, Any] | None:
+    """The identity to record of a process just started with ``argv``. The parent of an
+    ``execve`` can read ``/proc/PID/cmdline`` before the kernel has set the new program's
+    arguments (empty, or the parent's): wait until they end with ``argv[1:]`` (a script's
+    interpreter may come first)."""
+    deadline = time.monotonic() + wait
+    while True:
+        ident = identity(pid)
+        if ident is None:
+            return None
+        if ident["cmdline"][-len(argv) + 1:] == argv[1:] or time.monotonic() > deadline:
+            return {k: ident[k] for k in ("pid", "start", "boot", "cmdline")}
+        time.sleep(0.01)
 
 
 def is_ours(record: dict[str, Any] | None) -> bool:
@@ -170,7 +179,8 @@ def _start_scheduler(d: Path, record: dict[str, Any], env: dict[str, str] | None
                      timeout: float) -> subprocess.Popen[bytes]:
     (d / SERVICE_FILE).unlink(missing_ok=True)
     proc = _spawn(record["scheduler_argv"], d / "scheduler.log", env)
-    record["scheduler"], record["scheduler_pid"] = _record_of(proc.pid), proc.pid
+    record["scheduler"] = _record_of(proc.pid, record["scheduler_argv"])
+    record["scheduler_pid"] = proc.pid
     write_private(d / CLUSTER_FILE, json.dumps(record))
     return proc
 
@@ -216,7 +226,7 @@ def up(directory: str | Path, address: str | None = None, num_cpus: int | None =
         (d / "ray.log").unlink(missing_ok=True)  # the daemon waits for the head's line
         ray_proc = _spawn(argv, d / "ray.log", env)
         record.update(address=f"127.0.0.1:{port}", ray_pid=ray_proc.pid,
-                      ray=_record_of(ray_proc.pid))
+                      ray=_record_of(ray_proc.pid, argv))
         write_private(d / CLUSTER_FILE, json.dumps(record))
     sched = [sys.executable, "-m", "stratagem.service.daemon", "--dir", str(d),
              "--address", record["address"], "--host", host, "--policy", policy,
