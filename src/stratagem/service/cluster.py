@@ -41,6 +41,7 @@ CLUSTER_FILE = "cluster.json"
 RAY_TOKEN_FILE = "ray_token"
 HEAD_READY = "Ray runtime started"
 DOWN_GRACE_S = 5.0  # seconds the head's processes have between SIGTERM and SIGKILL
+SCHEDULER_GRACE_S = 2.0  # the same for the scheduler (at most)
 
 
 def _free_port() -> int:
@@ -304,7 +305,8 @@ def down(directory: str | Path, grace: float = DOWN_GRACE_S) -> dict[str, str]:
     if record is None:
         raise StratagemError("no cluster is up here", where=str(d),
                              fix="'stratagem cluster up', or pass the cluster's --dir")
-    done = {"scheduler": _stop(record.get("scheduler"), grace)}
+    # the scheduler saves nothing on the way out (every change is a committed transaction)
+    done = {"scheduler": _stop(record.get("scheduler"), min(grace, SCHEDULER_GRACE_S))}
     if record.get("ray_pid"):
         done["ray"] = _stop(record.get("ray"), grace)
         _forget_head(record["address"])
