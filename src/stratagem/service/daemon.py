@@ -1,8 +1,11 @@
 """The scheduler process: connect to Ray, serve the control plane, step until SIGTERM.
 
 ``python -m stratagem.service.daemon --dir DIR --address HOST:PORT [...]``; started by
-``stratagem cluster up``. Stopping it leaves the jobs running (their workers are detached
-Ray actors); the next daemon on the same directory takes them over.
+``stratagem cluster up``, beside the head it starts (``--head-log``: it imports meanwhile,
+then waits for the head). The control plane serves the store's requests from the start;
+``status`` and ``drain`` wait (at most 30 s) until Ray is connected. Stopping it leaves the
+jobs running (their workers are detached Ray actors); the next daemon on the same directory
+takes them over.
 """
 
 from __future__ import annotations
@@ -67,23 +70,42 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     import ray
 
-    if a.head_log:
-        wait_for_head(Path(a.head_log), a.head_timeout)
+    from stratagem.errors import StratagemError
     from stratagem.service.api import ControlServer
 
-    ray.init(address=a.address, namespace="stratagem", log_to_driver=False)
-    scale = (AutoscaleOptions(node_cost=a.node_cost, max_nodes=a.max_nodes,
-                              node_gpus=a.node_gpus)
-             if a.node_cost is not None else None)
-    options = SchedulerOptions(policy=a.policy, interval=a.interval,
-                               restart_delay=a.restart_delay, gpu_resource=a.gpu_resource,
-                               min_runtime=a.min_runtime,
-                               autoscale=scale)
-    scheduler = Scheduler(a.dir, options)
+    # The control plane answers (submit, ls, logs, delete: the store) while Ray connects;
+    # ``up`` returns once it does. Status and drain need Ray: they wait for it (bounded).
+    ready: dict = {}
+    connected = threading.Event()
+
+    def needs_ray(what: str):
+        if not connected.wait(timeout=30.0):
+            raise StratagemError(f"the scheduler is still connecting to Ray; no {what} yet",
+                                 where="cluster service", fix="try again in a few seconds; "
+                                 "see scheduler.log in the cluster directory")
+        return ready["scheduler"]
+
     token = Path(a.token_file).read_text().strip() if a.token_file else None
-    server = ControlServer(a.dir, a.host, a.port, token,
-                           status=lambda: cluster_status(ray, a.gpu_resource),
-                           drain=scheduler.drain)
+    server = ControlServer(
+        a.dir, a.host, a.port, token,
+        status=lambda: (needs_ray("status"), cluster_status(ray, a.gpu_resource))[1],
+        drain=lambda node: needs_ray("drain").drain(node))
+    try:
+        if a.head_log:
+            wait_for_head(Path(a.head_log), a.head_timeout)
+        ray.init(address=a.address, namespace="stratagem", log_to_driver=False)
+        scale = (AutoscaleOptions(node_cost=a.node_cost, max_nodes=a.max_nodes,
+                                  node_gpus=a.node_gpus)
+                 if a.node_cost is not None else None)
+        options = SchedulerOptions(policy=a.policy, interval=a.interval,
+                                   restart_delay=a.restart_delay,
+                                   gpu_resource=a.gpu_resource, min_runtime=a.min_runtime,
+                                   autoscale=scale)
+        scheduler = ready["scheduler"] = Scheduler(a.dir, options)
+        connected.set()
+    except BaseException:
+        server.close()
+        raise
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
