@@ -28,6 +28,7 @@ def main() -> None:
     ray.init(address=address, namespace="stratagem", log_to_driver=False)
     seen: dict = {"before": len(gpu_nodes(gpu))}
     opts = SchedulerOptions(interval=0.5, gpu_resource=gpu, start_timeout=60.0, grace=5.0,
+                            min_runtime=0.0,
                             autoscale=AutoscaleOptions(node_cost=0.5, max_nodes=2,
                                                        node_gpus=2))
     sched = Scheduler(directory, opts)

@@ -22,7 +22,7 @@ from stratagem.service.scheduler import Scheduler, SchedulerOptions, job_dirs, j
 pytestmark = pytest.mark.slow
 OPTS = SchedulerOptions(policy="pollux", interval=0.5, restart_delay=1.0, backoff=0.5,
                         max_failures=2, grace=patience(20.0), start_timeout=patience(60.0),
-                        gpu_resource=FAKE_GPU)
+                        gpu_resource=FAKE_GPU, min_runtime=0.0)
 INPROCESS_ARGS = ("--epochs", "4", "--step-sleep", "0.25")
 
 

@@ -46,8 +46,10 @@ def test_a_job_file_parses_into_a_frozen_spec(tmp_path):
     ("env: {'1BAD': x}\n", "env", "variable names"),
 ])
 def test_bad_job_files_name_the_field_and_the_fix(tmp_path, extra, field, fix):
+    key = extra.split(":")[0]  # replaces GOOD's line (a key written twice is refused)
+    text = "".join(line for line in GOOD.splitlines(True) if not line.startswith(key))
     with pytest.raises(StratagemError) as err:
-        load_job_file(write(tmp_path, GOOD + extra))  # a repeated key: the last wins
+        load_job_file(write(tmp_path, text + extra))
     assert f"field '{field}'" in err.value.where and fix in err.value.render()
 
 
@@ -55,7 +57,7 @@ def test_bad_names_scripts_and_yaml(tmp_path):
     for text, needle in [("name: 'a b'\nscript: x.py\n", "field 'name'"),
                          ("name: a\nscript: missing.py\n", "field 'script'"),
                          ("name: a\n", "field 'script'"),
-                         ("name: [a\n", "not valid YAML"),
+                         ("name: [a\n", "malformed YAML"),
                          ("- a\n", "mapping of fields")]:
         with pytest.raises(StratagemError) as err:
             load_job_file(write(tmp_path, text))

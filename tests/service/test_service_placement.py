@@ -66,7 +66,7 @@ def test_spot_nodes_are_used_last_and_a_drain_moves_the_job(multinode, tmp_path)
     ray, names = multinode
     script = tmp_path / "idle.py"
     script.write_text("import time\ntime.sleep(120)\n")
-    opts = SchedulerOptions(interval=0.5, gpu_resource=FAKE_GPU, grace=2.0)
+    opts = SchedulerOptions(interval=0.5, gpu_resource=FAKE_GPU, grace=2.0, min_runtime=0.0)
     sched = Scheduler(tmp_path, opts)
     spec = parse_job({"name": "x", "script": str(script), "min_replicas": 2,
                       "max_replicas": 2, "resources": {"CPU": 0, "GPU": 1},

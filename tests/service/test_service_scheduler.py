@@ -3,6 +3,7 @@ restart without needless restarts, preemption and the policy's rescale."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from _ray_service import JOB_SCRIPT
@@ -65,7 +66,8 @@ def spec(name: str, low: int = 1, high: int = 2, **kw):
 
 
 def make(tmp: Path, backend: FakeBackend, **opts) -> Scheduler:
-    base = {"policy": "pollux", "restart_delay": 1.0, "backoff": 10.0, "max_failures": 3}
+    base = {"policy": "pollux", "restart_delay": 1.0, "backoff": 10.0, "max_failures": 3,
+            "min_runtime": 0.0}  # these tests resize right after a start
     return Scheduler(tmp, SchedulerOptions(**{**base, **opts}), backend=backend)
 
 
@@ -197,3 +199,22 @@ def test_drain_moves_jobs_off_the_node(tmp_path):
     s.undrain("n0")
     s.step(now=3.0)
     assert s.store.job("a").state == st.RUNNING and len(be.launches) == 2
+
+
+def test_three_jobs_on_two_gpus_do_not_take_turns_every_interval(tmp_path):
+    """Three equal jobs on two GPUs (one must wait): a job just started keeps its GPU for
+    min_runtime, and restarting a preempted job costs the policy a restart."""
+    be = FakeBackend(gpus=2)
+    s = make(tmp_path, be, restart_delay=30.0, min_runtime=60.0)
+    for name in "abc":
+        s.store.add_job(spec(name, high=1), now=0.0)
+    for t in range(1, 242, 5):  # four minutes at a 5 s interval
+        s.step(now=float(t))
+    restarts = {n: s.store.job(n).restarts for n in "abc"}
+    assert sum(restarts.values()) <= 2 and max(restarts.values()) <= 1, restarts
+    assert len(be.launches) <= 4, be.launches
+    for name in "abc":  # never changed again within min_runtime of being given a GPU
+        times = [(t, c[name]) for t, c in s.decisions if name in c]
+        for (t0, n0), (t1, _) in itertools.pairwise(times):
+            assert n0 == 0 or t1 - t0 >= 60.0, (name, times)
+    assert sum(len(a.replicas) for a in s.store.allocations().values()) == 2  # no idle GPU

@@ -74,9 +74,13 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         rec = cluster.up(d, args.address, args.num_cpus, args.gpus, args.gpu_resource,
                          args.policy, args.interval, args.host, args.token_file,
-                         args.node_cost, args.max_nodes)
-        print(f"cluster up: Ray at {rec['address']}, scheduler pid {rec['scheduler_pid']}, "
-              f"dir {Path(d).resolve()}")
+                         args.node_cost, args.max_nodes, min_runtime=args.min_runtime)
+        if rec.get("restarted"):
+            print(f"scheduler restarted (pid {rec['scheduler_pid']}) on the running Ray at "
+                  f"{rec['address']}; it takes over the jobs")
+        else:
+            print(f"cluster up: Ray at {rec['address']}, scheduler pid "
+                  f"{rec['scheduler_pid']}, dir {Path(d).resolve()}")
     elif args.action == "drain":
         if not args.node:
             raise StratagemError("drain needs --node ID", where="stratagem cluster drain",
@@ -84,8 +88,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         moved = cluster.ServiceClient(d).drain(args.node)
         print(f"drained {args.node[:12]}: moved {', '.join(moved) or 'no jobs'}")
     elif args.action == "down":
-        cluster.down(d)
-        print("cluster down")
+        done = cluster.down(d, args.grace)
+        print("cluster down: " + ", ".join(f"{k} {v}" for k, v in done.items()))
     else:
         info = cluster.status(d)
         print(f"Ray at {info['address']}; accelerator resource {info['gpu_resource']!r}")
@@ -93,6 +97,16 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             res = ", ".join(f"{k}={v:g}" for k, v in sorted(n["resources"].items()))
             print(f"  node {n['id'][:12]} {n['ip']}: {res}"[:80])
     return 0
+
+
+def _grace(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 3600:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds from 0 to 3600")
+    return value
 
 
 def add_service_parsers(sub: argparse._SubParsersAction) -> None:
@@ -139,4 +153,10 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
                    help="autoscale: request nodes from Ray's autoscaler while one more adds "
                         "at least this much speedup (default: no autoscaling)")
     p.add_argument("--max-nodes", type=int, default=16, help="autoscale: at most this many")
+    p.add_argument("--min-runtime", type=_grace, default=60.0,
+                   help="up: seconds a job keeps the replicas it was given before the "
+                        "policy may change them (default 60)")
+    p.add_argument("--grace", type=_grace, default=5.0,
+                   help="down: seconds the jobs and Ray get to stop (they checkpoint on "
+                        "SIGTERM) before they are killed (default 5)")
     p.set_defaults(handler=cmd_cluster)

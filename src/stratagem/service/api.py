@@ -3,7 +3,15 @@
 The server binds to 127.0.0.1 unless told otherwise, and every request must carry the
 service's token (``Authorization: Bearer ...``), which it writes with its address to
 ``<cluster dir>/service.json`` (mode 0600). Binding to any other address without an explicit
-token is refused. Bodies are JSON (at most 1 MiB); job files are checked again on the server.
+token is refused. Bodies are JSON (at most 1 MiB, parsed within :mod:`stratagem.safeload`'s
+bounds); job files are checked again on the server.
+
+Bounded whatever clients do (:class:`ControlLimits`): at most ``max_connections`` open at
+once (when full, the oldest is closed to make room), a client silent for ``read_timeout``
+seconds mid-request gets 408 and is closed, no connection lives past ``deadline`` seconds,
+and refused or broken clients are logged in one line each, at most one line per
+``log_every`` seconds (the rest counted). Every request gets an HTTP answer with a reason
+(400 for a malformed one); none gets a dropped connection or a traceback in the log.
 
 Routes: ``GET /jobs`` (rows and the ``ls`` table), ``POST /jobs`` (``{"job": mapping,
 "replace": bool}``: a name that already ran is refused unless ``replace``),
@@ -13,27 +21,46 @@ Routes: ``GET /jobs`` (rows and the ``ls`` table), ``POST /jobs`` (``{"job": map
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hmac
 import json
-import os
+import logging
 import secrets
 import shutil
+import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from stratagem.errors import StratagemError
+from stratagem.safeload import load_json
 from stratagem.service import store as st
 from stratagem.service.jobfile import JobSpec, load_job_file, parse_job
+from stratagem.service.private_file import write_private
 from stratagem.service.scheduler import job_dirs, status_table
 
+log = logging.getLogger("stratagem.service")
 MAX_BODY = 1 << 20
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVICE_FILE = "service.json"
+
+
+@dataclass(frozen=True)
+class ControlLimits:
+    """Bounds of the control plane (module doc); seconds and counts."""
+
+    max_connections: int = 32
+    read_timeout: float = 5.0
+    deadline: float = 30.0
+    max_body: int = MAX_BODY
+    log_every: float = 10.0
 
 
 def job_record(job: st.JobRow, alloc: st.AllocationRow | None) -> dict[str, Any]:
@@ -46,8 +73,15 @@ def job_record(job: st.JobRow, alloc: st.AllocationRow | None) -> dict[str, Any]
 class _Handler(BaseHTTPRequestHandler):
     server: ControlServer
 
+    def setup(self) -> None:
+        self.timeout = self.server.limits.read_timeout  # every read on the socket
+        super().setup()
+
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         return
+
+    def log_error(self, format: str, *args: Any) -> None:  # e.g. a timeout, a bad line
+        self.server.note(self.client_address, format % args)
 
     def _send(self, code: int, body: dict[str, Any]) -> None:
         data = (json.dumps(body) + "\n").encode()
@@ -68,16 +102,43 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = None
             if method == "POST":
-                length = int(self.headers.get("Content-Length", "0"))
-                if not 0 < length <= MAX_BODY:
-                    self._send(413, {"error": f"body must be 1 to {MAX_BODY} bytes"})
+                body = self._body()
+                if body is _REFUSED:
                     return
-                body = json.loads(self.rfile.read(length))
             self._send(200, self.server.handle(method, parts, query, body))
         except StratagemError as exc:
             self._send(400, {"error": exc.problem, "where": exc.where, "fix": exc.fix})
         except (ValueError, KeyError, TypeError) as exc:
             self._send(400, {"error": f"bad request: {exc}"})
+        except Exception as exc:  # a bug or a broken store: an answer, never a dropped line
+            log.exception("control plane: %s %s", method, self.path[:200])
+            self._send(500, {"error": f"internal error: {type(exc).__name__}: {exc}"[:500],
+                             "fix": "see scheduler.log in the cluster directory"})
+
+    def _body(self) -> Any:
+        """The request's JSON body, or ``_REFUSED`` once an error has been answered."""
+        limit = self.server.limits.max_body
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            length = -1
+        if not 0 < length <= limit:
+            self._send(413 if length > limit else 400,
+                       {"error": f"Content-Length must be 1 to {limit} bytes"})
+            return _REFUSED
+        try:
+            data = self.rfile.read(length)
+        except TimeoutError:
+            self.close_connection = True
+            self.server.note(self.client_address, "body not received in time")
+            self._send(408, {"error": f"the body of {length} bytes did not arrive within "
+                             f"{self.server.limits.read_timeout:g} s"})
+            return _REFUSED
+        if len(data) < length:
+            self._send(400, {"error": f"the body ended after {len(data)} of {length} bytes"})
+            return _REFUSED
+        return load_json(data, "request body", fix="send a JSON document (the stratagem "
+                         "client does)")
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._route("GET")
@@ -89,30 +150,96 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("DELETE")
 
 
+_REFUSED = object()
+
+
 class ControlServer(ThreadingHTTPServer):
     """Serves the API over ``directory``'s store; ``status()`` reports the cluster."""
 
     daemon_threads = True
+    request_queue_size = 128
 
     def __init__(self, directory: str | Path, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None, status: Any = None, drain: Any = None) -> None:
+                 token: str | None = None, status: Any = None, drain: Any = None,
+                 limits: ControlLimits = ControlLimits()) -> None:
         if host not in LOOPBACK and not token:
             raise StratagemError(f"refusing to listen on {host} without a token",
                                  where="control plane", fix="pass a token (--token-file), "
                                  "or keep the default loopback address")
+        self.limits = limits
+        # open connections, oldest first -> (when each must be gone, the client's address)
+        self._conns: collections.OrderedDict[socket.socket, tuple[float, Any]] = (
+            collections.OrderedDict())
+        self._conns_lock = threading.Lock()
+        self._last_note = -float("inf")
+        self.refused = 0  # clients refused or broken (for tests and the log)
+        self._unlogged = 0
         super().__init__((host, port), _Handler)
         self.directory = Path(directory)
         self.store = st.Store(self.directory)
         self.token = token or secrets.token_urlsafe(24)
         self.status = status or (lambda: {})
         self.drain = drain
-        path = self.directory / SERVICE_FILE
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"host": host, "port": self.server_address[1], "token": self.token}, f)
+        write_private(self.directory / SERVICE_FILE, json.dumps(
+            {"host": host, "port": self.server_address[1], "token": self.token}))
         self._thread = threading.Thread(target=self.serve_forever, daemon=True,
                                         kwargs={"poll_interval": 0.2})
         self._thread.start()
+
+    # -- bounds ----------------------------------------------------------------------------
+    def note(self, client: Any, why: str) -> None:
+        """Count a refused or broken client; log it unless a line was logged recently."""
+        now = time.monotonic()
+        with self._conns_lock:
+            self.refused += 1
+            if now - self._last_note < self.limits.log_every:
+                self._unlogged += 1
+                return
+            self._last_note, unlogged, self._unlogged = now, self._unlogged, 0
+        host = client[0] if isinstance(client, tuple) and client else "?"
+        more = f" ({unlogged} more not logged)" if unlogged else ""
+        log.warning("control plane: client %s: %s%s", host, " ".join(why.split())[:200],
+                    more)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._conns_lock:
+            oldest = (next(iter(self._conns)) if len(self._conns) >=
+                      self.limits.max_connections else None)
+            self._conns[request] = (time.monotonic() + self.limits.deadline, client_address)
+        if oldest is not None:
+            self._cut(oldest)
+            self.note(client_address, "connection limit reached: closed the oldest one")
+        super().process_request(request, client_address)
+
+    def _cut(self, request: socket.socket) -> None:
+        """Wake the thread of ``request`` (its reads end); it then closes the socket."""
+        with self._conns_lock:
+            self._conns.pop(request, None)
+        with contextlib.suppress(OSError):
+            request.shutdown(socket.SHUT_RDWR)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conns_lock:
+            self._conns.pop(request, None)
+        super().shutdown_request(request)
+
+    def service_actions(self) -> None:  # every poll of serve_forever
+        now = time.monotonic()
+        with self._conns_lock:
+            late = [(r, addr) for r, (end, addr) in self._conns.items() if end <= now]
+        for request, addr in late:
+            self._cut(request)
+            self.note(addr, f"open for over {self.limits.deadline:g} s: closed")
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        exc = sys.exc_info()[1]
+        self.note(client_address, f"{type(exc).__name__}: {exc}")
+
+    def connections(self) -> int:
+        with self._conns_lock:
+            return len(self._conns)
 
     def close(self) -> None:
         self.shutdown()
@@ -200,7 +327,12 @@ class ServiceClient:
             with urllib.request.urlopen(req, timeout=60) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
-            info = json.loads(exc.read() or b"{}")
+            try:
+                info = json.loads(exc.read(MAX_BODY) or b"{}")
+            except ValueError:
+                info = {}
+            if not isinstance(info, dict):
+                info = {}
             raise StratagemError(info.get("error", str(exc)), where=info.get("where") or
                                  "cluster service", fix=info.get("fix")) from None
         except OSError as exc:

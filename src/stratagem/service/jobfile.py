@@ -26,9 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from stratagem.errors import StratagemError
+from stratagem.safeload import load_yaml, short
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 FIELDS = ("name", "script", "args", "min_replicas", "max_replicas", "resources", "strategy",
@@ -37,6 +36,7 @@ RESCALE_MODES = ("auto", "restart")
 # strategies whose workers all-reduce (no parameter servers): in-process rescale applies
 ALL_REDUCE_STRATEGIES = ("auto", "allreduce", "partitionedar", "randomaxispartitionar")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_JOB_FILE_BYTES = 1 << 20  # what the control plane accepts in one request
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _fail(where: str, key: str, problem: str, fix: str) -> StratagemError:
 def _int(data: Mapping[str, Any], key: str, default: int, where: str) -> int:
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _fail(where, key, f"must be a whole number >= 1, got {value!r}",
+        raise _fail(where, key, f"must be a whole number >= 1, got {short(value)}",
                     f"write e.g. '{key}: 1'")
     return value
 
@@ -88,7 +88,7 @@ def _int(data: Mapping[str, Any], key: str, default: int, where: str) -> int:
 def _bool(data: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
     value = data.get(key, default)
     if not isinstance(value, bool):
-        raise _fail(where, key, f"must be true or false, got {value!r}",
+        raise _fail(where, key, f"must be true or false, got {short(value)}",
                     f"write '{key}: true' or '{key}: false'")
     return value
 
@@ -100,19 +100,19 @@ def parse_job(data: Any, where: str = "job", base_dir: str | Path | None = None)
                              where=where, fix="start with 'name: my-job' and 'script: x.py'")
     unknown = sorted(set(map(str, data)) - set(FIELDS))
     if unknown:
-        raise _fail(where, unknown[0], "unknown field",
+        raise _fail(where, unknown[0][:40], "unknown field",
                     f"remove it; the fields are: {', '.join(FIELDS)}")
     for key in ("name", "script"):
         if key not in data:
             raise _fail(where, key, "missing", f"add '{key}: ...' (required)")
     name = data["name"]
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise _fail(where, "name", f"{name!r} is not a valid job name",
+        raise _fail(where, "name", f"{short(name)} is not a valid job name",
                     "use 1-63 letters, digits, '-', '_' or '.', starting with a letter or "
                     "digit")
     script = data["script"]
     if not isinstance(script, str) or not script.strip():
-        raise _fail(where, "script", f"must be a path to a Python script, got {script!r}",
+        raise _fail(where, "script", f"must be a path to a Python script, got {short(script)}",
                     "write e.g. 'script: train.py'")
     path = Path(script)
     if base_dir is not None and not path.is_absolute():
@@ -123,7 +123,7 @@ def parse_job(data: Any, where: str = "job", base_dir: str | Path | None = None)
     args = data.get("args", [])
     if not isinstance(args, list) or not all(isinstance(a, str | int | float)
                                              and not isinstance(a, bool) for a in args):
-        raise _fail(where, "args", f"must be a list of strings, got {args!r}",
+        raise _fail(where, "args", f"must be a list of strings, got {short(args)}",
                     "write e.g. 'args: [--epochs, \"5\"]'")
     low = _int(data, "min_replicas", 1, where)
     high = _int(data, "max_replicas", low, where)
@@ -135,18 +135,18 @@ def parse_job(data: Any, where: str = "job", base_dir: str | Path | None = None)
             isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
             and v >= 0 for k, v in res.items()):
         raise _fail(where, "resources", f"must map resource names to amounts >= 0, got "
-                    f"{res!r}", "write e.g. 'resources: {CPU: 1, GPU: 1}'")
+                    f"{short(res)}", "write e.g. 'resources: {CPU: 1, GPU: 1}'")
     strategy = data.get("strategy", "auto")
     if not isinstance(strategy, str) or not strategy:
         raise _fail(where, "strategy", f"must be a builder name, a file or auto, got "
-                    f"{strategy!r}", "write 'strategy: auto'")
+                    f"{short(strategy)}", "write 'strategy: auto'")
     adaptive = _bool(data, "adaptive", True, where)
     if not adaptive and high != low:
         raise _fail(where, "max_replicas", "a non-adaptive job runs at one size",
                     "set max_replicas equal to min_replicas, or 'adaptive: true'")
     ckpt = data.get("checkpoint_dir")
     if ckpt is not None and (not isinstance(ckpt, str) or not ckpt):
-        raise _fail(where, "checkpoint_dir", f"must be a directory path, got {ckpt!r}",
+        raise _fail(where, "checkpoint_dir", f"must be a directory path, got {short(ckpt)}",
                     "write e.g. 'checkpoint_dir: ckpt/my-job', or leave it out")
     if ckpt is not None and base_dir is not None and not Path(ckpt).is_absolute():
         ckpt = str(Path(base_dir) / ckpt)
@@ -154,12 +154,12 @@ def parse_job(data: Any, where: str = "job", base_dir: str | Path | None = None)
     if not isinstance(env, Mapping) or not all(
             isinstance(k, str) and ENV_NAME_RE.match(k) and isinstance(v, str | int | float)
             for k, v in env.items()):
-        raise _fail(where, "env", f"must map variable names to values, got {env!r}",
+        raise _fail(where, "env", f"must map variable names to values, got {short(env)}",
                     "write e.g. 'env: {OMP_NUM_THREADS: \"1\"}'")
     rescale = data.get("rescale", "auto")
     if rescale not in RESCALE_MODES:
         raise _fail(where, "rescale", f"must be one of {', '.join(RESCALE_MODES)}, got "
-                    f"{rescale!r}", "write 'rescale: auto' (in-process where it applies) or "
+                    f"{short(rescale)}", "write 'rescale: auto' (in-process where it applies) or "
                     "'rescale: restart' (always checkpoint-restart)")
     return JobSpec(
         name=name, script=str(path.resolve()), args=tuple(str(a) for a in args),
@@ -175,15 +175,21 @@ def load_job_file(path: str | Path) -> JobSpec:
     """Read and check a YAML job file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            raw = f.read(MAX_JOB_FILE_BYTES + 1)
     except OSError as exc:
         raise StratagemError(f"cannot read the job file: {exc.strerror}", where=str(p),
-                             fix="give the path of an existing YAML job file") from exc
+                             fix="give the path of an existing YAML job file") from None
+    if len(raw) > MAX_JOB_FILE_BYTES:
+        raise StratagemError(f"job file too large (over {MAX_JOB_FILE_BYTES} bytes)",
+                             where=str(p), fix="a job file names a script and its settings; "
+                             "put data in files the script reads")
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise StratagemError(f"not valid YAML: {exc}", where=str(p),
-                             fix="check the indentation and quoting") from exc
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StratagemError(f"not UTF-8 text (byte {exc.start})", where=str(p),
+                             fix="save the job file as UTF-8") from None
+    data = load_yaml(text, str(p), fix="check the indentation and quoting")
     return parse_job(data, where=str(p), base_dir=p.parent)
 
 

@@ -38,7 +38,7 @@ from stratagem.errors import StratagemError
 from stratagem.sched.policy import ClusterSpec, JobView, make_policy
 from stratagem.service import store as st
 from stratagem.service.autoscale import AutoscaleOptions, request_nodes, target_nodes
-from stratagem.service.hints_reader import read_hints
+from stratagem.service.hints_reader import JobHints, read_hints
 from stratagem.service.jobfile import JobSpec
 from stratagem.service.ray_backend import LOST, Launched
 
@@ -51,7 +51,10 @@ class SchedulerOptions:
     go to pollux); ``interval``: seconds between decisions; ``max_failures``: crashes before
     a job is failed; ``backoff``: seconds before the first retry (doubling); ``grace``:
     seconds a stopped replica has to checkpoint; ``gpu_resource``: the Ray resource that
-    counts as an accelerator (a custom one for fake GPUs)."""
+    counts as an accelerator (a custom one for fake GPUs); ``min_runtime``: seconds a job
+    keeps the replicas it was just given (started, restarted or resized) before the policy
+    may change them again (deletions and drains still apply), so that jobs that tie for
+    the accelerators do not take turns every interval."""
 
     policy: str = "pollux"
     interval: float = 5.0
@@ -63,6 +66,7 @@ class SchedulerOptions:
     start_timeout: float = 60.0
     gpu_resource: str = "GPU"
     autoscale: AutoscaleOptions | None = None
+    min_runtime: float = 60.0
 
 
 def job_dirs(directory: Path, spec: JobSpec) -> tuple[Path, Path]:
@@ -102,6 +106,7 @@ class Scheduler:
         self.draining: set[str] = set()
         self._lock = threading.RLock()  # step() and drain() come from different threads
         self.autoscale_target: int | None = None
+        self.hint_problems: dict[str, str] = {}  # job -> why its hints.json is unusable
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -217,14 +222,39 @@ class Scheduler:
             request_nodes(n, {self.options.gpu_resource: float(cluster.gpus_per_node)})
             self.autoscale_target = n
 
-    def view(self, job: st.JobRow, now: float) -> JobView:
+    def hints(self, job: st.JobRow) -> JobHints | None:
+        """An adaptive job's hints (None otherwise). An unusable hints file gives empty
+        hints: the job is scheduled without a goodput model, and an event (once per
+        distinct problem) says why, so one job's bad file never stops the others."""
+        if not job.spec.adaptive:
+            return None
+        hints = read_hints(job_dirs(self.directory, job.spec)[0])
+        if hints.problem != self.hint_problems.get(job.name):
+            if hints.problem:
+                log.warning("job %s: %s", job.name, hints.problem)
+                self.store.update(job.name, f"{hints.problem}; scheduling without hints")
+                self.hint_problems[job.name] = hints.problem
+            else:
+                self.store.update(job.name, "hints.json is usable again")
+                self.hint_problems.pop(job.name, None)
+        return hints
+
+    def view(self, job: st.JobRow, now: float,
+             alloc: st.AllocationRow | None = None) -> JobView:
+        """What the policy sees of ``job``; one whose allocation (``alloc``) is younger than
+        ``min_runtime`` is shown as not preemptible: it keeps its replicas this round."""
         spec = job.spec
-        hints = read_hints(job_dirs(self.directory, spec)[0]) if spec.adaptive else None
+        held = alloc is not None and now - alloc.time < self.options.min_runtime
+        try:
+            hints = self.hints(job)
+        except Exception:  # e.g. the store busy: this round without hints
+            log.exception("hints of %s", job.name)
+            hints = None
         return JobView(
             name=spec.name, submit_time=job.submitted, age=max(now - job.submitted, 0.0),
             attained_service=job.service, num_restarts=job.restarts,
             min_replicas=spec.min_replicas, max_replicas=spec.max_replicas,
-            preemptible=spec.preemptible, requested_replicas=spec.max_replicas,
+            preemptible=spec.preemptible and not held, requested_replicas=spec.max_replicas,
             goodput=hints.goodput if hints else None,
             max_batch_size=hints.max_batch_size if hints else None,
             local_bsz_bounds=hints.local_bsz_bounds if hints else (None, None),
@@ -236,12 +266,13 @@ class Scheduler:
                   if j.state in (st.PENDING, st.RUNNING)]
         if not active:
             return {}
-        views = [self.view(j, now) for j in active]
+        allocs = self.store.allocations()
+        views = [self.view(j, now, allocs.get(j.name)) for j in active]
         if cluster is None:  # no accelerators yet: only the autoscaler can help
             if self.options.autoscale is not None:
                 self._autoscale(views, ClusterSpec(0, self.options.autoscale.node_gpus))
             return {}
-        current = {n: a.replicas for n, a in self.store.allocations().items()}
+        current = {n: a.replicas for n, a in allocs.items()}
         self._autoscale(views, cluster)
         target = self.policy.allocate(views, cluster, current, now)
         counts = {j.name: len(target.get(j.name, ())) for j in active}
@@ -285,7 +316,7 @@ class Scheduler:
             return False
         if done is None:
             return False
-        self.store.set_allocation(job.name, replicas, done.group_name, done.actors)
+        self.store.set_allocation(job.name, replicas, done.group_name, done.actors, now)
         self.store.update(job.name, f"rescaling: {len(alloc.replicas)} -> {len(replicas)} "
                           "replicas (in-process)")
         self.resizes.append((now, job.name, len(alloc.replicas), len(replicas), "in-process"))
@@ -316,19 +347,25 @@ class Scheduler:
             return
         self.resizes.append((now, spec.name, old, len(replicas),
                              "restart" if old else "start"))
-        self.store.set_allocation(spec.name, replicas, launched.group_name, launched.actors)
+        self.store.set_allocation(spec.name, replicas, launched.group_name, launched.actors,
+                                  now)
         self.store.update(spec.name, f"started with {len(replicas)} replicas",
                           state=st.RUNNING, started=job.started or now)
 
 
 def status_table(rows: list[st.JobRow], allocations: Mapping[str, st.AllocationRow],
                  directory: Path) -> str:
-    """``stratagem ls``: job, state, replicas, batch, goodput, progress; <= 80 columns."""
+    """``stratagem ls``: job, state, replicas, batch, goodput, progress; <= 80 columns.
+    Hints are read for unfinished jobs only; an unusable hints file adds a warning line."""
+    warnings = []
     lines = [f"{'JOB':<20} {'STATE':<10} {'REPLICAS':>8} {'BATCH':>7} {'GOODPUT':>9} "
              f"{'PROGRESS':>9} {'RESTARTS':>8}"]
     for job in rows:
         alloc = allocations.get(job.name)
-        hints = read_hints(job_dirs(directory, job.spec)[0])
+        hints = (JobHints() if job.state in st.FINAL
+                 else read_hints(job_dirs(directory, job.spec)[0]))
+        if hints.problem:
+            warnings.append(f"warning: {job.name}: {hints.problem}")
         reps = f"{len(alloc.replicas) if alloc else 0}/{job.spec.max_replicas}"
         bsz = "-" if hints.global_bsz is None else str(hints.global_bsz)
         good = "-" if hints.goodput_now is None else f"{hints.goodput_now:.4g}"
@@ -336,4 +373,5 @@ def status_table(rows: list[st.JobRow], allocations: Mapping[str, st.AllocationR
         name = job.name if len(job.name) <= 20 else job.name[:19] + "~"
         lines.append(f"{name:<20} {job.state:<10} {reps:>8} {bsz:>7} {good:>9} {prog:>9} "
                      f"{job.restarts:>8}")
+    lines += [w if len(w) <= 80 else w[:77] + "..." for w in warnings]
     return "\n".join(lines)

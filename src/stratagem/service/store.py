@@ -21,6 +21,7 @@ from typing import Any
 
 from stratagem.errors import StratagemError
 from stratagem.service.jobfile import JobSpec, spec_from_dict
+from stratagem.service.private_file import create_private, private_dir
 
 # Job states. ``pending``: waiting for replicas; ``running``; ``backoff``: crashed, retried
 # at ``retry_at``; ``stopping``: deletion requested; final: succeeded, failed, deleted.
@@ -81,8 +82,15 @@ class Store:
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.directory.exists():
+            private_dir(self.directory)
         self.path = self.directory / "state.db"
+        create_private(self.path)  # it holds the jobs' environments: 0600 (SQLite gives
+        # new -wal and -shm files the database file's mode; older ones are narrowed here)
+        for side in ("-wal", "-shm"):
+            extra = self.path.with_name(self.path.name + side)
+            if extra.is_file() and not extra.is_symlink() and extra.stat().st_mode & 0o077:
+                extra.chmod(0o600)
         self._db = sqlite3.connect(self.path, timeout=30, isolation_level=None,
                                    check_same_thread=False)
         self._lock = threading.RLock()  # one connection, shared by the service's threads
@@ -176,12 +184,15 @@ class Store:
 
     # -- allocations -----------------------------------------------------------------------
     def set_allocation(self, name: str, replicas: tuple[int, ...], group_name: str | None,
-                       actors: tuple[str, ...]) -> None:
+                       actors: tuple[str, ...], now: float | None = None) -> None:
+        """Make this the job's live allocation (none when ``replicas`` is empty), given at
+        ``now`` (default: the current time)."""
+        now = time.time() if now is None else now
         with self._tx() as db:
             db.execute("UPDATE allocations SET active=0 WHERE name=?", (name,))
             if replicas:
                 db.execute("INSERT INTO allocations (name, time, replicas, group_name, actors)"
-                           " VALUES (?,?,?,?,?)", (name, time.time(), json.dumps(replicas),
+                           " VALUES (?,?,?,?,?)", (name, now, json.dumps(replicas),
                                                    group_name, json.dumps(actors)))
 
     def allocations(self) -> dict[str, AllocationRow]:

@@ -5,7 +5,9 @@ accumulation it would pick (``GoodputFunction.optimize_grid``: the job's own mod
 by its goodput at its fair share (``ceil(GPUs / jobs)`` replicas). The objective is the power
 mean of speedups, ``(mean_j (s_j + eps)^p)^(1/p)`` (``p`` = ``fairness``; -1 by default,
 more negative is fairer, 1 is plain throughput). Changing a running job's allocation costs a
-restart: its speedup is scaled by ``max(age - restarts * delay, 0) / (age + delay)``.
+restart: its speedup is scaled by ``max(age - restarts * delay, 0) / (age + delay)``; so does
+starting a job that was stopped before (``restarts > 0``: a preemption is a checkpoint-restart
+too), so that jobs tied for the accelerators do not take turns.
 
 Search. The power mean is monotone in ``sum_j phi(s_j)`` (``phi(s) = (s+eps)^p`` minimised
 for ``p < 0``, maximised otherwise; ``log`` for ``p = 0``), a sum of per-job terms in the
@@ -98,7 +100,7 @@ class PolluxPolicy:
                 lo = max(job.min_replicas, 1)
                 opts = np.array([0] + list(range(lo, max_r + 1)))
                 s = self.speedups(job, max_r, min(fair, max(max_r, 1)), gpn)[opts]
-                if now_r:
+                if now_r or job.num_restarts:  # a change, or restarting a preempted job
                     s = np.where(opts == now_r, s, s * self.restart_factor(job))
             f = self.phi(s)
             f = f + np.where(opts == 0, tie[job.name] * abs(float(self.phi(np.zeros(1))[0])),
