@@ -179,6 +179,12 @@ def main() -> int:
     for w in args.workloads.split(","):
         wname = f"workload-{w}"
         specs = load_workload(data / "workloads-realistic" / f"{wname}.csv")
+        if args.full_load and OURS in names and BASELINE in names:
+            opts = SimOptions(oracle=args.oracle)
+            full_load.append({"workload": wname,
+                              **decision_at_full_load(specs, profiles, opts, args)})
+            print(json.dumps(full_load[-1]), flush=True)
+            write()
         for load in loads:
             options = SimOptions(num_nodes=16, gpus_per_node=4, interval=60.0,
                                  oracle=args.oracle, load=load)
@@ -193,12 +199,6 @@ def main() -> int:
                       f"{1e3 * s['decision_mean_s']:.1f}/{1e3 * s['decision_max_s']:.0f} ms  "
                       f"wall {s['wall_seconds']:.1f} s", flush=True)
                 write()
-        if args.full_load and OURS in names and BASELINE in names:
-            opts = SimOptions(oracle=args.oracle)
-            full_load.append({"workload": wname,
-                              **decision_at_full_load(specs, profiles, opts, args)})
-            print(json.dumps(full_load[-1]), flush=True)
-            write()
     if args.sweeps:
         specs = load_workload(data / "workloads-realistic" / "workload-1.csv")
 

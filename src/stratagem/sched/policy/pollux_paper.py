@@ -158,12 +158,6 @@ class PolluxPaperPolicy:
         p, n_jobs, nodes = pop.shape
         pop = np.clip(pop, 0, c.gpn)
         pop = np.where(c.pinned[None, :, None], c.cur[None], pop)
-        # node-count limit: keep the job's fullest nodes
-        total = pop.sum(2)
-        limit = -(-np.minimum(total, c.max_r[None]) // c.gpn) + self.extra_nodes
-        noise = rng.random(pop.shape)
-        rank = np.argsort(np.argsort(-(pop + noise), axis=2), axis=2)
-        pop = np.where((rank < limit[:, :, None]) | c.pinned[None, :, None], pop, 0)
         # replica cap per job: keep a prefix in a random node order
         order = np.argsort(rng.random(pop.shape), axis=2)
         shuffled = np.take_along_axis(pop, order, axis=2)
@@ -181,6 +175,16 @@ class PolluxPaperPolicy:
             drop = np.zeros_like(drop_sorted)
             np.put_along_axis(drop, jorder[:, :, None], drop_sorted, axis=1)
             pop = np.where(drop, 0, pop)
+        # node-count limit: keep the job's fullest nodes, until its count allows the rest
+        noise = rng.random(pop.shape)
+        for _ in range(nodes):
+            total, used = pop.sum(2), (pop > 0).sum(2)
+            limit = -(-total // c.gpn) + self.extra_nodes
+            over = (used > limit) & ~c.pinned[None]
+            if not over.any():
+                break
+            rank = np.argsort(np.argsort(-(pop + noise), axis=2), axis=2)
+            pop = np.where((rank < limit[:, :, None]) | ~over[:, :, None], pop, 0)
         total = pop.sum(2)
         too_few = (total > 0) & (total < c.min_r[None]) & ~c.pinned[None]
         return np.where(too_few[:, :, None], 0, pop)
