@@ -148,11 +148,14 @@ def main() -> int:
     ap.add_argument("--ga-generations", type=int, default=40)
     ap.add_argument("--sweeps", action="store_true", help="interval/restart/fairness sweeps")
     ap.add_argument("--full-load", action="store_true", help="160-job decision timings")
+    ap.add_argument("--only-full-load", action="store_true",
+                    help="the 160-job decision timings alone (every workload), no simulations")
     ap.add_argument("--out", default=str(RESULTS / "sched_sim.json"))
     args = ap.parse_args()
     data = data_dir(args.data)
     names = list(POLICIES) if args.policies == "all" else args.policies.split(",")
-    loads = [float(x) for x in args.loads.split(",")]
+    loads = [] if args.only_full_load else [float(x) for x in args.loads.split(",")]
+    args.full_load = args.full_load or args.only_full_load
     plots = RESULTS / "sched_sim"
     plots.mkdir(parents=True, exist_ok=True)
     profiles = load_profiles(data / "profiles")

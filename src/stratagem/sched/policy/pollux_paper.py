@@ -58,6 +58,7 @@ class PolluxPaperPolicy:
     name: str = "pollux-paper"
     adaptive_batch: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
+    _fresh: dict = field(default_factory=dict, repr=False)
     _rng: np.random.Generator | None = field(default=None, repr=False)
 
     # -- speedup tables --------------------------------------------------------------------
@@ -72,10 +73,13 @@ class PolluxPaperPolicy:
             out[1:, 1:] = np.where(ok, r_idx / max(fair, 1), 0.0)
             return out
         fn = job.goodput
-        key = (job.name, fn.throughput_params, fn.gns, fn.base_batch_size, max_r, fair, nodes,
+        key = (fn.throughput_params, fn.gns, fn.base_batch_size, max_r, fair, nodes,
                gpn, job.max_batch_size, job.local_bsz_bounds, job.gradient_accumulation)
-        hit = self._cache.get(key)
+        hit = self._fresh.get(key)
+        if hit is None:
+            hit = self._cache.get(key)
         if hit is not None:
+            self._fresh[key] = hit
             return hit
         n_v, r_v = n_idx[ok], r_idx[ok]
         n_all = np.concatenate([n_v, [math.ceil(fair / gpn)]])
@@ -85,7 +89,7 @@ class PolluxPaperPolicy:
         good = np.asarray(grid.goodput, dtype=float)
         base = good[-1] if good[-1] > 0 else float(good.max(initial=0.0))
         out[n_v, r_v] = good[:-1] / base if base > 0 else r_v / max(fair, 1)
-        self._cache[key] = out
+        self._fresh[key] = out
         return out
 
     # -- decision --------------------------------------------------------------------------
@@ -95,8 +99,9 @@ class PolluxPaperPolicy:
             return {}
         if self._rng is None:
             self._rng = np.random.default_rng(self.seed)
-        active = {j.name for j in jobs}
-        self._cache = {k: v for k, v in self._cache.items() if k[0] in active}
+        # Tables are keyed by the model, not the job: jobs with the same model share one;
+        # kept: those the last decision used.
+        self._cache, self._fresh = self._fresh, {}
         nodes, gpn, gpus = cluster.num_nodes, cluster.gpus_per_node, cluster.total_gpus
         fair = max(1, math.ceil(gpus / len(jobs)))
         n_jobs = len(jobs)
