@@ -101,7 +101,7 @@ def aggregate(runs: list[dict], names: list[str], loads: list[float]) -> dict:
                 "completed": sum(r["completed"] for r in mine),
                 "jobs": sum(r["jobs"] for r in mine)}
         if OURS in rows:  # ratios over the workloads both ran
-            for other in rows:
+            for other in [n for n in names if n in rows]:
                 if other == OURS:
                     continue
                 done = {r["workload"] for r in runs if r["policy"] == other and r["load"] == load}
