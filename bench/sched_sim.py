@@ -1,14 +1,21 @@
-"""Scheduling policies on the eight 160-job Pollux workloads (16 nodes x 4 GPUs, 60 s).
+"""Scheduling policies on the eight 160-job Pollux workloads (16 nodes x 4 GPUs, 60 s), at
+several arrival-rate load factors, on equal information.
 
-For every workload and policy: mean, median and p99 JCT, makespan, GPU utilization, policy
-decision time per interval and the wall time of the whole simulation. Separately, the
-goodput-aware policy's decision time with all 160 jobs of a workload active at once (cold:
-a fresh policy, no cache; warm: the next decision from that allocation). CPU only.
+For every workload, load factor and policy: mean, median and p99 JCT, makespan, GPU
+utilization, decision time per interval and the wall time of the simulation. By default no job
+knows its throughput model in advance (each learns it from what it runs; ``--oracle`` gives
+every job its application's full-profile model instead). All policies run interleaved in one
+process: workload by workload, load by load. Separately, the decision time of the
+goodput-aware policy and of the Pollux baseline with all 160 jobs of a workload active (cold:
+a fresh policy; warm: the next decision from that allocation). Optional sweeps of the
+interval, restart delay and fairness exponent (goodput-aware vs Pollux baseline, one workload).
 
-    nice -n 10 python bench/sched_sim.py [--data DIR] [--workloads 1,2] [--policies all]
+    nice -n 10 python bench/sched_sim.py [--workloads 1,2] [--loads 0.5,1,1.5,2]
+                                         [--policies all] [--sweeps] [--oracle]
 
 Data: ``--data``, else ``$STRATAGEM_POLLUX_DATA``, else the copy bundled with the package.
-Results: bench/results/sched_sim.json and bench/results/sched_sim/*.png.
+Results (rewritten after every run, so a cut-short run keeps what it did):
+bench/results/sched_sim.json and bench/results/sched_sim/*.png.
 """
 
 from __future__ import annotations
@@ -22,18 +29,19 @@ import sys
 import time
 from pathlib import Path
 
-from stratagem.sched.policy import POLICIES, PolluxPolicy, make_policy
+from stratagem.sched.policy import POLICIES, make_policy
 from stratagem.sched.simulator.bundled import POLLUX_DIR
 from stratagem.sched.simulator.engine import SimOptions, simulate
 from stratagem.sched.simulator.job import SimJob
 from stratagem.sched.simulator.profile import load_profiles
-from stratagem.sched.simulator.report import plot_allocation, plot_jct_cdf, summarize
+from stratagem.sched.simulator.report import plot_allocation, summarize
 from stratagem.sched.simulator.workload import load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 # Pollux paper (OSDI 2021), its simulator, TunedJobs baselines: mean JCT in seconds.
 PUBLISHED = {"pollux": 2751.0, "tiresias": 4038.0, "optimus": 5682.0}
+OURS, BASELINE = "pollux", "pollux-paper"
 
 
 def data_dir(arg: str | None) -> Path:
@@ -43,94 +51,167 @@ def data_dir(arg: str | None) -> Path:
     return path
 
 
-def decision_at_full_load(specs, profiles, options: SimOptions) -> dict[str, float]:
-    """Goodput-aware decisions with every job of the workload active (at its start)."""
+def policy(name: str, args: argparse.Namespace, **extra):
+    if name == BASELINE:
+        extra = {"population": args.ga_population, "generations": args.ga_generations, **extra}
+    return make_policy(name, **extra)
+
+
+def decision_at_full_load(specs, profiles, options: SimOptions, args) -> dict[str, float]:
+    """Both Pollux-style policies deciding with every job of the workload active, each job
+    having run one epoch-free first interval on 1 GPU (so each has a learned model)."""
     cluster = options.cluster
     jobs = [SimJob(s, profiles[s.application], adaptive=True, restart_delay=30.0,
-                   total_gpus=cluster.total_gpus) for s in specs]
-    views = [j.view(3600.0) for j in jobs]
-    policy = PolluxPolicy()
-    t0 = time.perf_counter()
-    first = policy.allocate(views, cluster, {}, 3600.0)
-    cold = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    policy.allocate(views, cluster, first, 3660.0)
-    warm = time.perf_counter() - t0
-    return {"jobs": len(views), "cold_s": cold, "warm_s": warm,
-            "gpus_used": sum(map(len, first.values())), "jobs_allocated": len(first)}
+                   total_gpus=cluster.total_gpus, oracle=options.oracle) for s in specs]
+    for j in jobs:  # one interval on one GPU: a first timing to learn from
+        j.allocate((0,), 0.0)
+        j.advance(0.0, 60.0)
+        j.allocate((), 60.0)
+    views = [j.view(3600.0, options.capped) for j in jobs]
+    out: dict[str, float] = {"jobs": len(views)}
+    for name in (OURS, BASELINE):
+        pol = policy(name, args)
+        t0 = time.perf_counter()
+        first = pol.allocate(views, cluster, {}, 3600.0)
+        out[f"{name}_cold_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pol.allocate(views, cluster, first, 3660.0)
+        out[f"{name}_warm_s"] = time.perf_counter() - t0
+        out[f"{name}_gpus_used"] = sum(map(len, first.values()))
+    return out
+
+
+def aggregate(runs: list[dict], names: list[str], loads: list[float]) -> dict:
+    per_load: dict[str, dict] = {}
+    for load in loads:
+        rows = {}
+        for pname in names:
+            mine = [r for r in runs if r["policy"] == pname and r["load"] == load]
+            if not mine:
+                continue
+            rows[pname] = {
+                "workloads": len(mine),
+                "mean_jct": statistics.mean(r["mean_jct"] for r in mine),
+                "p99_jct": statistics.mean(r["p99_jct"] for r in mine),
+                "makespan": statistics.mean(r["makespan"] for r in mine),
+                "gpu_utilization": statistics.mean(r["gpu_utilization"] for r in mine),
+                "decision_mean_s": statistics.mean(r["decision_mean_s"] for r in mine),
+                "decision_max_s": max(r["decision_max_s"] for r in mine),
+                "wall_max_s": max(r["wall_seconds"] for r in mine),
+                "completed": sum(r["completed"] for r in mine),
+                "jobs": sum(r["jobs"] for r in mine)}
+        if OURS in rows:  # ratios over the workloads both ran
+            for other in [n for n in names if n in rows]:
+                if other == OURS:
+                    continue
+                done = {r["workload"] for r in runs if r["policy"] == other and r["load"] == load}
+                pair = [(r["mean_jct"], o["mean_jct"]) for r in runs for o in runs
+                        if r["policy"] == OURS and o["policy"] == other and r["load"] == load
+                        and o["load"] == load and r["workload"] == o["workload"]
+                        and r["workload"] in done]
+                if pair:
+                    rows[f"{OURS}_over_{other}"] = (sum(a for a, _ in pair)
+                                                    / sum(b for _, b in pair))
+        per_load[str(load)] = rows
+    return per_load
+
+
+def sweeps(specs, profiles, base: SimOptions, args, record) -> list[dict]:
+    """Goodput-aware vs Pollux baseline on one workload, one knob at a time."""
+    out = []
+    grid = [("interval", v, {"interval": v}, {}) for v in (30.0, 120.0)]
+    grid += [("restart_delay", v, {"restart_delay": v}, {"restart_delay": v})
+             for v in (0.0, 120.0)]
+    grid += [("fairness", v, {}, {"fairness": v}) for v in (-3.0, 0.0, 1.0)]
+    for knob, value, sim_over, pol_over in grid:
+        opts = SimOptions(**{**base.__dict__, **sim_over})
+        row = {"knob": knob, "value": value}
+        for name in (OURS, BASELINE):
+            s = summarize(simulate(specs, profiles, policy(name, args, **pol_over), opts))
+            row[name] = s["mean_jct"]
+        row["ratio"] = row[OURS] / row[BASELINE]
+        print(f"sweep {knob}={value}: {OURS} {row[OURS]:.0f} s, {BASELINE} "
+              f"{row[BASELINE]:.0f} s, ratio {row['ratio']:.3f}", flush=True)
+        out.append(row)
+        record(out)
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data")
     ap.add_argument("--workloads", default="1,2,3,4,5,6,7,8")
+    ap.add_argument("--loads", default="0.5,1,1.5,2")
     ap.add_argument("--policies", default="all")
+    ap.add_argument("--oracle", action="store_true", help="jobs know their model (ablation)")
+    ap.add_argument("--ga-population", type=int, default=40)
+    ap.add_argument("--ga-generations", type=int, default=40)
+    ap.add_argument("--sweeps", action="store_true", help="interval/restart/fairness sweeps")
+    ap.add_argument("--full-load", action="store_true", help="160-job decision timings")
+    ap.add_argument("--only-full-load", action="store_true",
+                    help="the 160-job decision timings alone (every workload), no simulations")
     ap.add_argument("--out", default=str(RESULTS / "sched_sim.json"))
     args = ap.parse_args()
     data = data_dir(args.data)
     names = list(POLICIES) if args.policies == "all" else args.policies.split(",")
-    options = SimOptions(num_nodes=16, gpus_per_node=4, interval=60.0)
+    loads = [] if args.only_full_load else [float(x) for x in args.loads.split(",")]
+    args.full_load = args.full_load or args.only_full_load
     plots = RESULTS / "sched_sim"
     plots.mkdir(parents=True, exist_ok=True)
     profiles = load_profiles(data / "profiles")
     for p in profiles.values():  # fit once, outside the timed runs
         _ = p.throughput_params
-    runs, pooled, full_load = [], {n: [] for n in names}, []
+    runs: list[dict] = []
+    full_load: list[dict] = []
+    sweep_rows: list[dict] = []
+    load1 = os.getloadavg()
+
+    def write() -> None:
+        out = {"options": {"nodes": 16, "gpus_per_node": 4, "interval": 60.0,
+                           "restart_delay": 30.0, "oracle": args.oracle,
+                           "explore_cap": not args.oracle, "loads": loads,
+                           "ga_population": args.ga_population,
+                           "ga_generations": args.ga_generations,
+                           "workloads": args.workloads},
+               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                           "loadavg_start": load1, "loadavg_now": os.getloadavg()},
+               "per_load": aggregate(runs, names, loads), "published": PUBLISHED,
+               "decision_at_full_load": full_load, "sweeps": sweep_rows, "runs": runs}
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
     for w in args.workloads.split(","):
         wname = f"workload-{w}"
         specs = load_workload(data / "workloads-realistic" / f"{wname}.csv")
-        jcts = {}
-        for pname in names:
-            result = simulate(specs, profiles, make_policy(pname), options, wname)
-            s = summarize(result)
-            runs.append(s)
-            jcts[pname] = [j.jct for j in result.jobs if j.jct is not None]
-            pooled[pname] += jcts[pname]
-            if w == "1":
-                plot_allocation(result, plots / f"allocation_{wname}_{pname}.png")
-            print(f"{wname} {pname:9s} mean JCT {s['mean_jct']:8.0f} s  p99 "
-                  f"{s['p99_jct']:8.0f} s  util {s['gpu_utilization']:.2f}  decide "
-                  f"{1e3 * s['decision_mean_s']:.1f}/{1e3 * s['decision_max_s']:.0f} ms  "
-                  f"wall {s['wall_seconds']:.1f} s", flush=True)
-        if "pollux" in names:
+        if args.full_load and OURS in names and BASELINE in names:
+            opts = SimOptions(oracle=args.oracle)
             full_load.append({"workload": wname,
-                              **decision_at_full_load(specs, profiles, options)})
-    plot_jct_cdf(pooled, plots / "jct_cdf_all.png",
-                 title=f"JCT CDF, {len(args.workloads.split(','))} workloads pooled")
-    per_policy = {}
-    for pname in names:
-        mine = [r for r in runs if r["policy"] == pname]
-        per_policy[pname] = {
-            "mean_jct": statistics.mean(r["mean_jct"] for r in mine),
-            "p99_jct": statistics.mean(r["p99_jct"] for r in mine),
-            "makespan": statistics.mean(r["makespan"] for r in mine),
-            "gpu_utilization": statistics.mean(r["gpu_utilization"] for r in mine),
-            "decision_mean_s": statistics.mean(r["decision_mean_s"] for r in mine),
-            "decision_max_s": max(r["decision_max_s"] for r in mine),
-            "wall_max_s": max(r["wall_seconds"] for r in mine),
-            "completed": sum(r["completed"] for r in mine),
-            "jobs": sum(r["jobs"] for r in mine)}
-    improvement = {}
-    if "pollux" in per_policy:
-        ours = per_policy["pollux"]["mean_jct"]
-        improvement = {f"pollux_vs_{p}": 1 - ours / v["mean_jct"]
-                       for p, v in per_policy.items() if p != "pollux"}
-        improvement["published_pollux_vs_tiresias"] = 1 - PUBLISHED["pollux"] / PUBLISHED[
-            "tiresias"]
-        improvement["published_pollux_vs_optimus"] = 1 - PUBLISHED["pollux"] / PUBLISHED[
-            "optimus"]
-    out = {"options": {"nodes": 16, "gpus_per_node": 4, "interval": 60.0,
-                       "restart_delay": 30.0},
-           "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-           "per_policy": per_policy, "improvement": improvement, "published": PUBLISHED,
-           "decision_at_full_load": full_load, "runs": runs}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({"per_policy": per_policy, "improvement": improvement,
-                      "full_load": full_load}, indent=1))
-    if full_load:
-        cold = max(f["cold_s"] for f in full_load)
-        warm = max(f["warm_s"] for f in full_load)
-        print(f"full-load decision: cold max {cold:.3f} s, warm max {warm:.3f} s")
+                              **decision_at_full_load(specs, profiles, opts, args)})
+            print(json.dumps(full_load[-1]), flush=True)
+            write()
+        for load in loads:
+            options = SimOptions(num_nodes=16, gpus_per_node=4, interval=60.0,
+                                 oracle=args.oracle, load=load)
+            for pname in names:
+                result = simulate(specs, profiles, policy(pname, args), options, wname)
+                s = {**summarize(result), "load": load, "oracle": args.oracle}
+                runs.append(s)
+                if w == "1" and load == 1.0:
+                    plot_allocation(result, plots / f"allocation_{wname}_{pname}.png")
+                print(f"{wname} x{load} {pname:12s} mean JCT {s['mean_jct']:8.0f} s  p99 "
+                      f"{s['p99_jct']:8.0f} s  util {s['gpu_utilization']:.2f}  decide "
+                      f"{1e3 * s['decision_mean_s']:.1f}/{1e3 * s['decision_max_s']:.0f} ms  "
+                      f"wall {s['wall_seconds']:.1f} s", flush=True)
+                write()
+    if args.sweeps:
+        specs = load_workload(data / "workloads-realistic" / "workload-1.csv")
+
+        def keep(rows: list[dict]) -> None:
+            sweep_rows[:] = rows
+            write()
+
+        sweeps(specs, profiles, SimOptions(oracle=args.oracle), args, keep)
+    write()
+    print(json.dumps(aggregate(runs, names, loads), indent=1))
     return 0
 
 

@@ -34,14 +34,15 @@ def test_simulate_writes_reports_plots_and_a_table(setup, capsys):
     # the table fits in 80 columns; the last line names the output folder, however long
     assert table[-1] == f"results in {out}/"
     assert all(len(line) <= 80 for line in table[:-1])
-    assert sum(line.startswith("mix ") for line in table) == 4
+    assert sum(line.startswith("mix ") for line in table) == 5  # every policy
     assert "mix fifo: 4/4 jobs" in text.err  # progress lines (not a terminal here)
     fifo = {r["name"]: r for r in csv.DictReader((out / "mix" / "fifo" / "jobs.csv").open())}
     assert float(fifo["a"]["jct"]) == pytest.approx(60.0)
     result = json.loads((out / "mix" / "pollux" / "result.json").read_text())
     assert result["summary"]["completed"] == 4 and result["options"]["interval"] == 60.0
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["policy"] for s in summary] == ["pollux", "tiresias", "optimus", "fifo"]
+    assert [s["policy"] for s in summary] == ["pollux", "pollux-paper", "tiresias", "optimus",
+                                             "fifo"]
     pngs = [out / "mix" / "jct_cdf.png"] + [out / "mix" / p / "allocation.png"
                                            for p in ("pollux", "fifo")]
     for png in pngs:
@@ -87,7 +88,8 @@ def test_a_bundled_workload_name_is_checked(capsys):
     (["--restart-delay", "-1"], "--restart-delay"),
     (["--nodes", "100000", "--gpus-per-node", "1000"], "--nodes"),
     (["--nodes", "4096", "--gpus-per-node", "64"], "--nodes/--gpus-per-node"),
-    (["--gpus-per-node", "0"], "--gpus-per-node")])
+    (["--gpus-per-node", "0"], "--gpus-per-node"), (["--load", "nan"], "--load"),
+    (["--load", "0"], "--load")])
 def test_simulate_options_are_bounded(setup, capsys, options, problem):
     args = ["simulate", str(setup / "w" / "mix.csv"), "--profiles", str(setup / "profiles")]
     assert main(args + options) == 2

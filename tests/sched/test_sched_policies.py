@@ -147,3 +147,57 @@ def test_the_knapsack_finds_the_brute_force_optimum(p):
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(StratagemError, match="unknown policy 'gandiva'"):
         make_policy("gandiva")
+
+
+def test_the_paper_search_finds_the_brute_force_optimum_on_a_small_cluster():
+    """Two nodes of two GPUs, three jobs: the genetic search's answer has the best fitness
+    of every valid allocation matrix (enumerated; its own fitness and repair are the
+    reference for validity, check_allocation for the rules)."""
+    from stratagem.sched.policy import PolluxPaperPolicy
+    from stratagem.sched.policy.pollux_paper import _Ctx
+
+    rng = np.random.default_rng(5)
+    jobs = [JobView(f"j{i}", float(i), age=1000.0, max_replicas=4,
+                    goodput=_goodput(*rng.uniform([0.01, 1e-4, 1e-3, 0], [0.2, 1e-2, 0.3, 5000])),
+                    max_batch_size=1024, local_bsz_bounds=(8, 128)) for i in range(3)]
+    cluster = ClusterSpec(2, 2)
+    policy = PolluxPaperPolicy(population=100, generations=100, seed=1)  # the paper's size
+    alloc = policy.allocate(jobs, cluster, {}, 0.0)
+    assert check_allocation(alloc, jobs, cluster, {}) == []
+    fair = 2
+    tables = np.stack([policy.table(j, 4, fair, cluster) for j in jobs])
+    cur = np.zeros((3, 2), dtype=np.int64)
+    ctx = _Ctx(tables, cur, np.zeros(3, bool), np.zeros(3, bool), np.ones(3),
+               np.full(3, 4), np.ones(3, dtype=np.int64), 2, cluster)
+    cands = []
+    for cells in itertools.product(range(3), repeat=6):
+        m = np.array(cells).reshape(3, 2)
+        a = {f"j{i}": tuple(n for n in range(2) for _ in range(m[i, n])) for i in range(3)}
+        if not check_allocation({k: v for k, v in a.items() if v}, jobs, cluster, {}):
+            cands.append(m)
+    fits = policy._fitness(np.stack(cands), ctx)
+    got = np.zeros((1, 3, 2), dtype=np.int64)
+    for i, j in enumerate(jobs):
+        for n in alloc.get(j.name, ()):
+            got[0, i, n] += 1
+    assert policy._fitness(got, ctx)[0] == pytest.approx(fits.max(), rel=1e-9)
+
+
+def test_the_paper_search_repair_keeps_every_rule_on_random_matrices():
+    from stratagem.sched.policy import PolluxPaperPolicy
+    from stratagem.sched.policy.pollux_paper import _Ctx
+
+    rng = np.random.default_rng(0)
+    cluster = ClusterSpec(4, 4)
+    jobs = [JobView(f"j{i}", 0.0, max_replicas=int(rng.integers(1, 10))) for i in range(6)]
+    max_r = np.array([j.max_replicas for j in jobs])
+    ctx = _Ctx(np.zeros((6, 5, 17)), np.zeros((6, 4), np.int64), np.zeros(6, bool),
+               np.zeros(6, bool), np.ones(6), max_r, np.ones(6, np.int64), 4, cluster)
+    pop = rng.integers(0, 6, (50, 6, 4))
+    fixed = PolluxPaperPolicy(extra_nodes=0)._repair(pop, ctx, rng)
+    assert (fixed <= pop).all()
+    for m in fixed:
+        a = {f"j{i}": tuple(n for n in range(4) for _ in range(m[i, n])) for i in range(6)}
+        assert check_allocation({k: v for k, v in a.items() if v}, jobs, cluster, {}) == []
+        used = (m > 0).sum(1)
+        assert (used <= -(-m.sum(1) // 4)).all()  # node-count limit with no slack

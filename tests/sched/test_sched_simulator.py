@@ -13,7 +13,7 @@ import pytest
 
 from stratagem.errors import StratagemError
 from stratagem.sched.policy import FifoPolicy, OptimusPolicy, PolluxPolicy, TiresiasPolicy
-from stratagem.sched.simulator.engine import SimOptions, simulate
+from stratagem.sched.simulator.engine import SimOptions, scale_arrivals, simulate
 from stratagem.sched.simulator.workload import JobSpec, load_workload
 
 
@@ -111,6 +111,37 @@ def test_missing_profile_and_bad_options(toy_profiles, tmp_path):
         SimOptions(interval=0)
     bad = tmp_path / "w.csv"
     bad.write_text("name,time,application,num_replicas,batch_size\na,0,toy1,0,8\n")
-    with pytest.raises(StratagemError, match="num_replicas >= 1"):
+    with pytest.raises(StratagemError, match="num_replicas from 1 to"):
         load_workload(bad)
     assert dataclasses.replace(SimOptions(), seed=3).seed == 3
+
+
+def test_load_factor_scales_arrivals(toy_profiles):
+    specs = [JobSpec("a", 0, "toy1", 1, 8), JobSpec("b", 120, "toy1", 1, 8)]
+    assert [s.submit_time for s in scale_arrivals(specs, 2.0)] == [0, 60]
+    r = _run(toy_profiles, specs, FifoPolicy(), load=2.0)
+    assert {j.name: j.submit_time for j in r.jobs} == {"a": 0, "b": 60}
+    with pytest.raises(StratagemError, match="load"):
+        SimOptions(load=0)
+
+
+def test_a_job_learns_its_model_only_from_what_it_ran(pollux_profiles):
+    """No oracle: before running, no model (policies see linear speedup); after running on
+    one GPU, exactly fit_throughput of the profile's step times for what it ran."""
+    from stratagem.adapt import ProfileRecord, fit_throughput
+    from stratagem.sched.simulator.job import SimJob
+
+    app = pollux_profiles["cifar10"]
+    job = SimJob(JobSpec("x", 0, "cifar10", 1, 128), app, adaptive=True, restart_delay=0.0,
+                 total_gpus=64, oracle=False)
+    assert job.view(0.0, True).goodput is None and job.view(0.0, True).max_replicas == 1
+    job.allocate((0,), 0.0)
+    assert (job.local_bsz, job.accum_steps) == (128, 0)  # the submitted batch: no model yet
+    job.advance(0.0, 60.0)
+    step, sync = app.step_time((1,), 128, 0)
+    ref = fit_throughput([ProfileRecord(1, 1, 128, step, 0, step - sync)])
+    assert job.throughput_params() == ref
+    assert job.view(60.0, True).max_replicas == 2  # Pollux: twice what it has run on
+    oracle = SimJob(JobSpec("y", 0, "cifar10", 1, 128), app, adaptive=True,
+                    restart_delay=0.0, total_gpus=64, oracle=True)
+    assert oracle.view(0.0).goodput.throughput_params == app.throughput_params

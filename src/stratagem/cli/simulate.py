@@ -34,8 +34,8 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                         "the bundled Pollux profiles: bert, cifar10, deepspeech2, imagenet, "
                         "ncf, yolov3)")
     p.add_argument("--policy", default="pollux", metavar="NAME[,NAME...]",
-                   help="pollux, tiresias, optimus, fifo, a comma-separated list, or all "
-                        "(default: pollux)")
+                   help="pollux, pollux-paper, tiresias, optimus, fifo, a comma-separated "
+                        "list, or all (default: pollux)")
     p.add_argument("--nodes", type=int, default=16, help="nodes (default 16)")
     p.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node (default 4)")
     p.add_argument("--interval", type=float, default=60.0,
@@ -49,8 +49,14 @@ def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
                    help="pollux: power-mean exponent p (default -1)")
     p.add_argument("--share-distributed", action="store_true",
                    help="allow two multi-node jobs on one node")
-    p.add_argument("--explore-cap", action="store_true",
-                   help="a job may get at most twice the replicas it has run on")
+    p.add_argument("--explore-cap", action=argparse.BooleanOptionalAction, default=None,
+                   help="a job may get at most twice the replicas it has run on "
+                        "(default: on unless --oracle)")
+    p.add_argument("--oracle", action="store_true",
+                   help="jobs know their application's throughput model from the start "
+                        "(default: each learns it from the configurations it runs)")
+    p.add_argument("--load", type=float, default=1.0,
+                   help="arrival-rate factor: submission times are divided by it (default 1)")
     p.add_argument("--out", metavar="DIR", help="write results here (default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_simulate, parser=p)
@@ -62,7 +68,7 @@ MAX_GPUS_PER_NODE = 64
 MAX_GPUS = 65_536
 LIMITS: dict[str, tuple[float, float]] = {  # option: (low, high), both included
     "interval": (1e-3, 86400.0), "restart_delay": (0.0, 86400.0),
-    "step_noise": (0.0, 10.0), "fairness": (-100.0, 100.0)}
+    "step_noise": (0.0, 10.0), "fairness": (-100.0, 100.0), "load": (0.01, 100.0)}
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -161,14 +167,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     names = _policies(args.policy)
     if not names:
         raise StratagemError("no policy given", where="--policy",
-                             fix="pollux, tiresias, optimus, fifo, a list or all")
+                             fix="pollux, pollux-paper, tiresias, optimus, fifo, a list or all")
     for name in names:  # fail on a typo before any work
         make_policy(name)
     options = SimOptions(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                          interval=args.interval, restart_delay=args.restart_delay,
                          seed=args.seed, step_noise=args.step_noise,
                          share_distributed=args.share_distributed,
-                         explore_cap=args.explore_cap)
+                         explore_cap=args.explore_cap, oracle=args.oracle, load=args.load)
     source = resolve_workload(_workload_arg(args))
     workloads = [(f.stem, load_workload(f)) for f in workload_files(source)]
     apps = {s.application for _, specs in workloads for s in specs}
@@ -179,7 +185,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         jcts = {}
         for pname in names:
             opts = {"fairness": args.fairness, "restart_delay": args.restart_delay} \
-                if pname == "pollux" else {}
+                if pname in ("pollux", "pollux-paper") else {}
             bar = ProgressBar(f"{wname} {pname}", sys.stderr,
                               enabled=not args.quiet)
             result = simulate(specs, profiles, make_policy(pname, **opts), options, wname, bar)

@@ -22,10 +22,12 @@ from stratagem.sched.policy.base import (
 from stratagem.sched.policy.fifo import FifoPolicy
 from stratagem.sched.policy.optimus import OptimusPolicy
 from stratagem.sched.policy.pollux import PolluxPolicy
+from stratagem.sched.policy.pollux_paper import PolluxPaperPolicy
 from stratagem.sched.policy.tiresias import TiresiasPolicy
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "pollux": PolluxPolicy,
+    "pollux-paper": PolluxPaperPolicy,
     "tiresias": TiresiasPolicy,
     "optimus": OptimusPolicy,
     "fifo": FifoPolicy,
@@ -43,4 +45,5 @@ def make_policy(name: str, **options: Any) -> Policy:
 
 
 __all__ = ["POLICIES", "Allocation", "ClusterSpec", "FifoPolicy", "JobView", "OptimusPolicy",
-           "Policy", "PolluxPolicy", "TiresiasPolicy", "check_allocation", "make_policy"]
+           "Policy", "PolluxPaperPolicy", "PolluxPolicy", "TiresiasPolicy", "check_allocation",
+           "make_policy"]

@@ -43,6 +43,7 @@ class PolluxPolicy:
     name: str = "pollux"
     adaptive_batch: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
+    _fresh: dict = field(default_factory=dict, repr=False)
 
     # -- per-job terms ---------------------------------------------------------------------
     def speedups(self, job: JobView, max_r: int, fair: int, gpn: int) -> np.ndarray:
@@ -51,10 +52,13 @@ class PolluxPolicy:
         if job.goodput is None or max_r == 0:
             return r / max(fair, 1)
         fn = job.goodput
-        key = (job.name, fn.throughput_params, fn.gns, fn.base_batch_size, max_r, fair, gpn,
+        key = (fn.throughput_params, fn.gns, fn.base_batch_size, max_r, fair, gpn,
                job.max_batch_size, job.local_bsz_bounds, job.gradient_accumulation)
-        hit = self._cache.get(key)
+        hit = self._fresh.get(key)
+        if hit is None:
+            hit = self._cache.get(key)
         if hit is not None:
+            self._fresh[key] = hit
             return hit
         reps = np.arange(1, max(max_r, fair) + 1)
         grid = fn.optimize_grid(np.ceil(reps / gpn), reps,
@@ -64,7 +68,7 @@ class PolluxPolicy:
         base = good[fair - 1] if good[fair - 1] > 0 else float(good.max(initial=0.0))
         out = np.zeros(max_r + 1)
         out[1:] = good[:max_r] / base if base > 0 else reps[:max_r] / fair
-        self._cache[key] = out
+        self._fresh[key] = out
         return out
 
     def phi(self, s: np.ndarray) -> np.ndarray:
@@ -83,8 +87,9 @@ class PolluxPolicy:
                  current: Mapping[str, tuple[int, ...]], now: float) -> Allocation:
         if not jobs:
             return {}
-        active = {j.name for j in jobs}
-        self._cache = {k: v for k, v in self._cache.items() if k[0] in active}
+        # Tables are keyed by the model, not the job: jobs with the same model share one;
+        # kept: those the last decision used.
+        self._cache, self._fresh = self._fresh, {}
         gpus, gpn = cluster.total_gpus, cluster.gpus_per_node
         fair = max(1, math.ceil(gpus / len(jobs)))
         priority = sorted(jobs, key=lambda j: (j.attained_service, j.submit_time, j.name))

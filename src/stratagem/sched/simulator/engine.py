@@ -4,10 +4,18 @@ Deterministic: the same workload, profiles, policy and options give the same res
 seed only draws each job's step-time slowdown when ``step_noise`` > 0 (a job-specific factor
 ``exp(N(0, step_noise))``, for robustness studies). Jobs submitted between decisions wait for
 the next one, as under a real scheduler's periodic loop.
+
+By default no job knows its throughput model in advance: each learns it from the
+configurations it runs (:mod:`.job`), and an adaptive job may grow to at most twice the most
+replicas it has run on (Pollux's exploration rule). ``oracle=True`` gives every job its
+application's model fitted on the whole profile from the start and lifts the cap (unless
+``explore_cap`` says otherwise). ``load`` scales the arrival rate: submission times are
+divided by it (2.0: the same jobs arrive twice as fast).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,17 +42,25 @@ class SimOptions:
     seed: int = 0
     step_noise: float = 0.0
     share_distributed: bool = False
-    explore_cap: bool = False  # Pollux's rule: at most twice the replicas a job has run on
+    explore_cap: bool | None = None  # at most twice the replicas run on; None: not oracle
+    oracle: bool = False  # jobs know their application's throughput model from the start
+    load: float = 1.0  # arrival-rate factor: submission times are divided by it
     max_time: float = 60 * 86400.0  # stop (and report unfinished jobs) after 60 days
 
     def __post_init__(self) -> None:
         checks = {"num_nodes": self.num_nodes >= 1, "gpus_per_node": self.gpus_per_node >= 1,
                   "interval": self.interval > 0, "restart_delay": self.restart_delay >= 0,
-                  "step_noise": self.step_noise >= 0, "max_time": self.max_time > 0}
+                  "step_noise": self.step_noise >= 0, "max_time": self.max_time > 0,
+                  "load": self.load > 0}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise StratagemError(f"invalid simulation options: {', '.join(bad)}",
-                                 fix="positive nodes, GPUs and interval; delays >= 0")
+                                 fix="positive nodes, GPUs, interval and load; delays >= 0")
+
+    @property
+    def capped(self) -> bool:
+        """Whether the exploration cap applies (default: when jobs learn their model)."""
+        return (not self.oracle) if self.explore_cap is None else self.explore_cap
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -67,6 +83,13 @@ class SimResult:
     applications: dict[str, str] = field(default_factory=dict)  # job -> application
 
 
+def scale_arrivals(specs: Sequence[JobSpec], load: float) -> list[JobSpec]:
+    """The same jobs arriving ``load`` times as fast (submission times divided by it)."""
+    if load == 1.0:
+        return list(specs)
+    return [dataclasses.replace(s, submit_time=s.submit_time / load) for s in specs]
+
+
 def simulate(specs: Sequence[JobSpec], profiles: Mapping[str, AppProfile], policy: Policy,
              options: SimOptions = SimOptions(), workload: str = "workload",
              progress: Progress | None = None) -> SimResult:
@@ -80,10 +103,11 @@ def simulate(specs: Sequence[JobSpec], profiles: Mapping[str, AppProfile], polic
     rng = np.random.default_rng(options.seed)
     noise = (np.exp(rng.normal(0.0, options.step_noise, len(specs))) if options.step_noise
              else np.ones(len(specs)))
-    order = sorted(specs, key=lambda s: (s.submit_time, s.name))
+    order = sorted(scale_arrivals(specs, options.load), key=lambda s: (s.submit_time, s.name))
     jobs = [SimJob(s, profiles[s.application], adaptive=policy.adaptive_batch,
                    restart_delay=options.restart_delay, total_gpus=cluster.total_gpus,
-                   slowdown=float(k)) for s, k in zip(order, noise, strict=True)]
+                   slowdown=float(k), oracle=options.oracle)
+            for s, k in zip(order, noise, strict=True)]
     result = SimResult(policy.name, workload, options, [],
                        applications={s.name: s.application for s in order})
     step = options.interval
@@ -96,7 +120,7 @@ def simulate(specs: Sequence[JobSpec], profiles: Mapping[str, AppProfile], polic
         if not active:  # idle cluster: jump to the decision after the next submission
             now = float(np.ceil(jobs[nxt].spec.submit_time / step) * step)
             continue
-        views = [j.view(now, options.explore_cap) for j in active]
+        views = [j.view(now, options.capped) for j in active]
         t0 = time.perf_counter()
         alloc = policy.allocate(views, cluster, current, now)
         result.decision_seconds.append(time.perf_counter() - t0)

@@ -8,6 +8,15 @@ costs ``restart_delay`` seconds of holding GPUs without progress (checkpoint, re
 restore). Adaptive jobs choose their batch size and accumulation as Stratagem's adaptive
 jobs do (:func:`stratagem.adapt.choose_with_hysteresis` on their goodput model) whenever
 they start on an allocation and after every epoch; the others keep the submitted batch.
+
+What a job knows about its own speed (its throughput model) is, by default, *learned*: every
+configuration (nodes, replicas, local batch, accumulation) it runs is timed into a
+:class:`~stratagem.adapt.StepProfiler` (the adaptive training loop's own profiler, whose
+``fit`` is :func:`~stratagem.adapt.fit_throughput`), and the model is whatever that fit says
+now, with the fit's priors for regimes not yet seen. A job that has not run yet has no model:
+it starts at its submitted batch, and policies see ``goodput=None`` (linear speedup). With
+``oracle=True`` every job knows the model fitted on the application's whole profile from the
+start (the ablation). Gradient statistics are the profile's at the job's current epoch.
 """
 
 from __future__ import annotations
@@ -16,10 +25,40 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from stratagem.adapt import BatchChoice, GoodputFunction, choose_with_hysteresis
+from stratagem.adapt import (
+    BatchChoice,
+    GoodputFunction,
+    ProfileRecord,
+    StepProfiler,
+    ThroughputParams,
+    choose_with_hysteresis,
+    fit_throughput,
+)
 from stratagem.sched.policy.base import JobView
 from stratagem.sched.simulator.profile import AppProfile
 from stratagem.sched.simulator.workload import JobSpec
+
+_FITS: dict[tuple, ThroughputParams] = {}
+_MAX_FITS = 200_000
+
+
+def fit_memoized(app: str, records: list[ProfileRecord]) -> ThroughputParams | None:
+    """:func:`fit_throughput` on ``records``, remembered across jobs and simulations.
+
+    A pure function of its input, so two jobs of one application that ran the same
+    configurations (at the same speed) get the same model without fitting twice; the
+    simulator's cost is dominated by these fits otherwise.
+    """
+    if not records:
+        return None
+    key = (app, tuple(sorted((r.num_nodes, r.num_replicas, r.local_bsz, r.accum_steps,
+                              r.step_time, r.compute_time or 0.0) for r in records)))
+    hit = _FITS.get(key)
+    if hit is None:
+        if len(_FITS) >= _MAX_FITS:
+            _FITS.clear()
+        hit = _FITS[key] = fit_throughput(records)
+    return hit
 
 
 def counts_per_node(replicas: tuple[int, ...]) -> tuple[int, ...]:
@@ -54,8 +93,13 @@ class SimJob:
     """State and dynamics of one job (see the module doc)."""
 
     def __init__(self, spec: JobSpec, app: AppProfile, *, adaptive: bool,
-                 restart_delay: float, total_gpus: int, slowdown: float = 1.0) -> None:
+                 restart_delay: float, total_gpus: int, slowdown: float = 1.0,
+                 oracle: bool = True) -> None:
         self.spec, self.app, self.adaptive = spec, app, adaptive
+        self.oracle = bool(oracle)
+        # Timings of the configurations run so far; refits on every new configuration.
+        self.profiler = StepProfiler(window=4, warmup=0)
+        self._fit_version, self._params = 0, None
         self.restart_delay = float(restart_delay)
         self.slowdown = float(slowdown)
         self.total_gpus = total_gpus
@@ -82,11 +126,24 @@ class SimJob:
     def batch_size(self) -> int:
         return len(self.replicas) * self.local_bsz * (self.accum_steps + 1)
 
-    def goodput_function(self) -> GoodputFunction:
-        """Its goodput model: the application's fitted throughput model and the gradient
-        noise it measures now (at the batch it last ran with)."""
+    def throughput_params(self) -> ThroughputParams | None:
+        """The throughput model the job has now: the oracle's, or fitted on its own timings
+        (None before it has run)."""
+        if self.oracle:
+            return self.app.throughput_params
+        if self._fit_version != self.profiler.num_configs:
+            self._fit_version = self.profiler.num_configs
+            self._params = fit_memoized(self.app.name, self.profiler.records())
+        return self._params
+
+    def goodput_function(self) -> GoodputFunction | None:
+        """Its goodput model: its throughput model and the gradient noise it measures now
+        (at the batch it last ran with); None while it has no throughput model."""
+        params = self.throughput_params()
+        if params is None:
+            return None
         app = self.app
-        return GoodputFunction(app.throughput_params, app.gns(self.last_batch, self.epoch),
+        return GoodputFunction(params, app.gns(self.last_batch, self.epoch),
                                app.base_batch_size)
 
     def max_replicas(self) -> int:
@@ -97,7 +154,7 @@ class SimJob:
     def view(self, now: float, explore_cap: bool = False) -> JobView:
         app = self.app
         max_r = self.max_replicas()
-        if explore_cap:
+        if explore_cap and self.adaptive:
             max_r = min(max_r, max(1, 2 * self.max_replicas_seen))
         return JobView(
             name=self.spec.name, submit_time=self.spec.submit_time,
@@ -126,12 +183,14 @@ class SimJob:
 
     def _configure(self) -> None:
         nodes, replicas = len(set(self.replicas)), len(self.replicas)
-        if not self.adaptive:
+        fn = self.goodput_function() if self.adaptive else None
+        if fn is None:  # fixed batch, or adaptive but nothing measured yet: as submitted
             self.local_bsz, self.accum_steps = self._fixed_config(replicas)
+            self.choice = None
         else:
             app = self.app
             self.choice = choose_with_hysteresis(
-                self.goodput_function(), self.choice, nodes, replicas, app.max_batch_size,
+                fn, self.choice, nodes, replicas, app.max_batch_size,
                 (app.min_local_bsz, app.max_local_bsz), gradient_accumulation=True)
             self.local_bsz, self.accum_steps = self.choice.local_bsz, self.choice.accum_steps
         self.last_batch = self.batch_size
@@ -161,6 +220,14 @@ class SimJob:
         gain = app.gns(batch, self.epoch).gain(batch, app.base_batch_size)
         return float(gain) / (step * self.slowdown)
 
+    def _time_step(self, placement: tuple[int, ...]) -> None:
+        """What the job's step profiler measures while it runs its current configuration."""
+        if self.oracle:
+            return
+        step, sync = self.app.step_time(placement, self.local_bsz, self.accum_steps)
+        self.profiler.record(len(placement), sum(placement), self.local_bsz, self.accum_steps,
+                             step * self.slowdown, sync * self.slowdown)
+
     def advance(self, now: float, seconds: float) -> None:
         """Run from ``now`` for ``seconds`` on the current allocation."""
         if not self.replicas or self.done:
@@ -172,6 +239,7 @@ class SimJob:
         t, left = now + delay, seconds - delay
         placement = counts_per_node(self.replicas)
         while left > 1e-9 and not self.done:
+            self._time_step(placement)
             rate = self._rate(placement, self.local_bsz, self.accum_steps)
             need = (self.app.epoch_ends[self.epoch] - self.progress) / rate
             if need > left:
