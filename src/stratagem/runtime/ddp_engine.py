@@ -90,6 +90,8 @@ class DDPReducer:
             self._powersgd = powerSGD_hook.PowerSGDState(
                 group, matrix_approximation_rank=plan.groups[0].powersgd_rank,
                 start_powerSGD_iter=POWERSGD_START, use_error_feedback=True, warm_start=True)
+        self._owner: dict[int, tuple[str, ...]] = {}  # bucket index -> its parameters
+        self._stash: dict[tuple[str, ...], tuple[Any, Any, Any]] = {}  # state set aside
         self._compress = {"none": default_hooks.allreduce_hook,
                           "fp16": default_hooks.fp16_compress_hook,
                           "bf16": default_hooks.bf16_compress_hook}.get(compressor)
@@ -102,7 +104,8 @@ class DDPReducer:
         self.before_wait: Any = None
         self.observers: list[GradObserver] = []
         self._queued = False
-        self._reduced: list[tuple[GroupPlan, Any]] = []
+        self._backwards = 0  # synced backward passes of this DDP
+        self._reduced: list[tuple[int, GroupPlan, Any]] = []
         self._finish_extra: Any = None
 
     # -- the user's settings ---------------------------------------------------------
@@ -178,16 +181,23 @@ class DDPReducer:
         size = self._wire_bytes or buf.element_size()
         self.stats.record(buf.numel() * size, self.world_size)
         self.stats.overlapped += 1
-        if self._powersgd is not None:
+        if self._powersgd is not None and (self._backwards or
+                                           self._powersgd.iter < POWERSGD_START):
+            self._own_state(bucket)
             fut = powerSGD_hook.powerSGD_hook(self._powersgd, bucket)
-        else:
-            fut = self._compress(self.group, bucket)
+            # Its rounds are launched from future callbacks: two buckets' rounds in flight
+            # at once reach gloo in an order that differs from rank to rank (a hang), so
+            # each bucket's rounds finish before the next bucket starts.
+            fut.wait()
+        else:  # (PowerSGD restored into a new DDP: its first step, see _own_state)
+            fut = (self._compress or default_hooks.allreduce_hook)(self.group, bucket)
         if layout is None:
             return fut
 
-        def keep(f: torch.futures.Future, layout: GroupPlan = layout) -> torch.Tensor:
+        def keep(f: torch.futures.Future, layout: GroupPlan = layout,
+                 index: int = bucket.index()) -> torch.Tensor:
             out = f.value()
-            self._reduced.append((layout, out))
+            self._reduced.append((index, layout, out))
             return out
 
         return fut.then(keep)
@@ -199,27 +209,67 @@ class DDPReducer:
 
     def _after_ddp(self) -> None:
         try:
+            self._reduced.sort(key=lambda r: r[0])  # (futures complete in any order)
             for fn in self.observers:
-                for layout, out in self._reduced:
+                for _, layout, out in self._reduced:
                     fn("reduced", layout, out, self.loss_scale)
             if self._finish_extra is not None:
                 self._finish_extra()
             self.stats.steps += 1
+            self._backwards += 1
         finally:
             self._finish_extra = None
             self._reduced.clear()
             self._queued = False
 
     # -- state (PowerSGD's error feedback and warm-start factors) -----------------------
+    # torch keys PowerSGD's per-bucket state by bucket index, and DDP re-cuts its buckets
+    # once, after its first step. So the state is kept and saved by the bucket's parameter
+    # names: before each bucket is compressed, the entries at its index are made that
+    # bucket's own. A new DDP given PowerSGD state (a restored checkpoint) reduces its first
+    # step uncompressed: its first buckets are not those the state was saved for.
+    def _own_state(self, bucket: dist.GradBucket) -> None:
+        s = self._powersgd
+        assert s is not None
+        index = bucket.index()
+        names = tuple(self._names[id(p)] for p in bucket.parameters())
+        if self._owner.get(index) == names:
+            return
+        dicts = (s.error_dict, s.p_memory_dict, s.q_memory_dict)
+        held = self._owner.pop(index, None)
+        if held is not None:  # another bucket's state: put it aside
+            self._stash[held] = tuple(d.pop(index, None) for d in dicts)
+        for other, owned in list(self._owner.items()):
+            if owned == names:  # this bucket's state sits at its old index
+                self._stash[names] = tuple(d.pop(other, None) for d in dicts)
+                del self._owner[other]
+        for d, value in zip(dicts, self._stash.pop(names, (None, None, None)), strict=True):
+            if value is not None:
+                d[index] = value
+            else:
+                d.pop(index, None)
+        self._owner[index] = names
+
+    def _entries(self) -> dict[tuple[str, ...], tuple[Any, Any, Any]]:
+        s = self._powersgd
+        assert s is not None
+        out = dict(self._stash)
+        for index, names in self._owner.items():
+            out[names] = (s.error_dict.get(index), s.p_memory_dict.get(index),
+                          s.q_memory_dict.get(index))
+        return out
+
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """``ddp.powersgd.iter``, and ``ddp.powersgd.{error,p,q}:NAME|NAME...`` per bucket
+        (named by its parameters)."""
         s = self._powersgd
         if s is None:
             return {}
         out = {"ddp.powersgd.iter": torch.tensor(s.iter)}
-        for name, d in (("error", s.error_dict), ("p", s.p_memory_dict),
-                        ("q", s.q_memory_dict)):
-            for key, t in d.items():
-                out[f"ddp.powersgd.{name}.{key}"] = t.detach().clone()
+        for names, values in self._entries().items():
+            for kind, t in zip(("error", "p", "q"), values, strict=True):
+                if t is not None:
+                    out[f"ddp.powersgd.{kind}:{'|'.join(names)}"] = t.detach().clone()
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -230,17 +280,21 @@ class DDPReducer:
                                       "without PowerSGD", where="load_synchronizer_state_dict",
                                       fix="load a state saved with the same strategy")
             return
-        dicts = {"error": {}, "p": {}, "q": {}}
+        stash: dict[tuple[str, ...], list[Any]] = {}
+        kinds = ("error", "p", "q")
         for key, value in state.items():
-            parts = key.split(".")
             if key == "ddp.powersgd.iter":
                 continue
-            if len(parts) != 4 or parts[:2] != ["ddp", "powersgd"] or parts[2] not in dicts:
+            head, _, names = key.partition(":")
+            kind = head.removeprefix("ddp.powersgd.")
+            if not head.startswith("ddp.powersgd.") or kind not in kinds or not names:
                 raise CheckpointError(f"synchronizer state {key!r} is not the ddp engine's "
                                       "PowerSGD state", where="load_synchronizer_state_dict",
                                       fix="load a state saved with the same strategy and "
                                           "engine")
-            dicts[parts[2]][int(parts[3])] = value.detach().clone()
+            entry = stash.setdefault(tuple(names.split("|")), [None, None, None])
+            entry[kinds.index(kind)] = value.detach().clone()
         s.iter = int(state["ddp.powersgd.iter"]) if "ddp.powersgd.iter" in state else 0
-        s.error_dict, s.p_memory_dict, s.q_memory_dict = (dicts["error"], dicts["p"],
-                                                          dicts["q"])
+        s.error_dict, s.p_memory_dict, s.q_memory_dict = {}, {}, {}
+        self._owner = {}
+        self._stash = {names: tuple(v) for names, v in stash.items()}
