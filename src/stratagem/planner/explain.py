@@ -38,7 +38,7 @@ def groups(strategy: Strategy, choice: Choice) -> list[dict[str, Any]]:
                 how = "all-gather"
             elif isinstance(s, AllReduceSynchronizer):
                 key = f"allreduce {s.group}"
-                how = s.compressor
+                how = s.compressor if s.engine == "stratagem" else f"{s.compressor}, DDP"
             elif isinstance(s, PSSynchronizer):
                 rows = s.row_sparse or choice.profile.get(nc.var_name).embedding_like
                 key = f"ps {'rows' if rows else 'dense'}"
@@ -55,6 +55,36 @@ def groups(strategy: Strategy, choice: Choice) -> list[dict[str, Any]]:
     for g in out.values():
         g["owners"] = sorted(g["owners"])
     return list(out.values())
+
+
+def engine_of(strategy: Strategy) -> str | None:
+    """The engine of the strategy's all-reduce groups (None: it has none)."""
+    return next((leaf.synchronizer.engine for nc in strategy.node_config
+                 for leaf in nc.leaves()
+                 if isinstance(leaf.synchronizer, AllReduceSynchronizer)), None)
+
+
+def engine_line(choice: Choice) -> str:
+    """Which engine runs the all-reduce groups, and why: the best candidate on the other
+    engine and what it lost by (trial steps when both were measured, else predictions)."""
+    best = choice.best
+    engine = engine_of(best.strategy)
+    if engine is None:
+        return "engine: none (no all-reduce groups)"
+    who = "torch's DDP reducer" if engine == "ddp" else "Stratagem's reducer"
+    other = [c for c in choice.candidates
+             if c is not best and engine_of(c.strategy) not in (None, engine)]
+    if not other:
+        return f"engine: {engine} ({who}); no candidate on the other engine fits this model"
+    alt = other[0]
+    trial, best_trial = _trials(choice, alt)
+    if (trial is not None and best_trial is not None and trial.measured_s is not None
+            and best_trial.measured_s is not None):
+        why = (f"trial steps {_ms(best_trial.measured_s)} vs {_ms(trial.measured_s)} ms "
+               f"for {alt.name}")
+    else:
+        why = f"predicted {_ms(best.cost.total_s)} vs {_ms(alt.cost.total_s)} ms for {alt.name}"
+    return f"engine: {engine} ({who}): {why} on {engine_of(alt.strategy)}"
 
 
 def why_lost(alt: StepCost, best: StepCost, trial: Trial | None = None,
@@ -98,6 +128,7 @@ def explain_json(choice: Choice) -> dict[str, Any]:
         "search_s": choice.search_s,
         "predicted": best.cost.to_dict(),
         "groups": groups(best.strategy, choice),
+        "engine": engine_of(best.strategy), "engine_why": engine_line(choice),
         "alternatives": [{"name": c.name, "predicted": c.cost.to_dict(),
                           "refined_s": (refined_s(c.cost, refinement)
                                         if refinement is not None else None),
@@ -108,6 +139,16 @@ def explain_json(choice: Choice) -> dict[str, Any]:
         "trials": [t.to_dict() for t in choice.trials],
         "refinement": refinement.to_dict() if refinement is not None else None,
     }
+
+
+def _wrap(text: str) -> list[str]:
+    """``text`` in lines of at most ``WIDTH`` columns (words kept whole)."""
+    out = [""]
+    for word in text.split():
+        if out[-1] and len(out[-1]) + 1 + len(word) > WIDTH:
+            out.append("  ")
+        out[-1] = (out[-1] + " " + word) if out[-1].strip() else out[-1] + word
+    return out
 
 
 def _table(rows: list[list[str]], widths: list[int], right: set[int]) -> list[str]:
@@ -135,6 +176,7 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES) -> str:
         rows.append([g["group"], g["how"], str(len(g["params"])),
                      f"{g['bytes'] / 2**20:.2f}", g["params"][0]])
     lines += _table(rows, [13, 10, 6, 9, 30], {2, 3})
+    lines += _wrap(engine_line(choice))
     if cost.link_bytes:
         lines += ["", "bytes per step per link (MB):"]
         rows = [["link", "MB"]] + [[k, f"{v / 1e6:.2f}"]
