@@ -589,3 +589,16 @@ def test_the_ddp_engine_is_a_candidate_and_explained() -> None:
     engine = engine_of(choice.best.strategy)
     assert explain_json(choice)["engine"] == engine
     assert f"engine: {engine}" in text and "ms for" in text
+
+
+def test_no_ddp_engine_where_calibration_saw_a_parameter_without_gradient() -> None:
+    """The ddp engine needs a gradient for every parameter in every step: a parameter
+    calibration never saw one for (an unused branch) keeps Auto on Stratagem's engine."""
+    from stratagem.planner.explain import engine_of
+
+    profile = analyze(pw.make("dense"))
+    cal = estimate(profile, 8)
+    first = profile.params[0].name
+    cal = replace(cal, grad_ready_s={k: v for k, v in cal.grad_ready_s.items() if k != first})
+    choice = search(profile, spec(2), cal)
+    assert all(engine_of(c.strategy) != "ddp" for c in choice.candidates)

@@ -270,8 +270,10 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
         if cost is not None:
             found.append(Candidate(f"AllReduce({comp})", strategy, cost))
     # The same on torch's DDP reducer (the ddp engine: its C++ reducer costs less per
-    # tensor than this runtime's hooks); the trials measure both.
-    for comp in ("none", *lossy) if "none" in options.compressors else lossy:
+    # tensor than this runtime's hooks); the trials measure both. Not where calibration
+    # saw a parameter without a gradient: the ddp engine needs one for every parameter.
+    ddp_ok = all(p.name in cal.grad_ready_s for p in profile.params)
+    for comp in (("none", *lossy) if "none" in options.compressors else lossy) * ddp_ok:
         strategy = AllReduce(compressor=comp, engine="ddp").build(profile, spec)
         cost = price(strategy)
         if cost is not None:
@@ -376,7 +378,7 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
                                          [compressed(best_h, g, comp) for comp in lossy])
     # 5. The hybrid's all-reduce groups on torch's DDP reducer, when it can run them
     # (whole dense parameters, one compressor): kept when predicted cheaper.
-    if best_h.engine != "ddp":
+    if ddp_ok and best_h.engine != "ddp":
         best_h, best_s, best_c = improve(best_h, best_s, best_c,
                                          [replace(best_h.copy(), engine="ddp")])
     hybrid = Candidate(HYBRID, best_s, best_c)
