@@ -67,6 +67,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 OUT = RESULTS / "auto_strategy.json"
 FP16 = "AllReduce_fp16"
+DDP_ENGINE = "AllReduce_DDP"
+"""AllReduce (defaults) run by torch's DDP reducer (``engine: ddp``): judged against DDP."""
+DDP_ENGINE_FP16 = "AllReduce_DDP_fp16"
+"""The same with torch's fp16 compression hook: judged against AllReduce_fp16."""
+LOSSY = (FP16, DDP_ENGINE_FP16)
 HYBRID = "HybridRef"
 AUTO_FP16 = "Auto_fp16"
 """Auto allowed the lossy fp16 compressor (``Auto(compressors=("none", "fp16"))``): judged
@@ -107,6 +112,8 @@ def builtin_builders() -> dict[str, Any]:
 
     out = {n: builder_from_name(n) for n in builder_names() if n.lower() not in NOT_BUILTIN}
     out[FP16] = AllReduce(compressor="fp16")
+    out[DDP_ENGINE] = AllReduce(engine="ddp")
+    out[DDP_ENGINE_FP16] = AllReduce(compressor="fp16", engine="ddp")
     return out
 
 
@@ -260,6 +267,7 @@ class AutoWorker(Worker):
                 label = AUTO_FP16 if lossy else "Auto" if sample is not None else AUTO_PROFILE
                 self.planner_info[label] = {
                     "chosen": choice.best.name,
+                    "engine_why": _engine_why(choice),
                     "links_measured": probe.to_dict() if probe is not None else None,
                     "trials": [t.to_dict() for t in getattr(choice, "trials", ())],
                     "groups": _chosen_groups(choice)}
@@ -416,7 +424,7 @@ class AutoWorker(Worker):
         medians = {n: statistics.median(job_steps([every[r][n][0] for r in range(self.world)]))
                    for n in live}
         builtin = {n: t for n, t in medians.items() if n not in NOT_BUILTIN_VARIANTS}
-        lossless = {n: t for n, t in builtin.items() if n != FP16}
+        lossless = {n: t for n, t in builtin.items() if n not in LOSSY}
         pairs = []  # (variant, the name it was measured as, the built-in it is judged by)
         for auto, pool in (("Auto", lossless), (AUTO_FP16, builtin), (AUTO_PROFILE, lossless)):
             measured = same.get(auto, auto)  # a built-in's strategy: measured as that one
@@ -515,7 +523,7 @@ def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
     builtin = {n: med(n) for n in recs if n not in NOT_BUILTIN_VARIANTS and med(n)}
     best = min(builtin, key=lambda n: builtin[n]) if builtin else None
-    lossless = {n: t for n, t in builtin.items() if n != FP16}
+    lossless = {n: t for n, t in builtin.items() if n not in LOSSY}
     best_ll = min(lossless, key=lambda n: lossless[n]) if lossless else None
     auto, ddp, hyb, auto16 = med("Auto"), med("DDP"), med(HYBRID), med(AUTO_FP16)
     autop = med(AUTO_PROFILE)
@@ -535,6 +543,10 @@ def case_ratios(recs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "auto_over_ddp": round(auto / ddp, 4) if auto and ddp else None,
         "hybrid_ref_over_best_builtin": round(hyb / builtin[best], 4) if hyb and best else None,
         "ddp_over_best_builtin": round(ddp / builtin[best], 4) if ddp and best else None,
+        "ddp_engine_over_ddp": (round(med(DDP_ENGINE) / ddp, 4)
+                                if med(DDP_ENGINE) and ddp else None),
+        "ddp_engine_fp16_over_fp16": (round(med(DDP_ENGINE_FP16) / med(FP16), 4)
+                                      if med(DDP_ENGINE_FP16) and med(FP16) else None),
         "prediction_error_median": round(statistics.median(errs), 4) if errs else None,
         "prediction_error_max": round(max(errs), 4) if errs else None,
     }
@@ -551,6 +563,15 @@ def ratio_interval(a: list[float], b: list[float], resamples: int = 2000,
     ratios = sorted(statistics.median(rng.choices(a, k=len(a)))
                     / statistics.median(rng.choices(b, k=len(b))) for _ in range(resamples))
     return ratios[int(0.05 * resamples)], ratios[int(0.95 * resamples) - 1]
+
+
+def _engine_why(choice: Any) -> str | None:
+    """Which engine runs the chosen strategy's all-reduce groups, and why (explain)."""
+    try:
+        from stratagem.planner.explain import engine_line
+    except ImportError:  # (an older planner)
+        return None
+    return engine_line(choice)
 
 
 def _chosen_groups(choice: Any) -> list[dict[str, Any]]:
@@ -815,6 +836,20 @@ def summary_markdown(result: dict[str, Any]) -> str:
             f"{_r(c['prediction_error_median'])} / {_r(c['prediction_error_max'])} | "
             f"{refined} | {_r(c['auto_build_s'])} | "
             f"{h.get('loadavg_1m_start')}–{h.get('loadavg_1m_end')} |")
+    lines += ["", "| model | case | AllReduce_DDP / DDP | AllReduce_DDP_fp16 / AllReduce_fp16 |"
+              " Auto / DDP | Auto's engine |", "|---|---|---:|---:|---:|---|"]
+    for c in cases.values():
+        if c.get("ddp_engine_over_ddp") is None:
+            continue
+        engines = {g.get("how", "").endswith("DDP")
+                   for g in ((c.get("planner") or {}).get("Auto") or {}).get("groups", [])
+                   if str(g.get("group", "")).startswith("allreduce")}
+        engine = {frozenset({True}): "ddp", frozenset({False}): "stratagem"}.get(
+            frozenset(engines), "–")
+        lines.append(f"| {c['model']} | {c['nodes']} nodes {c['link']} | "
+                     f"{_r(c['ddp_engine_over_ddp'])} | "
+                     f"{_r(c.get('ddp_engine_fp16_over_fp16'))} | {_r(c['auto_over_ddp'])} | "
+                     f"{engine} |")
     lines += ["", "| target (issue 12) | goal | value | met |", "|---|---|---:|---|"]
     for t in targets(cases):
         met = {True: "yes", False: "**no**",

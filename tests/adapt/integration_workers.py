@@ -46,12 +46,16 @@ def exact_noise(model: nn.Module, data: torch.utils.data.TensorDataset) -> tuple
 def train(steps: int | None, *, batch_size: int = 32, accum_steps: int = 0, lr: float = 0.05,
           optimizer: str = "sgd", data: Any = None, autoscale: dict | None = None,
           collect_stats: bool = False, epochs: int = 1, shuffle: bool = True,
-          seed: int = 0, options: dict | None = None) -> dict[str, Any]:
-    """A user script through AutoDist; returns the final parameters and adaptive state."""
+          seed: int = 0, options: dict | None = None, engine: str = "",
+          decide: Any = None) -> dict[str, Any]:
+    """A user script through AutoDist; returns the final parameters and adaptive state.
+    ``engine``: AllReduce on that engine instead of AutoDist's default strategy.
+    ``decide(gns, world)``: called after every step, its results returned (``decisions``)."""
     import stratagem as sg
 
     data = data if data is not None else regression_data()
-    ad = sg.AutoDist(verbose=False)
+    ad = sg.AutoDist(strategy_builder=sg.strategy.AllReduce(engine=engine) if engine else None,
+                     verbose=False)
     model = make_model(seed)
     opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
            else torch.optim.Adam(model.parameters(), lr=lr))
@@ -63,13 +67,15 @@ def train(steps: int | None, *, batch_size: int = 32, accum_steps: int = 0, lr: 
     ad.adaptive.collect_stats = collect_stats
     for name, value in (options or {}).items():
         setattr(ad.adaptive, name, value)
-    done, sizes = 0, []
+    done, sizes, decisions = 0, [], []
     for _ in ad.remaining_epochs_until(epochs):
         for x, y in loader:
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             sizes.append(len(y))
+            if decide is not None:
+                decisions.append(decide(ad.adaptive.gns, ad.world_size))
             done += 1
             if steps is not None and done >= steps:
                 break
@@ -78,7 +84,8 @@ def train(steps: int | None, *, batch_size: int = 32, accum_steps: int = 0, lr: 
             "sqr_norm": gns.sqr_norm, "var": gns.var, "updates": gns.updates,
             "biased": gns.biased, "micro_batches": done, "sizes": sizes,
             "progress": ad.adaptive.tracker.progress, "steps": ad.adaptive.steps,
-            "batch_size": loader.batch_size, "accum_steps": loader.accum_steps}
+            "batch_size": loader.batch_size, "accum_steps": loader.accum_steps,
+            "decisions": decisions, "engine": getattr(model, "plan", None) and model.plan.engine}
 
 
 def reference_big_batch(micro_batches: int, batch_size: int, *, lr: float = 0.05,
@@ -132,3 +139,18 @@ def accumulator_worker(rank: int, world: int) -> dict[str, Any]:
     with stats.synchronized():
         second = dict(stats)
     return {"first": first, "second": second}
+
+
+def autoscale_decision(gns: Any, world: int) -> list[int] | None:
+    """What the autoscaler would choose from these gradient statistics, for a fixed
+    throughput model (timings differ from run to run; the statistics should not):
+    ``[global, local, accumulation steps]``, None before the estimate exists."""
+    from stratagem.adapt import Autoscaler, BatchConfig, ThroughputParams
+
+    if gns is None or gns.updates < 2:
+        return None
+    params = ThroughputParams(alpha_c=0.02, beta_c=0.0005, alpha_r=0.01, beta_r=0.0,
+                              alpha_n=0.02, beta_n=0.0, gamma=1.5)
+    scaler = Autoscaler(32, 1024, (8, 128), gradient_accumulation=True)
+    config, _ = scaler.decide(params, gns, 1, world, BatchConfig.of(32, world))
+    return [config.global_bsz, config.local_bsz, config.accum_steps]

@@ -12,7 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from integration_workers import exact_noise, make_model, regression_data, spawn, train, train_worker
+from integration_workers import (
+    autoscale_decision,
+    exact_noise,
+    make_model,
+    regression_data,
+    spawn,
+    train,
+    train_worker,
+)
 
 DATA = regression_data(2048, noise=6.0)  # noise-dominated: a well-conditioned estimate
 SQR, VAR = exact_noise(make_model(0), DATA)
@@ -55,3 +63,24 @@ def test_two_replicas_observed_and_accumulated(tmp_path: Path) -> None:
         # every rank holds the same statistics (they set the LR factors)
         assert results[0]["var"] == results[1]["var"]
         assert results[0]["sqr_norm"] == results[1]["sqr_norm"]
+
+
+def test_both_engines_give_the_same_statistics_and_batch_sizes(tmp_path: Path) -> None:
+    """The same gradients on Stratagem's reducer and on torch's DDP reducer (its comm hook
+    shows each bucket to the observers): the same noise statistics, hence the same
+    batch-size decision after every step (a fixed throughput model: timings vary)."""
+    runs = {engine: spawn(train_worker, 2, tmp_path / engine, steps=40, batch_size=32,
+                          lr=0.05, data=DATA, collect_stats=True, engine=engine,
+                          decide=autoscale_decision)
+            for engine in ("stratagem", "ddp")}
+    for engine, results in runs.items():
+        assert [r["engine"] for r in results] == [engine, engine]
+        for r in results:
+            assert r["biased"] is False and r["updates"] > 20, (engine, r["updates"])
+    a, b = runs["stratagem"][0], runs["ddp"][0]
+    assert a["updates"] == b["updates"]
+    assert b["var"] == pytest.approx(a["var"], rel=1e-6)
+    assert b["sqr_norm"] == pytest.approx(a["sqr_norm"], rel=1e-6, abs=1e-9)
+    assert a["decisions"] == b["decisions"]
+    assert any(d is not None and d[0] > 32 for d in a["decisions"])  # a real decision
+    assert runs["ddp"][0]["decisions"] == runs["ddp"][1]["decisions"]  # every rank agrees

@@ -56,8 +56,10 @@ def wait_for_generation(number: int) -> None:
 
 def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: int = 0,
           width: int = 16, epochs: int = EPOCHS, step_sleep: float = 0.0,
-          autoscale: bool = False) -> None:
-    ad = sg.AutoDist(verbose=False)
+          autoscale: bool = False, engine: str = "") -> None:
+    # engine: "" AutoDist's default builder; "stratagem"/"ddp" AllReduce on that engine
+    builder = sg.strategy.AllReduce(engine=engine) if engine else None
+    ad = sg.AutoDist(strategy_builder=builder, verbose=False)
     plain = make_model(width)
     model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.01))
     loader = ad.data_loader(dataset(), batch_size=BATCH, shuffle=True, seed=SEED)
@@ -72,6 +74,7 @@ def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: in
                 step = loader.position.offset // BATCH + 1 + epoch * (N // BATCH)
                 log.write(json.dumps({"step": step, "epoch": epoch, "rank": ad.rank,
                                       "world": ad.world_size, "ids": ids.tolist(),
+                                "engine": model.plan.engine,
                                       "time": time.time()}) + "\n")
                 log.flush()
                 opt.zero_grad()
@@ -117,8 +120,9 @@ if __name__ == "__main__":
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--join-after-gen", type=int, default=0)
     parser.add_argument("--autoscale", action="store_true")
+    parser.add_argument("--engine", default="", choices=["", "stratagem", "ddp"])
     a = parser.parse_args()
     if a.join_after_gen:
         wait_for_generation(a.join_after_gen)
     train(a.out, a.leave_at, a.leave_rank, a.wait_joiner_at, a.width, a.epochs, a.step_sleep,
-          a.autoscale)
+          a.autoscale, a.engine)

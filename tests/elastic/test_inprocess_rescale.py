@@ -49,12 +49,17 @@ def logs(out: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("worker-*.log")))
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["default", "ddp"])
+def run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """The job on AutoDist's default strategy, and on AllReduce run by torch's DDP reducer
+    (rebuilt on each membership change; one process runs without it)."""
     out = tmp_path_factory.mktemp("rescale")
     port = free_port()
     store = host_store("127.0.0.1", port)
     args = ["--leave-at", "8", "--leave-rank", "1", "--wait-joiner-at", "10"]
+    if request.param == "ddp":
+        args += ["--engine", "ddp"]
+    (out / "engine").write_text(request.param)
     procs = [start(out, port, 2, *args) for _ in range(2)]
     procs.append(start(out, port, 2, *args, "--join-after-gen", "1"))  # C: after B left
     deadline = time.monotonic() + 80
@@ -84,6 +89,14 @@ def test_worlds_follow_the_membership(run: Path) -> None:
     assert worlds == [2] * 8 + [1] * 2 + [2] * 8, worlds
     pids = {s: sorted(r.get("pid", 0) for r in recs) for s, recs in steps.items()}
     assert all(len(recs) == steps[s][0]["world"] for s, recs in steps.items()), pids
+
+
+def test_the_engine_asked_for_runs_every_world(run: Path) -> None:
+    engines = {r["engine"] for recs in records(run).values() for r in recs}
+    if (run / "engine").read_text() == "ddp":
+        assert engines == {"ddp"}
+    else:  # AutoDist's default plans on the first batch: either engine, its choice
+        assert engines <= {"ddp", "stratagem"}
 
 
 def test_every_sample_exactly_once_per_epoch(run: Path) -> None:

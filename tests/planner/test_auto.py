@@ -395,7 +395,8 @@ def test_shortlist_passes_over_candidates_predicted_far_slower() -> None:
         # the chosen one a hybrid with servers: both guards (built-in, all-reduce) wanted
         ps = next(c for c in choice.candidates if not all_reduce_only(c.strategy))
         first = replace(priced(ps, 1.0), name="hybrid")
-        others = tuple(c for c in others if c.name != ps.name)
+        # (the search's own hybrid goes too: the rig's "hybrid" stands for it)
+        others = tuple(c for c in others if c.name not in (ps.name, "hybrid"))
         rigged = replace(choice, best=first, candidates=(first, *others))
         short = shortlist(rigged, 3)
         assert short[0] is rigged.best
@@ -581,3 +582,38 @@ def test_the_first_step_s_record_says_how_long_auto_planned(tmp_path) -> None:  
     assert [r["step"] for r in records] == [1, 2, 3]
     assert 0 < records[0]["auto_plan_s"] <= records[0]["step_time_s"]
     assert all("auto_plan_s" not in r for r in records[1:])
+
+
+def test_the_ddp_engine_is_a_candidate_and_explained() -> None:
+    """Auto prices AllReduce on torch's DDP reducer beside everything else, and the
+    explanation says which engine runs the groups and what the other engine lost by."""
+    from stratagem.planner.explain import engine_of, explain_json, explain_text
+    from stratagem.planner.search import DDP_ENGINE
+
+    profile = analyze(pw.make("dense"))
+    choice = search(profile, spec(2), estimate(profile, 8))
+    names = {c.name: c for c in choice.candidates}
+    ddp = names.get(DDP_ENGINE) or next(c for c in choice.candidates
+                                        if c.name.endswith(DDP_ENGINE))
+    assert engine_of(ddp.strategy) == "ddp"
+    plain = next(c for c in choice.candidates if c.name in ("AllReduce", "Auto(AllReduce)"))
+    # the same groups, less runtime work per tensor on DDP's C++ reducer
+    assert ddp.cost.parts["runtime"] < plain.cost.parts["runtime"]
+    text = explain_text(choice)
+    assert "engine: " in text and all(len(line) <= 80 for line in text.splitlines())
+    engine = engine_of(choice.best.strategy)
+    assert explain_json(choice)["engine"] == engine
+    assert f"engine: {engine}" in text and "ms for" in text
+
+
+def test_no_ddp_engine_where_calibration_saw_a_parameter_without_gradient() -> None:
+    """The ddp engine needs a gradient for every parameter in every step: a parameter
+    calibration never saw one for (an unused branch) keeps Auto on Stratagem's engine."""
+    from stratagem.planner.explain import engine_of
+
+    profile = analyze(pw.make("dense"))
+    cal = estimate(profile, 8)
+    first = profile.params[0].name
+    cal = replace(cal, grad_ready_s={k: v for k, v in cal.grad_ready_s.items() if k != first})
+    choice = search(profile, spec(2), cal)
+    assert all(engine_of(c.strategy) != "ddp" for c in choice.candidates)

@@ -28,8 +28,14 @@ GROWTH = 3
 BUILDERS = {"allreduce": lambda: AllReduce(),
             "allreduce-fp16": lambda: AllReduce(compressor="fp16"),
             "powersgd": lambda: AllReduce(compressor="powersgd"),
-            "partitioned_ps": lambda: PartitionedPS(), "parallax": lambda: Parallax()}
-SPARSE = {"partitioned_ps": True, "parallax": True}  # (all-reduce: dense embedding gradients)
+            "partitioned_ps": lambda: PartitionedPS(), "parallax": lambda: Parallax(),
+            # torch's DDP reducer running the all-reduce groups (runtime/ddp_engine.py)
+            "allreduce-ddp": lambda: AllReduce(engine="ddp"),
+            "allreduce-ddp-fp16": lambda: AllReduce(compressor="fp16", engine="ddp"),
+            "powersgd-ddp": lambda: AllReduce(compressor="powersgd", engine="ddp"),
+            "parallax-ddp": lambda: Parallax(engine="ddp")}
+# (all-reduce: dense embedding gradients)
+SPARSE = {"partitioned_ps": True, "parallax": True, "parallax-ddp": True}
 
 
 def _scaler(device: str = "cpu") -> torch.amp.GradScaler:

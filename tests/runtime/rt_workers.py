@@ -21,6 +21,8 @@ BUILDERS = {
     "PartitionedAR": lambda comp="none": PartitionedAR(chunk_size=3, compressor=comp),
     "RandomAxisPartitionAR": lambda comp="none": RandomAxisPartitionAR(chunk_size=3, seed=1,
                                                                       compressor=comp),
+    # torch's DDP reducer running the groups (runtime/ddp_engine.py)
+    "AllReduceDDP": lambda comp="none": AllReduce(chunk_size=2, compressor=comp, engine="ddp"),
 }
 EQUIV_CASES = [(b, o, m) for b in BUILDERS for o in ("sgd", "adam") for m in ("mlp", "tied")]
 
@@ -270,10 +272,10 @@ def compressors(rank: int, world: int) -> dict:
             for c in ("none", "fp16", "bf16", "powersgd")}
 
 
-def powersgd_roundtrip(rank: int, world: int) -> dict:
+def powersgd_roundtrip(rank: int, world: int, engine: str = "stratagem") -> dict:
     x, y = regression_data()
     per = 32 // world
-    builder = AllReduce(chunk_size=2, compressor="powersgd", powersgd_rank=2)
+    builder = AllReduce(chunk_size=2, compressor="powersgd", powersgd_rank=2, engine=engine)
 
     def run(dm: DistributedModel, o: torch.optim.Optimizer, steps: range) -> None:
         for step in steps:

@@ -21,7 +21,7 @@ def w2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.fixture(scope="module")
 def w2s2(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return spawn_ps(amp_workers.suite, 2, 2, tmp_path_factory.mktemp("amp_w2s2"),
-                    cases=["partitioned_ps", "parallax"])
+                    cases=["partitioned_ps", "parallax", "parallax-ddp"])
 
 
 def _workers(results: list[dict], case: str) -> list[dict]:
@@ -43,7 +43,7 @@ def _close(got: dict, want: dict) -> bool:
 @pytest.mark.parametrize("config", ["w2", "w2s2"])
 def test_scaler_skips_on_every_rank_and_matches_one_process(
         config: str, case: str, request: pytest.FixtureRequest) -> None:
-    if config == "w2s2" and case not in ("partitioned_ps", "parallax"):
+    if config == "w2s2" and case not in ("partitioned_ps", "parallax", "parallax-ddp"):
         pytest.skip("dedicated servers: parameter-server strategies only")
     workers = _workers(request.getfixturevalue(config), case)
     want = amp_workers.reference(case)
@@ -57,7 +57,7 @@ def test_scaler_skips_on_every_rank_and_matches_one_process(
             assert torch.isfinite(v.double()).all()
     for k in workers[0]["state"]:  # all workers hold the same values
         torch.testing.assert_close(workers[0]["state"][k], workers[1]["state"][k], msg=k)
-    if case == "powersgd":
+    if case in ("powersgd", "powersgd-ddp"):
         return  # (a rank-1 approximation: no one-process equivalent)
     assert _close(workers[0]["state"], want["state"]), {
         k: float((workers[0]["state"][k] - want["state"][k]).abs().max()) for k in want["state"]}
@@ -65,13 +65,16 @@ def test_scaler_skips_on_every_rank_and_matches_one_process(
     assert not _close(amp_workers.reference(case, poison=False)["state"], want["state"])
 
 
-@pytest.mark.parametrize("case", ["allreduce", "allreduce-fp16", "powersgd", "parallax"])
+@pytest.mark.parametrize("case", ["allreduce", "allreduce-fp16", "powersgd", "parallax",
+                                  "allreduce-ddp", "allreduce-ddp-fp16", "powersgd-ddp",
+                                  "parallax-ddp"])
 def test_gradient_statistics_see_unscaled_gradients(case: str, w2: list[dict]) -> None:
     """AdaScale's gain comes from the gradient observers: what they see, divided by the
     scale they are given, is the unscaled gradient (the scaler's own unscale_ result)."""
     for w in _workers(w2, case):
         steps = [i for i in range(amp_workers.STEPS) if i != amp_workers.INF_STEP]
-        if case in ("allreduce", "allreduce-fp16"):  # every parameter is all-reduced
+        if case in ("allreduce", "allreduce-fp16", "allreduce-ddp", "allreduce-ddp-fp16"):
+            # every parameter is all-reduced
             for i in steps:
                 assert w["observed"][i] == pytest.approx(w["grads"][i], rel=1e-3)
         for i in steps:  # about 1, not the loss scale squared (2^24)

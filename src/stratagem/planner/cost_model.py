@@ -57,6 +57,11 @@ from stratagem.runtime.ps.plan import PSPiece
 from stratagem.strategy.schema import Strategy
 from stratagem.strategy.validate import server_devices
 
+DDP_TENSOR_SHARE = 0.25
+"""The ddp engine's work per all-reduced tensor as a share of this runtime's calibrated
+``tensor_s`` (a C++ autograd hook and a copy into the bucket instead of a Python hook and
+its copy; nominal, not calibrated: the trials measure the two engines side by side)."""
+
 ID_BYTES = 8  # a row index on the wire (int64)
 SPARSE_COLLECTIVES_PULL = 2  # per embedding call: ids, then rows (plus one closing round)
 SPARSE_COLLECTIVES_PUSH = 2  # headers/announced rows, then the extra rows
@@ -386,7 +391,9 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     write_back_s = sliced_bytes / (cal.update_bps or cal.copy_bps)
     # the busiest owner's work per piece it owns holds back the values every worker pulls
     owner_s = max(owned_pieces, default=0) * cal.piece_s
-    runtime_s = (tensors * cal.tensor_s + groups * cal.group_s + owner_s + scan_s
+    # torch's DDP reducer (the ddp engine) runs the all-reduced tensors' hooks in C++
+    tensor_s = cal.tensor_s * (DDP_TENSOR_SHARE if plan.engine == "ddp" else 1.0)
+    runtime_s = (tensors * tensor_s + groups * cal.group_s + owner_s + scan_s
                  + write_back_s)
     overhead = (messages - in_collectives) * links.message_cpu_s + runtime_s
     parts = {"forward": cal.forward_s, "backward": cal.backward_s, "update": update_s,

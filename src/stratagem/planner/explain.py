@@ -17,6 +17,7 @@ from stratagem.planner.cost_model import StepCost
 from stratagem.planner.search import Candidate, Choice
 from stratagem.planner.trial import RACED, Trial, fit, refined_s
 from stratagem.runtime.plan import Plan, compile_plan
+from stratagem.strategy.schema import AllReduceSynchronizer, Strategy
 
 WIDTH = 80
 ALTERNATIVES = 5
@@ -76,6 +77,36 @@ def groups(plan: Plan) -> list[dict[str, Any]]:
     return list(out.values())
 
 
+def engine_of(strategy: Strategy) -> str | None:
+    """The engine of the strategy's all-reduce groups (None: it has none)."""
+    return next((leaf.synchronizer.engine for nc in strategy.node_config
+                 for leaf in nc.leaves()
+                 if isinstance(leaf.synchronizer, AllReduceSynchronizer)), None)
+
+
+def engine_line(choice: Choice) -> str:
+    """Which engine runs the all-reduce groups, and why: the best candidate on the other
+    engine and what it lost by (trial steps when both were measured, else predictions)."""
+    best = choice.best
+    engine = engine_of(best.strategy)
+    if engine is None:
+        return "engine: none (no all-reduce groups)"
+    who = "torch's DDP reducer" if engine == "ddp" else "Stratagem's reducer"
+    other = [c for c in choice.candidates
+             if c is not best and engine_of(c.strategy) not in (None, engine)]
+    if not other:
+        return f"engine: {engine} ({who}); no candidate on the other engine fits this model"
+    alt = other[0]
+    trial, best_trial = _trials(choice, alt)
+    if (trial is not None and best_trial is not None and trial.measured_s is not None
+            and best_trial.measured_s is not None):
+        why = (f"trial steps {_ms(best_trial.measured_s)} vs {_ms(trial.measured_s)} ms "
+               f"for {alt.name}")
+    else:
+        why = f"predicted {_ms(best.cost.total_s)} vs {_ms(alt.cost.total_s)} ms for {alt.name}"
+    return f"engine: {engine} ({who}): {why} on {engine_of(alt.strategy)}"
+
+
 def why_lost(alt: StepCost, best: StepCost, trial: Trial | None = None,
              best_trial: Trial | None = None) -> str:
     """The part of the step where ``alt`` loses most against ``best`` (or, when both
@@ -120,6 +151,7 @@ def explain_json(choice: Choice, plan: Plan | None = None) -> dict[str, Any]:
         "search_s": choice.search_s,
         "predicted": best.cost.to_dict(),
         "groups": groups(plan),
+        "engine": engine_of(best.strategy), "engine_why": engine_line(choice),
         "alternatives": [{"name": c.name, "predicted": c.cost.to_dict(),
                           "refined_s": (refined_s(c.cost, refinement)
                                         if refinement is not None else None),
@@ -166,6 +198,7 @@ def explain_text(choice: Choice, alternatives: int = ALTERNATIVES,
         rows.append([g["group"], g["how"], str(len(g["params"])),
                      f"{g['bytes'] / 2**20:.2f}", g["params"][0]])
     lines += _table(rows, [13, 10, 6, 9, 30], {2, 3})
+    lines += ["", _wrap(engine_line(choice))]
     if cost.link_bytes:
         lines += ["", "bytes per step per link (MB):"]
         rows = [["link", "MB"]] + [[k, f"{v / 1e6:.2f}"]

@@ -40,6 +40,8 @@ BYTE_CAPS = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, None)  # None: one group
 BUDGET_S = 8.0  # the search stops improving after this long (the bound is 10 s)
 TOLERANCE = 0.05  # predictions this close count as equal (see prefer_simple)
 GATHER_GROUP = 10_000  # group ids of gathered rows start here (one group each)
+DDP_ENGINE = "AllReduceDDP"
+"""The candidate AllReduce (defaults) on the ddp engine (torch's DDP reducer)."""
 HYBRID = "hybrid"
 """The name of the candidate made of per-parameter choices here (every other candidate is
 a named builder's strategy)."""
@@ -160,10 +162,11 @@ class Hybrid:
     compressors: dict[int, str] = field(default_factory=dict)
     replicate: set[str] = field(default_factory=set)  # rows kept on every worker
     gather: set[str] = field(default_factory=set)  # sparse gradients' rows all-gathered
+    engine: str = "stratagem"  # who runs the all-reduce groups (ddp: torch's reducer)
 
     def copy(self) -> Hybrid:
         return Hybrid(set(self.rows), self.cap, dict(self.compressors), set(self.replicate),
-                      set(self.gather))
+                      set(self.gather), self.engine)
 
 
 def ready_order(profile: ModelProfile, cal: Calibration) -> list[ParamInfo]:
@@ -190,7 +193,8 @@ def build_hybrid(h: Hybrid, profile: ModelProfile, spec: ResourceSpec,
         filled += info.bytes
         comp = h.compressors.get(group, "none")
         nodes[info.name] = NodeConfig(info.name, AllReduceSynchronizer(
-            compressor=comp, group=group, powersgd_rank=4 if comp == "powersgd" else 1))
+            compressor=comp, group=group, powersgd_rank=4 if comp == "powersgd" else 1,
+            engine=h.engine))
     placer = Placer(ps_servers(spec), ps_capacities(spec))
     for name in sorted(h.rows, key=lambda n: -profile.get(n).bytes):
         info = profile.get(name)
@@ -265,6 +269,16 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
         cost = price(strategy)
         if cost is not None:
             found.append(Candidate(f"AllReduce({comp})", strategy, cost))
+    # The same on torch's DDP reducer (the ddp engine: its C++ reducer costs less per
+    # tensor than this runtime's hooks); the trials measure both. Not where calibration
+    # saw a parameter without a gradient: the ddp engine needs one for every parameter.
+    ddp_ok = all(p.name in cal.grad_ready_s for p in profile.params)
+    for comp in (("none", *lossy) if "none" in options.compressors else lossy) * ddp_ok:
+        strategy = AllReduce(compressor=comp, engine="ddp").build(profile, spec)
+        cost = price(strategy)
+        if cost is not None:
+            name = DDP_ENGINE if comp == "none" else f"{DDP_ENGINE}({comp})"
+            found.append(Candidate(name, strategy, cost))
 
     def run(h: Hybrid) -> tuple[Strategy, StepCost | None]:
         s = build_hybrid(h, profile, spec, cal)
@@ -362,6 +376,11 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
     for g in range(group_count(best_s) if lossy else 0):
         best_h, best_s, best_c = improve(best_h, best_s, best_c,
                                          [compressed(best_h, g, comp) for comp in lossy])
+    # 5. The hybrid's all-reduce groups on torch's DDP reducer, when it can run them
+    # (whole dense parameters, one compressor): kept when predicted cheaper.
+    if ddp_ok and best_h.engine != "ddp":
+        best_h, best_s, best_c = improve(best_h, best_s, best_c,
+                                         [replace(best_h.copy(), engine="ddp")])
     hybrid = Candidate(HYBRID, best_s, best_c)
     allowed_lossless = "none" in options.compressors
     pool = [c for c in found if allowed_lossless or "(" in c.name] + [hybrid]

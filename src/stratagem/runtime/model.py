@@ -15,6 +15,7 @@ from stratagem.distributed.process_group import comm_device
 from stratagem.errors import StratagemError, UnsupportedModelError
 from stratagem.runtime.allreduce import AllReduceReducer, LocalReducer, check_params
 from stratagem.runtime.comm import BufferSync, broadcast_coalesced, make_comms
+from stratagem.runtime.ddp_engine import DDPReducer
 from stratagem.runtime.plan import Plan
 from stratagem.runtime.stats import CommStats
 
@@ -78,14 +79,18 @@ class DistributedModel(nn.Module):
         self._buffer_sync: BufferSync | None = None
         self._buffers_dirty = False
         if plan.world_size == 1 and not (plan.ps is not None and plan.ps.servers):
-            self._reducer: AllReduceReducer | LocalReducer = LocalReducer(params,
-                                                                          self.comm_stats)
+            self._reducer: AllReduceReducer | LocalReducer | DDPReducer = LocalReducer(
+                params, self.comm_stats)
             return
         default, comms = make_comms(plan, process_group, self.comm_stats)
         if broadcast:
             states = list(dict.fromkeys([*self.module.parameters(), *self.module.buffers()]))
             broadcast_coalesced([t for t in states if t.numel()], default)
-        self._reducer = AllReduceReducer(plan, params, comms, self.comm_stats)
+        if plan.engine == "ddp":  # torch's reducer runs the groups (runtime/ddp_engine.py)
+            self._reducer = DDPReducer(plan, self.module, params, process_group,
+                                       self.comm_stats)
+        else:
+            self._reducer = AllReduceReducer(plan, params, comms, self.comm_stats)
         self._buffer_sync = BufferSync(self.module, default)
         self._reducer.before_wait = self._sync_buffers_if_dirty
 
@@ -175,7 +180,8 @@ class DistributedModel(nn.Module):
         if held:
             self._ps.after_restore()
 
-    def _carry_over(self, old: AllReduceReducer | LocalReducer, settings: bool = True) -> None:
+    def _carry_over(self, old: AllReduceReducer | LocalReducer | DDPReducer,
+                    settings: bool = True) -> None:
         """What the user set on the replaced reducer: gradient observers, and with
         ``settings`` no_sync and grad_weight (a new world resets them)."""
         observers = getattr(old, "observers", None)
@@ -209,7 +215,11 @@ class DistributedModel(nn.Module):
             finish = self._sync_buffers_if_dirty()
             if finish is not None:
                 finish()
-        out = self.module(*args, **kwargs)
+        if (isinstance(self._reducer, DDPReducer) and self.module.training
+                and torch.is_grad_enabled()):
+            out = self._reducer.forward(*args, **kwargs)  # DDP prepares its backward
+        else:
+            out = self.module(*args, **kwargs)
         if self._ps is not None:
             self._ps.after_forward()
         if self._buffer_sync is not None and self.module.training:
@@ -361,7 +371,7 @@ class DistributedModel(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"rank={self.plan.rank}, world_size={self.plan.world_size}, "
-                f"groups={len(self.plan.groups)}")
+                f"groups={len(self.plan.groups)}, engine={self.plan.engine}")
 
 
 class _ObserverHandle:

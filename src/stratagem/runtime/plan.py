@@ -32,9 +32,43 @@ from stratagem.strategy.schema import (
     PSSynchronizer,
     Strategy,
 )
-from stratagem.strategy.validate import check_gather_rows, check_row_sparse
+from stratagem.strategy.validate import (
+    check_engine,
+    check_engines,
+    check_gather_rows,
+    check_row_sparse,
+)
 
 BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class DDPOptions:
+    """The ``DistributedDataParallel`` options the ``ddp`` engine runs with, and why.
+
+    ``gradient_as_bucket_view``: ``.grad`` lives in the buckets (no copy in or back).
+    ``batched_grad_copy``: one copy and one scale per bucket, not per parameter (where a
+    ``.grad`` is not yet a bucket view, e.g. after ``zero_grad(set_to_none=True)``).
+    ``static_graph`` and ``find_unused_parameters`` stay off: the first would fix the set
+    of parameters used in the first step (gradient accumulation, models that skip a
+    branch), the second costs a graph traversal per step; a parameter left without a
+    gradient is refused with a StratagemError instead. Buffers are kept equal by this
+    runtime, not by DDP's broadcast before every forward (so an eval forward on one rank
+    stays local), and parameters are not broadcast again (the model did).
+    """
+
+    gradient_as_bucket_view: bool = True
+    batched_grad_copy: bool = True
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+
+    def describe(self) -> str:
+        on = [k for k, v in asdict(self).items() if v]
+        off = [k for k, v in asdict(self).items() if not v]
+        return f"on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'}"
+
+
+DDP_OPTIONS = DDPOptions()
 
 
 @dataclass(frozen=True)
@@ -82,6 +116,8 @@ class GroupPlan:
     members: tuple[Member, ...]
     gather_rows: bool = False
     """The one member's sparse gradient is all-gathered as rows, not summed in a buffer."""
+    engine: str = "stratagem"
+    """Who runs it: this runtime's reducer, or torch's DDP reducer (one bucket)."""
 
     @property
     def numel(self) -> int:
@@ -162,6 +198,12 @@ class Plan:
         return "worker" if self.rank < self.world_size else "server"
 
     @property
+    def engine(self) -> str:
+        """``ddp`` when torch's DDP reducer runs the all-reduce groups, else ``stratagem``
+        (compiling checks that one engine runs them all)."""
+        return "ddp" if any(g.engine == "ddp" for g in self.groups) else "stratagem"
+
+    @property
     def launch_order(self) -> tuple[int, ...]:
         return tuple(g.id for g in self.groups)
 
@@ -188,7 +230,7 @@ class Plan:
             size = torch.empty((), dtype=getattr(torch, g.dtype)).element_size()
             kind = "gathered rows" if g.gather_rows else "all-reduce"
             how = g.compressor + (f" rank {g.powersgd_rank}" if g.compressor == "powersgd"
-                                  else "")
+                                  else "") + (", DDP" if g.engine == "ddp" else "")
             out += [Route(param=m.param, index=m.index, shape=m.shape, numel=m.numel,
                           nbytes=m.numel * size, kind=kind, unit=g.id, how=how, axis=m.axis,
                           start=m.start, length=m.length, part=m.part) for m in g.members]
@@ -224,13 +266,19 @@ class Plan:
         for g in self.groups:
             comp = g.compressor + (f"(rank {g.powersgd_rank})" if g.compressor == "powersgd"
                                    else "")
-            if g.gather_rows:
+            if g.engine == "ddp":
+                lines.append(f"  group {g.id}: DDP bucket, {g.backend} ({g.spec}), {comp}, "
+                             f"{g.dtype}, {g.numel:,} values in {len(g.members)} members")
+            elif g.gather_rows:
                 lines.append(f"  group {g.id}: {g.backend} ({g.spec}), rows all-gathered, "
                              f"{g.dtype}, of {g.numel:,} values")
             else:
                 lines.append(f"  group {g.id}: {g.backend} ({g.spec}), {comp}, {g.dtype}, "
                              f"{g.numel:,} values in {len(g.members)} members")
             lines.extend(f"    {m.describe()} @ {m.offset}" for m in g.members)
+        if self.engine == "ddp":
+            lines.append(f"  engine: torch DistributedDataParallel, buckets = the groups in "
+                         f"launch order; options {DDP_OPTIONS.describe()}")
         if self.densified:
             lines.append(f"  sparse gradients reduced densely: {', '.join(self.densified)}")
         if self.ps is not None:
@@ -264,6 +312,7 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
     device = torch.device(device)
     where = f"strategy {strategy.id}"
     configs = _configs_by_param(strategy, profile, where)
+    check_engines(strategy)
     replicas = tuple(strategy.graph_config.replicas)
     if servers is None:
         servers = tuple(sorted({leaf.synchronizer.reduction_destination
@@ -295,6 +344,7 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
                 continue
             if sync.gather_rows:
                 check_gather_rows(sync, info, nwhere, partitioned="axis" in piece)
+            check_engine(sync, info, nwhere, partitioned="axis" in piece)
             check_compressor(sync.compressor, sync.powersgd_rank, info.sparse, nwhere)
             pieces.setdefault(sync.group, []).append(
                 (sync, {"param": info.name, "index": index, **piece}))
@@ -303,13 +353,13 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
     for gid, entries in pieces.items():
         first = entries[0][0]
         for sync, _ in entries:
-            for attr in ("spec", "compressor", "powersgd_rank", "gather_rows"):
+            for attr in ("spec", "compressor", "powersgd_rank", "gather_rows", "engine"):
                 if getattr(sync, attr) != getattr(first, attr):
                     raise StrategyError(
                         f"group {gid} mixes {attr} {getattr(first, attr)!r} and "
                         f"{getattr(sync, attr)!r}", where=where,
-                        fix="give each combination of spec/compressor/gather_rows its own "
-                            "group id")
+                        fix="give each combination of spec/compressor/gather_rows/engine "
+                            "its own group id")
         if first.gather_rows and len(entries) > 1:
             raise StrategyError(
                 f"group {gid} gathers the rows of {len(entries)} parameters", where=where,
@@ -328,7 +378,8 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
                                 compressor=first.compressor,
                                 powersgd_rank=first.powersgd_rank,
                                 dtype=str(dtype).removeprefix("torch."),
-                                members=tuple(members), gather_rows=first.gather_rows))
+                                members=tuple(members), gather_rows=first.gather_rows,
+                                engine=first.engine))
     # Launch order = expected gradient-ready order: backward produces gradients roughly in
     # reverse registration order, and a group is ready once its earliest parameter is.
     groups.sort(key=lambda g: (-min(m.index for m in g.members), g.id))

@@ -22,6 +22,9 @@ from stratagem.safeload import MAX_BYTES, load_yaml
 
 SCHEMA_VERSION = 1
 ALL_REDUCE_SPECS = ("auto", "nccl", "gloo")
+ENGINES = ("stratagem", "ddp")
+"""Who executes an all-reduce synchronizer: Stratagem's own reducer (the default, what every
+strategy without an ``engine`` field ran with) or torch's DistributedDataParallel reducer."""
 # Upper bounds of the integer fields: far beyond any use, well inside int64.
 MAX_STALENESS = 1_000_000
 MAX_GROUP = 1_000_000
@@ -40,6 +43,10 @@ class AllReduceSynchronizer:
     worker's rows (indices + values) and sum them on every worker, as DDP does, instead of
     summing the whole table densely; the optimizer then gets a sparse gradient, as in
     single-process training. One such parameter per group, uncompressed, unpartitioned.
+    ``engine``: ``stratagem`` (this runtime's reducer) or ``ddp`` (torch's
+    ``DistributedDataParallel`` reducer, its buckets cut at the groups' boundaries and its
+    compression torch's own communication hooks; whole dense parameters only, and every
+    all-reduce synchronizer of the model on one engine with one compressor).
     """
 
     kind: ClassVar[str] = "AllReduce"
@@ -48,6 +55,7 @@ class AllReduceSynchronizer:
     group: int = 0
     powersgd_rank: int = 1
     gather_rows: bool = False
+    engine: str = "stratagem"
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.kind, "spec": self.spec,
@@ -57,6 +65,8 @@ class AllReduceSynchronizer:
             d["powersgd_rank"] = self.powersgd_rank
         if self.gather_rows:  # written only when set: older readers keep parsing the rest
             d["gather_rows"] = True
+        if self.engine != "stratagem":  # likewise: old files load as what they ran with
+            d["engine"] = self.engine
         return d
 
 
@@ -297,7 +307,8 @@ def sync_text(s: Synchronizer | None) -> str:
             return f"AllReduce(group={s.group}, gather_rows)"
         rank = f", rank={s.powersgd_rank}" if s.compressor == "powersgd" else ""
         spec = "" if s.spec == "auto" else f", spec={s.spec}"
-        return f"AllReduce(group={s.group}, compressor={s.compressor}{rank}{spec})"
+        engine = f", engine={s.engine}" if s.engine != "stratagem" else ""
+        return f"AllReduce(group={s.group}, compressor={s.compressor}{rank}{spec}{engine})"
     if isinstance(s, PSSynchronizer):
         mode = "async" if not s.sync else f"staleness={s.staleness}"
         rows = ", rows" if s.row_sparse else ""

@@ -10,6 +10,7 @@ from stratagem.resource import ResourceSpec
 from stratagem.strategy.compressors import check_compressor
 from stratagem.strategy.schema import (
     ALL_REDUCE_SPECS,
+    ENGINES,
     MAX_GROUP,
     MAX_POWERSGD_RANK,
     MAX_STALENESS,
@@ -64,6 +65,7 @@ def validate(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec) -> S
                 f"parameter {info.name!r} has no config", where=f"strategy {strategy.id}",
                 fix="add a node_config entry for it, or rebuild the strategy for this model")
         _check_node(nc, info, destinations)
+    check_engines(strategy)
     return strategy
 
 
@@ -126,6 +128,7 @@ def _check_sync(nc: NodeConfig, info: ParamInfo, destinations: set[str], where: 
                                                  f"powersgd_rank up to {MAX_POWERSGD_RANK}")
         if s.gather_rows:
             check_gather_rows(s, info, where, partitioned=part)
+        check_engine(s, info, where, partitioned=part)
     elif isinstance(s, PSSynchronizer):
         if s.reduction_destination not in destinations:
             raise StrategyError(
@@ -176,3 +179,62 @@ def check_row_sparse(sync: PSSynchronizer, info: ParamInfo, where: str) -> None:
             f"row_sparse on {info.name!r} needs local_replication: it is not the weight of an "
             "untied nn.Embedding, so its rows cannot be pulled on demand", where=where,
             fix="set local_replication: true (the owner sends updated rows to every worker)")
+
+
+DDP_COMPRESSORS = ("none", "fp16", "bf16", "powersgd")
+"""What the ``ddp`` engine compresses with: torch's own communication hooks."""
+
+
+def check_engine(sync: AllReduceSynchronizer, info: ParamInfo, where: str,
+                 partitioned: bool) -> None:
+    """An all-reduce synchronizer's engine must exist and, for ``ddp``, fit DDP's reducer:
+    whole dense parameters whose gradients torch's hooks can compress."""
+    if sync.engine not in ENGINES:
+        raise StrategyError(f"unknown engine {sync.engine!r} on {info.name!r}", where=where,
+                            fix=f"use one of {', '.join(ENGINES)}")
+    if sync.engine != "ddp":
+        return
+    fix = "use engine: stratagem for this model's all-reduce synchronizers"
+    if partitioned:
+        raise StrategyError(f"engine ddp on a part of {info.name!r}: DDP's reducer "
+                            "reduces whole parameters", where=where,
+                            fix=f"all-reduce the whole parameter (no partitioner), or {fix}")
+    if sync.gather_rows:
+        raise StrategyError(f"engine ddp with gather_rows on {info.name!r}", where=where,
+                            fix=f"drop gather_rows, or {fix}")
+    if info.sparse:
+        raise StrategyError(f"engine ddp on {info.name!r}, whose gradient is sparse: torch's "
+                            "communication hooks take dense buckets", where=where,
+                            fix=f"send its rows to parameter servers (PS), or {fix}")
+    if sync.compressor not in DDP_COMPRESSORS:
+        raise StrategyError(f"engine ddp with compressor {sync.compressor!r} on "
+                            f"{info.name!r}", where=where,
+                            fix=f"use one of {', '.join(DDP_COMPRESSORS)} (torch's hooks), "
+                                f"or {fix}")
+
+
+def check_engines(strategy: Strategy) -> None:
+    """Across the model: DDP's reducer runs every all-reduce synchronizer or none of them
+    (the two reducers would each own a share of the backward pass and of its collectives),
+    with one compressor (DDP takes one communication hook per model)."""
+    syncs = [(leaf.var_name, leaf.synchronizer) for nc in strategy.node_config
+             for leaf in nc.leaves() if isinstance(leaf.synchronizer, AllReduceSynchronizer)]
+    ddp = [(n, s) for n, s in syncs if s.engine == "ddp"]
+    if not ddp:
+        return
+    where = f"strategy {strategy.id}"
+    first_name, first = ddp[0]
+    for name, s in syncs:
+        if s.engine != "ddp":
+            raise StrategyError(
+                f"parameter {name!r} runs on engine {s.engine!r} but {first_name!r} on "
+                "'ddp'", where=where,
+                fix="give every AllReduce synchronizer of the model the same engine "
+                    "(parameter-server synchronizers may stay)")
+        for attr in ("compressor", "powersgd_rank", "spec"):
+            if getattr(s, attr) != getattr(first, attr):
+                raise StrategyError(
+                    f"engine ddp: parameter {name!r} has {attr} {getattr(s, attr)!r} but "
+                    f"{first_name!r} has {getattr(first, attr)!r}", where=where,
+                    fix=f"use one {attr} for every AllReduce synchronizer on engine ddp "
+                        "(DDP runs one communication hook), or engine: stratagem")

@@ -12,6 +12,7 @@ from stratagem.strategy.builders.base import register, smallest_divisor
 from stratagem.strategy.compressors import check_compressor
 from stratagem.strategy.schema import (
     ALL_REDUCE_SPECS,
+    ENGINES,
     AllReduceSynchronizer,
     GraphConfig,
     NodeConfig,
@@ -33,20 +34,27 @@ def _check_common(chunk_size: int, compressor: str, spec: str) -> None:
 @register("AllReduce")
 @dataclass(frozen=True)
 class AllReduce:
-    """Every parameter all-reduced; parameter index // chunk_size gives its fused group."""
+    """Every parameter all-reduced; parameter index // chunk_size gives its fused group.
+
+    ``engine``: ``stratagem`` (this runtime's reducer) or ``ddp`` (torch's DDP reducer, one
+    bucket per group; whole dense parameters only)."""
 
     chunk_size: int = 128
     all_reduce_spec: str = "auto"
     compressor: str = "none"
     powersgd_rank: int = 1
+    engine: str = "stratagem"
 
     def __post_init__(self) -> None:
         _check_common(self.chunk_size, self.compressor, self.all_reduce_spec)
+        if self.engine not in ENGINES:
+            raise StrategyError(f"unknown engine {self.engine!r}",
+                                fix=f"use one of {', '.join(ENGINES)}")
 
     def sync(self, index: int) -> AllReduceSynchronizer:
         return AllReduceSynchronizer(spec=self.all_reduce_spec, compressor=self.compressor,
                                      group=index // self.chunk_size,
-                                     powersgd_rank=self.powersgd_rank)
+                                     powersgd_rank=self.powersgd_rank, engine=self.engine)
 
     def build(self, profile: ModelProfile, spec: ResourceSpec) -> Strategy:
         nodes = tuple(NodeConfig(var_name=p.name, synchronizer=self.sync(i))

@@ -22,6 +22,7 @@ from stratagem.strategy.builders.ps import (
     ps_servers,
 )
 from stratagem.strategy.schema import (
+    ENGINES,
     AllReduceSynchronizer,
     GraphConfig,
     NodeConfig,
@@ -50,12 +51,14 @@ class Parallax:
     """Dense parameters -> AllReduce, group ``dense_index // chunk_size`` (dense_index counts
     only the dense parameters, in profile order); sparse ones (:func:`sparse_access`) ->
     parameter servers, load-balanced by bytes and split along axis 0 into
-    ``min(servers, rows)`` parts when there are several servers."""
+    ``min(servers, rows)`` parts when there are several servers. ``engine``: who runs the
+    all-reduce groups (``stratagem`` or torch's ``ddp`` reducer)."""
 
     chunk_size: int = 128
     local_proxy_variable: bool = False
     sync: bool = True
     staleness: int = 0
+    engine: str = "stratagem"
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) \
@@ -63,6 +66,9 @@ class Parallax:
             raise StrategyError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}",
                                 fix="use a positive number of parameters per group, e.g. 128")
         check_ps_options(self.local_proxy_variable, self.sync, self.staleness)
+        if self.engine not in ENGINES:
+            raise StrategyError(f"unknown engine {self.engine!r}",
+                                fix=f"use one of {', '.join(ENGINES)}")
 
     def build(self, profile: ModelProfile, spec: ResourceSpec) -> Strategy:
         params = list(profile.params)
@@ -70,7 +76,9 @@ class Parallax:
         dense = [p for p in params if not sparse_access(p)]
         for i, info in enumerate(dense):
             nodes[info.name] = NodeConfig(
-                var_name=info.name, synchronizer=AllReduceSynchronizer(group=i // self.chunk_size))
+                var_name=info.name,
+                synchronizer=AllReduceSynchronizer(group=i // self.chunk_size,
+                                                   engine=self.engine))
         placer = Placer(ps_servers(spec))
         make = PSSynchronizer(local_replication=self.local_proxy_variable, sync=self.sync,
                               staleness=self.staleness)

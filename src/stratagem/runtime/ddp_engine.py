@@ -1,0 +1,300 @@
+"""The ``ddp`` engine: torch's DistributedDataParallel reducer runs a plan's all-reduce groups.
+
+Stratagem's own reducer (runtime/allreduce.py) runs a Python hook per parameter; on models
+with many small tensors that costs more than DDP's C++ reducer. A strategy whose all-reduce
+synchronizers say ``engine: ddp`` is executed by DDP instead:
+
+* the parameters of the plan's groups are wrapped in ``DistributedDataParallel``; the others
+  (parameter-server pieces) are on DDP's ignore list and stay with their engine;
+* DDP's buckets are cut at the groups' boundaries, in the plan's launch order: one
+  per-bucket size limit per group (``bucket_cap_mb_list``), DDP filling its buckets with
+  the parameters in reverse registration order as the plan does;
+* compression is torch's own communication hooks (``allreduce_hook``,
+  ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``), called from one hook
+  of this runtime that first applies ``grad_weight`` and shows the bucket to the gradient
+  observers (the adaptive loop's local statistics, no extra pass), and counts the traffic;
+* the options are :data:`stratagem.runtime.plan.DDP_OPTIONS` (the plan summary lists them).
+
+Buffers, the scaler's shared skip decision, ``no_sync``, gradient observers, ``grad_weight``,
+synchronizer state (PowerSGD's) and rebuilding on a new world work as with Stratagem's own
+reducer (:class:`~stratagem.runtime.model.DistributedModel` drives both). Differences,
+as in DDP: ``no_sync`` applies to the forward passes run inside it, and every parameter
+must get a gradient in every synced backward.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from stratagem.errors import CheckpointError, DistributedError
+from stratagem.runtime.allreduce import GradObserver
+from stratagem.runtime.plan import DDP_OPTIONS, GroupPlan, Member, Plan
+from stratagem.runtime.stats import CommStats
+
+POWERSGD_START = 2
+"""torch's PowerSGD runs plain all-reduce before this step (2 is the least it allows with
+error feedback); after it, every step is compressed, like Stratagem's own PowerSGD."""
+
+_BUCKET_IDS = 1_000_000  # observer group ids of DDP buckets start here (a layout each)
+
+
+def _queue_callback(fn: Any) -> None:
+    """Run ``fn`` when the current backward pass ends (after the callbacks queued before)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def _hook(ref, bucket):  # (unannotated: DDP checks the annotations, and these are strings)
+    """DDP's communication hook: the engine's own (``DDPReducer._reduce``)."""
+    reducer = ref()
+    if reducer is None:  # (the model was rebuilt; DDP keeps the hook until it goes)
+        raise DistributedError("a DDP engine that was replaced ran a backward",
+                               where="DistributedModel backward",
+                               fix="run backward through the current DistributedModel")
+    return reducer._reduce(bucket)
+
+
+class DDPReducer:
+    """Runs a plan whose all-reduce groups are on the ``ddp`` engine (module docstring)."""
+
+    def __init__(self, plan: Plan, module: nn.Module, params: dict[str, nn.Parameter],
+                 process_group: dist.ProcessGroup | None, stats: CommStats) -> None:
+        self.plan = plan
+        self.stats = stats
+        self.world_size = plan.world_size
+        self.module = module
+        wrapped = {m.param for g in plan.groups for m in g.members}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            module, [n for n in params if n not in wrapped])
+        group = process_group if process_group is not None else dist.group.WORLD
+        if plan.ps is not None:  # the PS engine's traffic on the default group stays apart
+            group = dist.new_group(ranks=dist.get_process_group_ranks(group))
+        self.group = group
+        # One size limit per group, in launch order: DDP closes a bucket once it holds that
+        # many bytes, so each bucket is one group (MiB as floats: torch takes bytes * MiB).
+        caps = [max(g.nbytes, 1) / 2**20 for g in plan.groups]
+        self.ddp: DistributedDataParallel | None = DistributedDataParallel(
+            module, process_group=group, init_sync=False, forward_sync_buffers=False,
+            bucket_cap_mb_list=caps, **asdict(DDP_OPTIONS))
+        compressor = plan.groups[0].compressor
+        self._powersgd: powerSGD_hook.PowerSGDState | None = None
+        if compressor == "powersgd":
+            self._powersgd = powerSGD_hook.PowerSGDState(
+                group, matrix_approximation_rank=plan.groups[0].powersgd_rank,
+                start_powerSGD_iter=POWERSGD_START, use_error_feedback=True, warm_start=True)
+        self._owner: dict[int, tuple[str, ...]] = {}  # bucket index -> its parameters
+        self._stash: dict[tuple[str, ...], tuple[Any, Any, Any]] = {}  # state set aside
+        self._compress = {"none": default_hooks.allreduce_hook,
+                          "fp16": default_hooks.fp16_compress_hook,
+                          "bf16": default_hooks.bf16_compress_hook}.get(compressor)
+        self._wire_bytes = {"fp16": 2, "bf16": 2}.get(compressor)
+        self.ddp.register_comm_hook(weakref.ref(self), _hook)
+        self._names = {id(p): n for n, p in params.items()}
+        self._layouts: dict[tuple[int, tuple[str, ...]], GroupPlan] = {}
+        self.grad_weight = 1.0
+        self.loss_scale = 1.0
+        self.before_wait: Any = None
+        self.observers: list[GradObserver] = []
+        self._queued = False
+        self._backwards = 0  # synced backward passes of this DDP
+        self._reduced: list[tuple[int, GroupPlan, Any]] = []
+        self._finish_extra: Any = None
+
+    # -- the user's settings ---------------------------------------------------------
+    @property
+    def require_sync(self) -> bool:
+        return self.ddp is None or self.ddp.require_backward_grad_sync
+
+    @require_sync.setter
+    def require_sync(self, value: bool) -> None:
+        if self.ddp is not None:
+            self.ddp.require_backward_grad_sync = bool(value)
+
+    def remove_hooks(self) -> None:
+        """Drop DDP (its C++ reducer removes its autograd hooks as it goes)."""
+        if self.ddp is None:
+            return
+        self.ddp = None
+        self.module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
+        gc.collect()  # DDP's reference cycles: its reducer must go now, not later
+
+    # -- forward ------------------------------------------------------------------------
+    def prepare_for_forward(self) -> None:
+        self._queued = False
+        self._reduced.clear()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward through DDP (which prepares its reducer for backward)."""
+        assert self.ddp is not None
+        try:
+            return self.ddp(*args, **kwargs)
+        except RuntimeError as exc:
+            if "finished reduction in the prior iteration" not in str(exc):
+                raise
+            raise DistributedError(
+                "the last synced backward left some parameter without a gradient; the ddp "
+                "engine reduces every parameter in every step", where="DistributedModel",
+                fix="use engine: stratagem for models with parameters unused in some steps, "
+                    "or make every parameter take part in the loss") from None
+
+    # -- backward (called by DDP per bucket) -----------------------------------------------
+    def _layout(self, bucket: dist.GradBucket) -> GroupPlan:
+        """The bucket as a group plan for gradient observers: members at their offsets."""
+        buf = bucket.buffer()
+        names = tuple(self._names[id(p)] for p in bucket.parameters())
+        key = (bucket.index(), names)
+        plan = self._layouts.get(key)
+        if plan is None:
+            members = tuple(
+                Member(param=n, index=self.plan.params.index(n), shape=tuple(p.shape),
+                       offset=g.storage_offset() - buf.storage_offset())
+                for n, p, g in zip(names, bucket.parameters(), bucket.gradients(),
+                                   strict=True))
+            first = self.plan.groups[0]
+            plan = GroupPlan(id=_BUCKET_IDS + len(self._layouts), spec=first.spec,
+                             backend=first.backend, compressor=first.compressor,
+                             powersgd_rank=first.powersgd_rank,
+                             dtype=str(buf.dtype).removeprefix("torch."), members=members,
+                             engine="ddp")
+            self._layouts[key] = plan
+        return plan
+
+    def _reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        if not self._queued:
+            self._queued = True
+            _queue_callback(self._after_hooks)
+        buf = bucket.buffer()
+        if self.grad_weight != 1.0:
+            buf.mul_(self.grad_weight)  # (the hooks divide by the world size)
+        layout = self._layout(bucket) if self.observers else None
+        if layout is not None:
+            for fn in self.observers:
+                fn("local", layout, buf, self.grad_weight * self.loss_scale)
+        size = self._wire_bytes or buf.element_size()
+        self.stats.record(buf.numel() * size, self.world_size)
+        self.stats.overlapped += 1
+        if self._powersgd is not None and (self._backwards or
+                                           self._powersgd.iter < POWERSGD_START):
+            self._own_state(bucket)
+            fut = powerSGD_hook.powerSGD_hook(self._powersgd, bucket)
+            # Its rounds are launched from future callbacks: two buckets' rounds in flight
+            # at once reach gloo in an order that differs from rank to rank (a hang), so
+            # each bucket's rounds finish before the next bucket starts.
+            fut.wait()
+        else:  # (PowerSGD restored into a new DDP: its first step, see _own_state)
+            fut = (self._compress or default_hooks.allreduce_hook)(self.group, bucket)
+        if layout is None:
+            return fut
+
+        def keep(f: torch.futures.Future, layout: GroupPlan = layout,
+                 index: int = bucket.index()) -> torch.Tensor:
+            out = f.value()
+            self._reduced.append((index, layout, out))
+            return out
+
+        return fut.then(keep)
+
+    def _after_hooks(self) -> None:
+        """End of backward, before DDP's own finalization: buffers, then wait for DDP."""
+        self._finish_extra = self.before_wait() if self.before_wait is not None else None
+        _queue_callback(self._after_ddp)  # runs after DDP's (queued when its last bucket was)
+
+    def _after_ddp(self) -> None:
+        try:
+            self._reduced.sort(key=lambda r: r[0])  # (futures complete in any order)
+            for fn in self.observers:
+                for _, layout, out in self._reduced:
+                    fn("reduced", layout, out, self.loss_scale)
+            if self._finish_extra is not None:
+                self._finish_extra()
+            self.stats.steps += 1
+            self._backwards += 1
+        finally:
+            self._finish_extra = None
+            self._reduced.clear()
+            self._queued = False
+
+    # -- state (PowerSGD's error feedback and warm-start factors) -----------------------
+    # torch keys PowerSGD's per-bucket state by bucket index, and DDP re-cuts its buckets
+    # once, after its first step. So the state is kept and saved by the bucket's parameter
+    # names: before each bucket is compressed, the entries at its index are made that
+    # bucket's own. A new DDP given PowerSGD state (a restored checkpoint) reduces its first
+    # step uncompressed: its first buckets are not those the state was saved for.
+    def _own_state(self, bucket: dist.GradBucket) -> None:
+        s = self._powersgd
+        assert s is not None
+        index = bucket.index()
+        names = tuple(self._names[id(p)] for p in bucket.parameters())
+        if self._owner.get(index) == names:
+            return
+        dicts = (s.error_dict, s.p_memory_dict, s.q_memory_dict)
+        held = self._owner.pop(index, None)
+        if held is not None:  # another bucket's state: put it aside
+            self._stash[held] = tuple(d.pop(index, None) for d in dicts)
+        for other, owned in list(self._owner.items()):
+            if owned == names:  # this bucket's state sits at its old index
+                self._stash[names] = tuple(d.pop(other, None) for d in dicts)
+                del self._owner[other]
+        for d, value in zip(dicts, self._stash.pop(names, (None, None, None)), strict=True):
+            if value is not None:
+                d[index] = value
+            else:
+                d.pop(index, None)
+        self._owner[index] = names
+
+    def _entries(self) -> dict[tuple[str, ...], tuple[Any, Any, Any]]:
+        s = self._powersgd
+        assert s is not None
+        out = dict(self._stash)
+        for index, names in self._owner.items():
+            out[names] = (s.error_dict.get(index), s.p_memory_dict.get(index),
+                          s.q_memory_dict.get(index))
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """``ddp.powersgd.iter``, and ``ddp.powersgd.{error,p,q}:NAME|NAME...`` per bucket
+        (named by its parameters)."""
+        s = self._powersgd
+        if s is None:
+            return {}
+        out = {"ddp.powersgd.iter": torch.tensor(s.iter)}
+        for names, values in self._entries().items():
+            for kind, t in zip(("error", "p", "q"), values, strict=True):
+                if t is not None:
+                    out[f"ddp.powersgd.{kind}:{'|'.join(names)}"] = t.detach().clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        s = self._powersgd
+        if s is None:
+            if state:
+                raise CheckpointError(f"synchronizer state {sorted(state)[:3]} for a model "
+                                      "without PowerSGD", where="load_synchronizer_state_dict",
+                                      fix="load a state saved with the same strategy")
+            return
+        stash: dict[tuple[str, ...], list[Any]] = {}
+        kinds = ("error", "p", "q")
+        for key, value in state.items():
+            if key == "ddp.powersgd.iter":
+                continue
+            head, _, names = key.partition(":")
+            kind = head.removeprefix("ddp.powersgd.")
+            if not head.startswith("ddp.powersgd.") or kind not in kinds or not names:
+                raise CheckpointError(f"synchronizer state {key!r} is not the ddp engine's "
+                                      "PowerSGD state", where="load_synchronizer_state_dict",
+                                      fix="load a state saved with the same strategy and "
+                                          "engine")
+            entry = stash.setdefault(tuple(names.split("|")), [None, None, None])
+            entry[kinds.index(kind)] = value.detach().clone()
+        s.iter = int(state["ddp.powersgd.iter"]) if "ddp.powersgd.iter" in state else 0
+        s.error_dict, s.p_memory_dict, s.q_memory_dict = {}, {}, {}
+        self._owner = {}
+        self._stash = {names: tuple(v) for names, v in stash.items()}
