@@ -241,7 +241,7 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
     found: list[Candidate] = []
     notes: list[str] = []
     for name in builder_names():
-        if name == "Auto":
+        if name in ("Auto", "ZeRO"):  # sharded candidates: only under a memory limit
             continue
         try:
             strategy = builder_from_name(name).build(profile, spec)
