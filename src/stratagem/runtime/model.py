@@ -14,7 +14,12 @@ from torch import nn
 from stratagem.errors import StratagemError, UnsupportedModelError
 from stratagem.process_group import comm_device
 from stratagem.runtime.allreduce import AllReduceReducer, LocalReducer, check_params
-from stratagem.runtime.comm import BufferSync, broadcast_coalesced, make_comms
+from stratagem.runtime.comm import (
+    SHARDED_BROADCAST_BYTES,
+    BufferSync,
+    broadcast_coalesced,
+    make_comms,
+)
 from stratagem.runtime.plan import Plan
 from stratagem.runtime.stats import CommStats
 
@@ -86,7 +91,11 @@ class DistributedModel(nn.Module):
         default, comms = make_comms(plan, process_group, self.comm_stats)
         if broadcast:
             states = list(dict.fromkeys([*self.module.parameters(), *self.module.buffers()]))
-            broadcast_coalesced([t for t in states if t.numel()], default)
+            if plan.shards is None:
+                broadcast_coalesced([t for t in states if t.numel()], default)
+            else:  # a few MB at a time: the model may not fit twice
+                broadcast_coalesced([t for t in states if t.numel()], default,
+                                    limit=SHARDED_BROADCAST_BYTES, overlap=False)
         self._reducer = AllReduceReducer(plan, params, comms, self.comm_stats)
         self._buffer_sync = BufferSync(self.module, default)
         self._reducer.before_wait = self._sync_buffers_if_dirty

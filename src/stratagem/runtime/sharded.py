@@ -61,7 +61,8 @@ class ShardEngine:
         self.require_sync = True
         self.grad_weight = 1.0
         self._owned = {o.param: o for o in shards.owned}
-        self._params = params
+        # (only these: the stage-3 originals must go once FSDP2 has sharded them)
+        self._params = {o.param: params[o.param] for o in shards.owned}
         self._handles: list[Any] = []
         self._stage2 = [o for o in _reverse(shards.owned, plan.params) if o.stage == 2]
         self._pending: tuple[Owned, Any] | None = None
