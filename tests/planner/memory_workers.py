@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 VOCAB, DIM, BLOCKS, SEQ = 512, 192, 24, 8
 PER_WORKER = 1  # sequences per worker and step
-STEPS = 3
+STEPS = 2
 LR = 1e-3
 EPS = 1e-5
 """Adam's epsilon: above fp32's rounding of the gradients, so that an element whose

@@ -7,6 +7,8 @@ import memory_workers as mw
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 WORLD = 4
 FACTOR = 2.7
 """Training state (fp32 parameters, gradients, Adam's moments) over the limit. The issue

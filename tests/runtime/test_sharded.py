@@ -8,6 +8,8 @@ import shard_workers
 import torch
 from rt_common import check, reference, spawn
 
+pytestmark = pytest.mark.slow
+
 RTOL = 1e-5
 
 
