@@ -121,9 +121,15 @@ def _finish(lines: list[str], report: dict[str, Any], built: Any, profile: Any, 
 
     import torch
 
+    from stratagem.planner.memory import estimate_memory, mib
     from stratagem.runtime import compile_plan
 
     report["strategy"] = built.to_dict()
+    memory = estimate_memory(built, profile, spec.num_workers)  # (optimizer: Adam's state)
+    limit = spec.memory_limit()
+    lines.append(f"memory per worker (Adam, activations not counted): {memory.text()}"
+                 + (f"; limit {mib(limit[0])} ({limit[1]})" if limit else ""))
+    report["memory_per_worker"] = {"peak": memory.peak, **memory.items}
     if show_plan:
         plan = compile_plan(built, profile, rank=0, world_size=spec.num_workers,
                             device=torch.device("cpu"))
