@@ -71,3 +71,14 @@ def test_full_state_dict_loads_into_another_world(world2: list[dict],
     for r in [*world2, *world4]:
         got = check(r["roundtrip"])
         close(got["loaded"], got["want"], rtol=0)
+
+
+def test_full_state_dict_loads_into_plain_torch(world4: list[dict], ref: dict) -> None:
+    """4 workers' ZeRO-3 state -> one process: plain tensors a plain model loads."""
+    from rt_common import make_model
+
+    state = check(world4[0]["zero3"])["state"]
+    assert all(type(v) is torch.Tensor for v in state.values())
+    plain = make_model("mlp", 3)
+    plain.load_state_dict(state)
+    close({k: v.detach() for k, v in plain.state_dict().items()}, ref)
