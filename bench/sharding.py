@@ -11,6 +11,7 @@ world and batch are timed interleaved step by step (the order alternates), media
 their ratio. Results: bench/results/sharding.json.
 
     flock /tmp/stratagem-bench.lock .venv/bin/python bench/sharding.py
+    .venv/bin/python bench/sharding.py --memory-only   # no timings: needs no bench lock
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def build(variant: str, rank: int, world: int) -> tuple[nn.Module, torch.optim.O
     return DistributedModel(model, plan, optimizer=opt), opt, est
 
 
-def worker(rank: int, world: int, port: int, out: str) -> None:
+def worker(rank: int, world: int, port: int, out: str, timed: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD fixed: freed blocks leave the process
@@ -154,6 +155,13 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
         result["step_s"][variant] = statistics.median(times[1:])
         del m, o
         gc.collect()
+    if not timed:
+        result["step_s"] = {}
+        if rank == 0:
+            Path(out).write_text(json.dumps({**result, "interleaved_s": {}}))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     # Interleaved: Stratagem's ZeRO-3 against FSDP2 direct, same model, world and batch.
     pair = {v: build(v, rank, world)[:2] for v in ("ZeRO-3", "FSDP2 direct")}
     timed: dict[str, list[float]] = {v: [] for v in pair}
@@ -172,12 +180,12 @@ def worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def run(world: int) -> dict:
+def run(world: int, timed: bool) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = RESULTS / f".sharding_{world}.tmp.json"
-    mp.spawn(worker, args=(world, port, str(out)), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, port, str(out), timed), nprocs=world, join=True)
     data = json.loads(out.read_text())
     out.unlink()
     return data
@@ -185,13 +193,14 @@ def run(world: int) -> dict:
 
 def main() -> None:
     sys.path.insert(0, str(ROOT / "src"))
+    timed = "--memory-only" not in sys.argv
     params = sum(p.numel() for p in GPT().parameters())
     load0 = os.getloadavg()[0]
     result: dict = {"model": {"parameters": params, "fp32_train_state_mib":
                               round(16 * params / 2**20, 1)},
-                    "steps": STEPS, "timed_steps": TIMED, "worlds": {}}
+                    "steps": STEPS, "timed_steps": TIMED if timed else 0, "worlds": {}}
     for world in (2, 4):
-        r = run(world)
+        r = run(world, timed)
         mem = {v: {"peak_mib": round(x["peak"] / 2**20, 1),
                    "estimate_mib": round(x["estimate"] / 2**20, 1) if x["estimate"] else None,
                    "peak_over_estimate": round(x["peak"] / x["estimate"], 3)
@@ -202,12 +211,14 @@ def main() -> None:
             "memory_per_worker": mem,
             "step_ms": {v: round(s * 1e3, 1) for v, s in r["step_s"].items()},
             "interleaved_step_ms": {v: round(s * 1e3, 1) for v, s in inter.items()},
-            "zero3_over_fsdp2": round(inter["ZeRO-3"] / inter["FSDP2 direct"], 3)}
+            "zero3_over_fsdp2": round(inter["ZeRO-3"] / inter["FSDP2 direct"], 3)
+            if inter else None}
     result["host"] = {"cores": os.cpu_count(), "loadavg_1m_start": round(load0, 2),
                       "loadavg_1m_end": round(os.getloadavg()[0], 2),
                       "note": "shared machine: other engineers' jobs ran meanwhile"}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sharding.json").write_text(json.dumps(result, indent=2))
+    name = "sharding.json" if timed else "sharding_memory.json"
+    (RESULTS / name).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
 
 
