@@ -351,7 +351,7 @@ class AutoDist:
         together = sample_input is not None and self.world_size > 1 and not _PLAN_ONLY
         self.choice = choose(model, self.resource_spec, sample_input=sample_input,
                              options=options, probe=together and options.probe,
-                             trials=together and options.trials > 0)
+                             trials=together and options.trials > 0, optimizer=optimizer)
         if not together:
             return self.choice.strategy
         return self._agree(self.choice.strategy)

@@ -21,9 +21,37 @@ from typing import Any, ClassVar
 from stratagem.errors import ResourceSpecError
 from stratagem.safeload import MAX_BYTES, load_yaml
 
-NODE_FIELDS = ("address", "gpus", "cpus", "chief", "ssh_config", "network_bandwidth", "workers")
+NODE_FIELDS = ("address", "gpus", "cpus", "chief", "ssh_config", "network_bandwidth", "workers",
+               "memory")
 SSH_FIELDS = ("username", "port", "key_file", "python_venv", "shared_envs")
-TOP_FIELDS = ("nodes", "ssh")
+TOP_FIELDS = ("nodes", "ssh", "memory_budget")
+MAX_MEMORY_BYTES = 1 << 60  # an exbibyte: a typo's ceiling, far above any machine
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from ``6GiB``, ``512MB``, ``1.5 GiB`` or a plain integer of bytes; raises
+    ValueError saying why not (negative, zero, not a size)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and value.strip().startswith("-"):
+        raise ValueError(f"negative size {value!r}")
+    else:
+        m = _SIZE.fullmatch(value) if isinstance(value, str) and len(value) < 64 else None
+        if m is None:
+            raise ValueError(f"{value!r} is not a size")
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+    if n < 0:
+        raise ValueError(f"negative size {value!r}")
+    if n == 0:
+        raise ValueError(f"zero size {value!r}")
+    if n > MAX_MEMORY_BYTES:
+        raise ValueError(f"size {value!r} is beyond any machine")
+    return n
 DEFAULT_BANDWIDTH_GBPS = 1.0
 # Bounds: far above any real cluster, low enough that a typo cannot plan 1e23 processes.
 MAX_NODES = 4096
@@ -70,6 +98,8 @@ class Node:
     ssh_config: str | None = None
     network_bandwidth: float = DEFAULT_BANDWIDTH_GBPS
     workers: int = 1
+    memory: int | None = None
+    """Bytes each worker of the node may use (its GPU's, or its share of the host's)."""
 
     @property
     def is_loopback(self) -> bool:
@@ -95,6 +125,8 @@ class ResourceSpec:
     torch elastic's group rank, not from an address. A flag, not a source string a spec
     file could spell."""
     JOB_SOURCE: ClassVar[str] = "<this job"  # the source of :meth:`of_job`'s specs
+    memory_budget: int | None = None
+    """Bytes the whole job may use, over all its workers (``memory_budget:``)."""
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -199,6 +231,15 @@ class ResourceSpec:
         ordered = [self.chief] + [n for n in self.nodes if not n.chief]
         return [d for n in ordered for d in n.worker_devices()]
 
+    def memory_limit(self) -> tuple[int, str] | None:
+        """The bytes one worker may use, and the field that says so: the smallest of the
+        nodes' ``memory`` and an even share of ``memory_budget``; None when neither is set."""
+        limits = [(n.memory, f"nodes[{i}].memory") for i, n in enumerate(self.nodes)
+                  if n.memory is not None and n.workers]
+        if self.memory_budget is not None:
+            limits.append((self.memory_budget // max(self.num_workers, 1), "memory_budget"))
+        return min(limits) if limits else None
+
     @property
     def num_workers(self) -> int:
         return sum(n.workers for n in self.nodes)
@@ -249,8 +290,12 @@ class ResourceSpec:
                 d["ssh_config"] = n.ssh_config
             d["network_bandwidth"] = n.network_bandwidth
             d["workers"] = n.workers
+            if n.memory is not None:
+                d["memory"] = n.memory
             nodes.append(d)
         out: dict[str, Any] = {"nodes": nodes}
+        if self.memory_budget is not None:
+            out["memory_budget"] = self.memory_budget
         if self.ssh:
             out["ssh"] = {
                 k: {
@@ -371,7 +416,18 @@ class _Parser:
         any_gpu = any(isinstance(n, dict) and n.get("gpus") not in (None, [])
                       for n in raw_nodes)
         nodes = [self.node(f"nodes[{i}]", n, ssh, any_gpu) for i, n in enumerate(raw_nodes)]
-        return self.cross_check(nodes, ssh)
+        spec = self.cross_check(nodes, ssh)
+        if data.get("memory_budget") is not None:
+            spec = replace(spec, memory_budget=self.size("memory_budget",
+                                                         data["memory_budget"]))
+        return spec
+
+    def size(self, where: str, value: Any) -> int:
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise self.fail(where, str(exc), "write a positive size such as 6GiB, 512MiB "
+                            "or 8GB (or a number of bytes)") from None
 
     def ssh_groups(self, raw: Any) -> dict[str, SSHConfig]:
         self.typed("ssh", raw, dict, "a mapping of group name to settings")
@@ -459,8 +515,10 @@ class _Parser:
         if gpus and workers > len(gpus):
             raise self.fail(f"{where}.workers", f"{workers} workers but {len(gpus)} GPUs",
                             "use at most one worker per GPU")
+        memory = (self.size(f"{where}.memory", raw["memory"])
+                  if raw.get("memory") is not None else None)
         return Node(address=address, gpus=gpus, cpus=cpus, chief=chief, ssh_config=ssh_name,
-                    network_bandwidth=float(bw), workers=workers)
+                    network_bandwidth=float(bw), workers=workers, memory=memory)
 
     def cross_check(self, nodes: list[Node], ssh: dict[str, SSHConfig]) -> ResourceSpec:
         seen: dict[str, int] = {}

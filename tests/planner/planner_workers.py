@@ -256,7 +256,7 @@ def first_batch_case(rank: int, world: int, name: str, slow: bool,
     return {"state": state, "before": before, "early": early, "planned_early": planned_early,
             "strategy": ad.strategy.to_json(), "explain": ad.explain(),
             "ps": dm._ps is not None, "trials": len(ad.choice.trials), "log": logged,
-            "trial_s": [(t.family, t.measured_s) for t in ad.choice.trials
+            "trial_s": [(t.family, t.measured_s, t.note) for t in ad.choice.trials
                         if t.measured_s is not None],
             "rows": sorted(nc.var_name for nc in ad.strategy.node_config for leaf in nc.leaves()
                            if getattr(leaf.synchronizer, "row_sparse", False))}

@@ -24,6 +24,7 @@ from stratagem.planner.trial import (
     ALL_REDUCE,
     DOMINATED,
     FACTOR_RANGE,
+    RACED,
     SERVERS,
     Trial,
     family,
@@ -116,9 +117,13 @@ def test_auto_without_a_sample_plans_on_the_first_training_batch(tmp_path, name:
         assert "predicted step" in r["explain"]
         if slow or not r["ps"]:
             assert r["ps"] == slow, r["explain"]
-        else:  # servers for a dense model only where its trial steps ran faster
-            best = {f: min(t for g, t in r["trial_s"] if g == f) for f, _ in r["trial_s"]}
-            assert best["parameter servers"] < best["all-reduce"], r["explain"]
+        else:  # servers for a dense model only where its trial steps ran faster: in the
+            # second look's race where one ran (it re-times the first trials' winner and
+            # decides), else in the first trials
+            final = [t for t in r["trial_s"] if t[2] == RACED] or r["trial_s"]
+            best = {f: min(t for g, t, _ in final if g == f) for f, _, _ in final}
+            assert best["parameter servers"] < best.get("all-reduce", float("inf")), \
+                r["explain"]
         assert r["trials"] == 0 if slow else r["trials"] >= 2
         if r["ps"]:  # the announcement says what servers mean for .grad
             assert any(".grad stays None" in line for line in r["log"]), r["log"]

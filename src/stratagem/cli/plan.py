@@ -110,7 +110,7 @@ def explain(model_target: str, spec_file: str | None, strategy: str | None,
                   f"{cost.compute_s * 1e3:.1f} + exposed comm {cost.exposed_comm_s * 1e3:.1f}"
                   f" + overheads {cost.overhead_s * 1e3:.1f}"]
         report["predicted"] = cost.to_dict()
-    return _finish(lines, report, built, plan, profile, show_plan, out, as_json, picture,
+    return _finish(lines, report, built, plan, profile, spec, show_plan, out, as_json, picture,
                    model_target)
 
 
@@ -132,13 +132,20 @@ def listing(built: Any, plan: Any) -> list[str]:
 
 
 def _finish(lines: list[str], report: dict[str, Any], built: Any, plan: Any, profile: Any,
-            show_plan: bool, out: str | None, as_json: bool, picture: str | None = None,
-            title: str = "") -> str:
+            spec: Any, show_plan: bool, out: str | None, as_json: bool,
+            picture: str | None = None, title: str = "") -> str:
     """The common end of a report: the compiled plan, the saved file, the picture, text or
     JSON."""
     import json
 
+    from stratagem.planner.memory import estimate_memory, mib
+
     report["strategy"] = built.to_dict()
+    memory = estimate_memory(built, profile, spec.num_workers)  # (optimizer: Adam's state)
+    limit = spec.memory_limit()
+    lines.append(f"memory per worker (Adam, activations not counted): {memory.text()}"
+                 + (f"; limit {mib(limit[0])} ({limit[1]})" if limit else ""))
+    report["memory_per_worker"] = {"peak": memory.peak, **memory.items}
     if show_plan:
         lines.append(plan.summary())
         report["plan"] = plan.summary()
@@ -202,7 +209,7 @@ def explain_script(script: str, spec_file: str | None, strategy: str | None,
         lines += [*listing(built, plan), f"predicted step {cost.total_s * 1e3:.1f} ms (estimated "
                   "from the profile at 32 samples per worker)"]
         report["predicted"] = cost.to_dict()
-    return _finish(lines, report, built, plan, profile, show_plan, out, as_json, picture,
+    return _finish(lines, report, built, plan, profile, spec, show_plan, out, as_json, picture,
                    str(path))
 
 

@@ -26,12 +26,15 @@ KIND_COLOURS = {"all-reduce": "#1f77b4",  # tab:blue
                 "gathered rows": "#9467bd",  # tab:purple
                 "PS": "#ff7f0e",  # tab:orange
                 "PS sparse rows": "#2ca02c",  # tab:green
+                "sharded": "#d62728",  # tab:red
                 "none": "#7f7f7f"}
 KIND_TEXT = {"all-reduce": "all-reduce (every replica sums the gradient)",
              "gathered rows": "rows all-gathered (each replica sends the rows it touched; "
                               "every replica sums them)",
              "PS": "parameter server (dense)",
              "PS sparse rows": "parameter server, sparse rows (only looked-up rows travel)",
+             "sharded": "sharded (ZeRO: optimizer state, + gradients at stage 2, "
+                        "+ parameters at stage 3)",
              "none": "no synchronizer"}
 FAMILY_NAMES = {"all-reduce": "all-reduce groups", "gathered rows": "gathered-rows groups"}
 MIN_SHARE = 0.006  # smaller rectangles are drawn at this share of the area, to stay visible
@@ -94,6 +97,12 @@ def _block_of(route: Route, replicas: tuple[str, ...], plan: Plan
     if route.kind == "gathered rows":
         return (("gathered rows", f"group {route.unit}"),
                 f"rows all-gathered (group {route.unit})")
+    if route.kind == "sharded":
+        if route.unit < 0:
+            unit = route.destination or "(root)"
+            return ("sharded", f"unit {unit}"), f"sharded stage 3, FSDP2 unit {unit}"
+        return (("sharded", f"rank {route.unit}"),
+                f"sharded {route.how}: updated by rank {route.unit}")
     dest = route.destination
     where = f"worker {replicas.index(dest)}" if dest in replicas else "server"
     ps = plan.ps
@@ -338,7 +347,7 @@ def draw_strategy(strategy: Strategy, profile: ModelProfile, model_name: str = "
         nbytes = sum(leaf.nbytes for leaf in by_kind[k])
         n = len(units[k])
         unit = ("group" if k in ("all-reduce", "gathered rows") else "server"
-                if k.startswith("PS") else "block")
+                if k.startswith("PS") else "owner or unit" if k == "sharded" else "block")
         handles.append(Patch(facecolor=KIND_COLOURS[k], edgecolor="#222222",
                              label=f"{KIND_TEXT[k]}: {len(by_kind[k])} "
                                    f"tensor{'s' * (len(by_kind[k]) != 1)}, "

@@ -21,17 +21,25 @@ from stratagem.planner.calibrate import Calibration, calibrate, estimate
 from stratagem.planner.cost_model import StepCost, predict
 from stratagem.planner.explain import explain_json, explain_text
 from stratagem.planner.links import LinkModel, ring_allreduce_time
+from stratagem.planner.memory import (
+    MemoryEstimate,
+    activation_bytes,
+    calibration_fits,
+    estimate_memory,
+    fit_memory,
+)
 from stratagem.planner.probe import LinkProbe, probe_links, runtime_costs
-from stratagem.planner.search import Candidate, Choice, search
+from stratagem.planner.search import Candidate, Choice, Pricer, search
 from stratagem.planner.trial import Refinement, Trial, fit, refine, refined_s
 from stratagem.resource import ResourceSpec
 from stratagem.strategy.builders.auto import Auto, set_planner
-from stratagem.strategy.schema import Strategy
+from stratagem.strategy.schema import ShardedSynchronizer, Strategy
 from stratagem.strategy.validate import validate
 
 __all__ = ["Auto", "Calibration", "Candidate", "Choice", "LinkModel", "LinkProbe",
-           "Refinement", "StepCost", "Trial", "calibrate", "choose", "collective_ready",
-           "estimate", "explain_json", "explain_text", "fit", "measured_links",
+           "MemoryEstimate", "Refinement", "StepCost", "Trial", "calibrate", "choose",
+           "collective_ready", "estimate", "estimate_memory", "explain_json", "explain_text",
+           "fit", "fit_memory", "measured_links",
            "plan_from_profile", "predict", "predict_step_time", "probe_links", "refine",
            "ring_allreduce_time", "runtime_costs"]
 
@@ -57,7 +65,7 @@ def measured_links(spec: ResourceSpec) -> tuple[LinkModel, LinkProbe | None]:
 def choose(model: nn.Module, spec: ResourceSpec, *, batch_size: int | None = None,
            sample_input: Any = None, options: Auto | None = None,
            loss_fn: Callable[[Any], torch.Tensor] | None = None,
-           probe: bool = False, trials: bool = False) -> Choice:
+           probe: bool = False, trials: bool = False, optimizer: Any = None) -> Choice:
     """Calibrate ``model`` on ``sample_input`` (one worker's batch; without it, estimate
     from the profile at ``batch_size`` per worker) and search for its best strategy.
 
@@ -71,12 +79,22 @@ def choose(model: nn.Module, spec: ResourceSpec, *, batch_size: int | None = Non
     options = options or Auto()
     profile = analyze(model)
     together = (probe or trials) and collective_ready(spec)
+    limit = spec.memory_limit()
+    activations, calibrated = 0, sample_input
+    if limit is not None and sample_input is not None:
+        activations = activation_bytes(model, sample_input)
+        if not calibration_fits(profile, limit[0], activations):
+            calibrated, trials = None, False  # its backward would not fit: estimate
     cal, profile = _calibration(model, profile, batch_size or options.batch_size,
-                                sample_input, loss_fn, together)
+                                calibrated, loss_fn, together)
     links, link_probe = measured_links(spec) if probe else (None, None)
     choice = search(profile, spec, cal, options, links)
     if link_probe is not None:
         choice = replace(choice, link_probe=link_probe)
+    if spec.memory_limit() is not None:  # the fastest that fits (planner/memory.py)
+        choice = fit_memory(choice, activations, optimizer, Pricer(profile, spec, cal, links))
+        trials = trials and all(not isinstance(nc.synchronizer, ShardedSynchronizer)
+                                for nc in choice.strategy.node_config)
     if trials and options.trials > 0 and sample_input is not None and collective_ready(spec):
         choice = refine(choice, model, sample_input, loss_fn=loss_fn, k=options.trials)
     return choice
@@ -95,7 +113,10 @@ def plan_from_profile(options: Auto, profile: ModelProfile, spec: ResourceSpec) 
     """What ``Auto().build(profile, spec)`` returns: the search on estimated costs (no
     model to measure), deterministic for a given profile, spec and machine rates."""
     cal = estimate(profile, options.batch_size)
-    return search(profile, spec, cal, options).strategy
+    choice = search(profile, spec, cal, options)
+    if spec.memory_limit() is not None:
+        choice = fit_memory(choice, 0, None, Pricer(profile, spec, cal))
+    return choice.strategy
 
 
 set_planner(plan_from_profile)

@@ -63,6 +63,8 @@ def groups(plan: Plan) -> list[dict[str, Any]]:
             key, how = "gathered rows", "all-gather"  # one collective each; shown together
         elif r.kind == "all-reduce":
             key, how = f"allreduce {r.unit}", r.how
+        elif r.kind == "sharded":
+            key, how = f"sharded {r.how.removeprefix('stage ')}", r.how
         else:
             key, how = f"ps {'rows' if r.kind == 'PS sparse rows' else 'dense'}", r.how
         g = out.setdefault(key, {"group": key, "kind": r.kind, "how": how, "params": [],

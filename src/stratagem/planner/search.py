@@ -72,6 +72,9 @@ class Choice:
     """Low-shot trial steps (:class:`~stratagem.planner.trial.Trial`), when run."""
     link_probe: Any = None
     """The measured links (:class:`~stratagem.planner.probe.LinkProbe`), when probed."""
+    memory: Any = None
+    """The chosen strategy's peak memory per worker
+    (:class:`~stratagem.planner.memory.MemoryEstimate`), under a memory limit."""
 
     @property
     def strategy(self) -> Strategy:
@@ -216,7 +219,7 @@ def group_count(strategy: Strategy) -> int:
                 and not nc.synchronizer.gather_rows})
 
 
-class _Pricer:
+class Pricer:
     """Prices strategies (compile + predict), remembering failures as infinite."""
 
     def __init__(self, profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
@@ -241,11 +244,11 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
     measured link model (default: the spec's nominal one)."""
     options = options or Auto()
     started = time.perf_counter()
-    price = _Pricer(profile, spec, cal, links)
+    price = Pricer(profile, spec, cal, links)
     found: list[Candidate] = []
     notes: list[str] = []
     for name in builder_names():
-        if name == "Auto":
+        if name in ("Auto", "ZeRO"):  # sharded candidates: only under a memory limit
             continue
         try:
             strategy = builder_from_name(name).build(profile, spec)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ from stratagem.runtime.plan import Plan
 from stratagem.runtime.stats import CommStats
 
 BROADCAST_CHUNK_BYTES = 64 * 2**20
+SHARDED_BROADCAST_BYTES = 2 * 2**20  # chunks of a sharded strategy's one-at-a-time broadcast
 
 
 class Comm:
@@ -124,20 +126,29 @@ def _chunks(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tens
 
 @torch.no_grad()
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], comm: Comm,
-                        limit: int = BROADCAST_CHUNK_BYTES) -> None:
-    """Make ``tensors`` equal to the root's, a few flat broadcasts instead of one each."""
+                        limit: int = BROADCAST_CHUNK_BYTES, overlap: bool = True) -> None:
+    """Make ``tensors`` equal to the root's, a few flat broadcasts instead of one each.
+    Without ``overlap``, one chunk at a time: a chunk's bytes of extra memory, not a copy
+    of every tensor (a sharded strategy's model may not fit twice)."""
     ordered = sorted(tensors, key=lambda t: (str(t.device), str(t.dtype)))
     pending = []
     for chunk in _chunks(ordered, limit):
         flat = torch.cat([t.detach().reshape(-1) for t in chunk])
         pending.append((chunk, flat, comm.broadcast(flat)))
-    for chunk, flat, work in pending:
-        comm.wait(work)
-        if comm.rank != 0:
-            offset = 0
-            for t in chunk:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        if not overlap:
+            _settle(pending.pop(), comm)
+    for item in pending:
+        _settle(item, comm)
+
+
+def _settle(item: tuple[list[torch.Tensor], torch.Tensor, Any], comm: Comm) -> None:
+    chunk, flat, work = item
+    comm.wait(work)
+    if comm.rank != 0:
+        offset = 0
+        for t in chunk:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 class BufferSync:

@@ -14,7 +14,12 @@ from torch import nn
 from stratagem.distributed.process_group import comm_device
 from stratagem.errors import StratagemError, UnsupportedModelError
 from stratagem.runtime.allreduce import AllReduceReducer, LocalReducer, check_params
-from stratagem.runtime.comm import BufferSync, broadcast_coalesced, make_comms
+from stratagem.runtime.comm import (
+    SHARDED_BROADCAST_BYTES,
+    BufferSync,
+    broadcast_coalesced,
+    make_comms,
+)
 from stratagem.runtime.ddp_engine import DDPReducer
 from stratagem.runtime.plan import Plan
 from stratagem.runtime.stats import CommStats
@@ -64,6 +69,8 @@ class DistributedModel(nn.Module):
         # A PS engine broadcast everything already (servers included).
         self._install_synchronizers(params, process_group, broadcast=self._ps is None)
         self._process_group = process_group
+        self._shard = None
+        self._install_sharding(params, optimizer)
         self._scaler_link: Any = None
         self._first_training_forward: Callable[[tuple, dict], None] | None = None
         self._hand_optimizer_state_to_owners()
@@ -85,7 +92,11 @@ class DistributedModel(nn.Module):
         default, comms = make_comms(plan, process_group, self.comm_stats)
         if broadcast:
             states = list(dict.fromkeys([*self.module.parameters(), *self.module.buffers()]))
-            broadcast_coalesced([t for t in states if t.numel()], default)
+            if plan.shards is None:
+                broadcast_coalesced([t for t in states if t.numel()], default)
+            else:  # a few MB at a time: the model may not fit twice
+                broadcast_coalesced([t for t in states if t.numel()], default,
+                                    limit=SHARDED_BROADCAST_BYTES, overlap=False)
         if plan.engine == "ddp":  # torch's reducer runs the groups (runtime/ddp_engine.py)
             self._reducer = DDPReducer(plan, self.module, params, process_group,
                                        self.comm_stats)
@@ -93,6 +104,16 @@ class DistributedModel(nn.Module):
             self._reducer = AllReduceReducer(plan, params, comms, self.comm_stats)
         self._buffer_sync = BufferSync(self.module, default)
         self._reducer.before_wait = self._sync_buffers_if_dirty
+
+    def _install_sharding(self, params: dict[str, nn.Parameter], optimizer: Any) -> None:
+        """The sharded parameters' engine (runtime/sharded.py), after the broadcast: FSDP2
+        shards the values every rank then holds."""
+        if self.plan.shards is None or self.plan.world_size == 1:
+            return
+        from stratagem.runtime.sharded import ShardEngine
+
+        self._shard = ShardEngine(self.plan, self.module, params, optimizer,
+                                  self._process_group)
 
     def regroup(self, plan: Plan, process_group: dist.ProcessGroup | None = None, *,
                 broadcast: bool = True) -> None:
@@ -106,7 +127,8 @@ class DistributedModel(nn.Module):
         Collective over ``process_group`` (default: the default group) when
         ``plan.world_size > 1``. All-reduce strategies only: raises StratagemError with
         parameter-server synchronizers (old or new plan)."""
-        if self._ps is not None or plan.ps is not None:
+        if self._ps is not None or plan.ps is not None or self._shard is not None \
+                or plan.shards is not None:
             raise StratagemError("in-process rescale supports all-reduce strategies only",
                                  where="DistributedModel.regroup",
                                  fix="use checkpoint-restart (SIGTERM and relaunch) for jobs "
@@ -129,8 +151,8 @@ class DistributedModel(nn.Module):
         observers, ``no_sync`` and ``grad_weight`` carry over. If
         ``make_plan`` raises, the current plan is put back. All-reduce models only: with
         parameter-server synchronizers raises StratagemError."""
-        if self._ps is not None:
-            raise StratagemError("replan needs a model without parameter-server "
+        if self._ps is not None or self._shard is not None:
+            raise StratagemError("replan needs a model without parameter-server or sharded "
                                  "synchronizers", where="DistributedModel.replan",
                                  fix="save a checkpoint and restart with the new strategy")
         old = self._reducer
@@ -157,6 +179,7 @@ class DistributedModel(nn.Module):
             self._ps = make_engine(plan, self.module, optimizer, cluster,
                                    self._process_group, self.comm_stats)
         self._install_synchronizers(params, self._process_group, broadcast=False)
+        self._install_sharding(params, optimizer)
         self._hand_optimizer_state_to_owners()
         self._carry_over(old)
         if self._scaler_link is not None:  # its hooks follow the new synchronizers
@@ -207,6 +230,8 @@ class DistributedModel(nn.Module):
             self._first_training_forward = None
             fn(args, kwargs)
         self._reducer.prepare_for_forward()
+        if self._shard is not None:
+            self._shard.prepare_for_forward()
         if self._scaler_link is not None:
             self._scaler_link.before_forward()
         if self._ps is not None:
@@ -255,12 +280,18 @@ class DistributedModel(nn.Module):
         self._reducer.require_sync = False
         if self._ps is not None:
             self._ps.require_sync = False
+        if self._shard is not None:
+            self._shard.require_sync = False
+            self._shard.set_requires_gradient_sync(False)
         try:
             yield
         finally:
             self._reducer.require_sync = previous
             if self._ps is not None:
                 self._ps.require_sync = previous
+            if self._shard is not None:
+                self._shard.require_sync = previous
+                self._shard.set_requires_gradient_sync(previous)
 
     @property
     def grad_weight(self) -> float:
@@ -275,6 +306,13 @@ class DistributedModel(nn.Module):
             raise StratagemError(f"grad_weight must be finite and >= 0, got {value}",
                                  where="DistributedModel.grad_weight",
                                  fix="use local_n * world_size / global_n")
+        if self._shard is not None:
+            if self._shard.shards.units and value != 1.0:
+                raise StratagemError(
+                    f"grad_weight {value} with stage-3 sharded units (FSDP2 averages their "
+                    "gradients itself)", where="DistributedModel.grad_weight",
+                    fix="give every worker the same batch size, or shard at stage 1 or 2")
+            self._shard.grad_weight = value
         self._reducer.grad_weight = value
         if self._ps is not None:
             self._ps.grad_weight = value
@@ -352,6 +390,23 @@ class DistributedModel(nn.Module):
         pre-hook on the module waits for pending values and fetches stale embedding rows
         from their owners), also while the other workers have left the training loop."""
         return self.module.state_dict(*args, **kwargs)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective with a sharded strategy: the module's state dict with every sharded
+        tensor whole, as one process would save it (``torch.save`` it; a plain model of any
+        world size loads it). Without stage-3 units, this rank's :meth:`state_dict`."""
+        if self._shard is None:
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        return self._shard.full_state_dict(self.module)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Collective with stage-3 units: load whole tensors (a :meth:`full_state_dict`
+        saved by a job of any world size, or a plain model's ``state_dict()``) into this
+        rank's shards."""
+        if self._shard is None:
+            self.module.load_state_dict(state_dict)
+            return
+        self._shard.load_full_state_dict(self.module, dict(state_dict))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:

@@ -27,9 +27,11 @@ from stratagem.runtime.ps.plan import (
 from stratagem.strategy.compressors import check_compressor
 from stratagem.strategy.schema import (
     ALL_REDUCE_SPECS,
+    MAX_GROUP,
     AllReduceSynchronizer,
     NodeConfig,
     PSSynchronizer,
+    ShardedSynchronizer,
     Strategy,
 )
 from stratagem.strategy.validate import (
@@ -37,9 +39,74 @@ from stratagem.strategy.validate import (
     check_engines,
     check_gather_rows,
     check_row_sparse,
+    check_sharded,
+    check_sharded_units,
+    unit_of,
 )
 
 BACKENDS = ("gloo", "nccl")
+STAGE1_GROUP = MAX_GROUP + 1
+"""The all-reduce group of stage-1 parameters' gradients (beyond any strategy's group ids)."""
+
+
+@dataclass(frozen=True)
+class Owned:
+    """A stage-1 or stage-2 parameter and the worker that updates it (holds its state)."""
+
+    param: str
+    stage: int
+    owner: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """A stage-3 unit: the module torch's FSDP2 shards as one piece, and its options."""
+
+    module: str
+    params: tuple[str, ...]
+    reshard_after_forward: bool
+    prefetch: int
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The sharded parameters of a plan (docs/concepts/sharding.md)."""
+
+    owned: tuple[Owned, ...] = ()
+    units: tuple[UnitPlan, ...] = ()
+    places: tuple[tuple[str, int, tuple[int, ...], int], ...] = ()
+    """(param, index, shape, bytes) of every sharded parameter, for :meth:`Plan.routes`."""
+
+    def owned_by(self, rank: int) -> list[Owned]:
+        return [o for o in self.owned if o.owner == rank]
+
+    @property
+    def unit_params(self) -> set[str]:
+        return {p for u in self.units for p in u.params}
+
+    def summary_lines(self) -> list[str]:
+        lines = []
+        for o in self.owned:
+            lines.append(f"  sharded stage {o.stage}: {o.param} ({o.numel:,} values) "
+                         f"updated by rank {o.owner}")
+        for u in self.units:
+            lines.append(f"  sharded stage 3 unit {u.module or '(root)'}: {len(u.params)} "
+                         f"parameters (reshard_after_forward={u.reshard_after_forward}, "
+                         f"prefetch={u.prefetch})")
+        return lines
+
+
+def assign_owners(sizes: list[tuple[str, int, int]], world_size: int) -> tuple[Owned, ...]:
+    """Whole parameters to workers, largest first to the least loaded (ties: lowest rank),
+    so each holds about 1/world of the optimizer state. ``sizes``: (param, stage, numel)."""
+    load = [0] * world_size
+    out = {}
+    for name, stage, numel in sorted(sizes, key=lambda t: (-t[2], t[0])):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += numel
+        out[name] = Owned(param=name, stage=stage, owner=owner, numel=numel)
+    return tuple(out[name] for name, _, _ in sizes)
 
 
 @dataclass(frozen=True)
@@ -144,8 +211,10 @@ class Route:
     source of the explanation's table, the per-parameter list and the picture, so the three
     say what the runtime does.
 
-    ``unit``: the all-reduce group id, or the owner's rank, that handles the piece; ``how``:
-    the compressor of an all-reduce, ``replicated``/``on demand`` for a PS piece."""
+    ``unit``: the all-reduce group id, or the owner's rank, that handles the piece (-1 for a
+    stage-3 shard: every worker holds a slice); ``how``: the compressor of an all-reduce,
+    ``replicated``/``on demand`` for a PS piece, ``stage N`` for a sharded one (whose
+    ``destination`` is its FSDP2 unit at stage 3)."""
 
     param: str
     index: int
@@ -176,6 +245,10 @@ class Route:
             return f"all-reduce group {self.unit} ({self.how})"
         if self.kind == "gathered rows":
             return f"rows all-gathered, summed on every worker (group {self.unit})"
+        if self.kind == "sharded":
+            if self.unit < 0:
+                return f"sharded {self.how}, FSDP2 unit {self.destination or '(root)'}"
+            return f"sharded {self.how}, updated by rank {self.unit}"
         return f"{self.kind} -> rank {self.unit} ({self.destination}, {self.how})"
 
 
@@ -191,6 +264,7 @@ class Plan:
     params: tuple[str, ...]
     densified: tuple[str, ...] = field(default=())  # sparse-gradient params reduced densely
     ps: PSPlan | None = None  # parameter-server pieces (None: all-reduce only)
+    shards: ShardPlan | None = None  # sharded parameters (None: none)
 
     @property
     def role(self) -> str:
@@ -227,6 +301,8 @@ class Plan:
         """Every gradient piece and how it travels, in parameter then part order."""
         out = []
         for g in self.groups:
+            if g.id == STAGE1_GROUP:  # stage-1 gradients: shown as the sharded pieces below
+                continue
             size = torch.empty((), dtype=getattr(torch, g.dtype)).element_size()
             kind = "gathered rows" if g.gather_rows else "all-reduce"
             how = g.compressor + (f" rank {g.powersgd_rank}" if g.compressor == "powersgd"
@@ -242,6 +318,16 @@ class Plan:
                              how="replicated" if p.local_replication else "on demand",
                              axis=p.axis, start=p.start, length=p.length, part=p.part,
                              destination=p.destination))
+        if self.shards is not None:
+            owner = {o.param: o for o in self.shards.owned}
+            unit = {p: u.module for u in self.shards.units for p in u.params}
+            for name, index, shape, nbytes in self.shards.places:
+                o = owner.get(name)
+                out.append(Route(param=name, index=index, shape=shape,
+                                 numel=prod(shape), nbytes=nbytes, kind="sharded",
+                                 unit=o.owner if o else -1,
+                                 how=f"stage {o.stage if o else 3}",
+                                 destination="" if o else unit[name]))
         return tuple(sorted(out, key=lambda r: (r.index, r.part or 0)))
 
     def by_parameter(self) -> list[str]:
@@ -283,6 +369,8 @@ class Plan:
             lines.append(f"  sparse gradients reduced densely: {', '.join(self.densified)}")
         if self.ps is not None:
             lines.extend(self.ps.summary_lines())
+        if self.shards is not None:
+            lines.extend(self.shards.summary_lines())
         return "\n".join(lines)
 
 
@@ -328,9 +416,31 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
 
     pieces: dict[int, list[tuple[AllReduceSynchronizer, dict[str, Any]]]] = {}
     ps_leaves: list[tuple[PSSynchronizer, ParamInfo, int, dict[str, Any], str]] = []
+    owned: list[tuple[str, int, int]] = []
+    units: dict[str, tuple[ShardedSynchronizer, list[str]]] = {}
+    places: list[tuple[str, int, tuple[int, ...], int]] = []
+    if any(isinstance(nc.synchronizer, ShardedSynchronizer) for nc in strategy.node_config):
+        check_sharded_units(strategy, profile)
     for index, info in enumerate(profile.params):
         nc = configs[info.name]
         nwhere = f"node_config[{nc.var_name}]"
+        if isinstance(nc.synchronizer, ShardedSynchronizer) and nc.partitioner is None:
+            sync = nc.synchronizer
+            check_sharded(sync, info, nwhere, partitioned=False)
+            places.append((info.name, index, tuple(info.shape), info.bytes))
+            if sync.stage == 3:
+                units.setdefault(unit_of(nc.var_name, sync), (sync, []))[1].append(info.name)
+                continue
+            owned.append((info.name, sync.stage, info.numel))
+            if sync.stage == 2:
+                continue
+            # Stage 1: the gradient is all-reduced (one group of its own), then only its
+            # owner updates it.
+            sync = AllReduceSynchronizer(group=STAGE1_GROUP)
+            pieces.setdefault(sync.group, []).append(
+                (sync, {"param": info.name, "index": index, "shape": info.shape, "start": 0,
+                        "length": info.numel}))
+            continue
         leaves = _pieces(nc, info, nwhere)
         kinds = {type(sync) for sync, _ in leaves}
         if len(kinds) > 1:
@@ -392,7 +502,21 @@ def compile_plan(strategy: Strategy, profile: ModelProfile, *, rank: int, world_
                                 if p.sparse and (p.name in ar_params or (
                                     ps is not None and any(
                                         not q.sparse for q in ps.pieces_of(p.name))))),
-                ps=ps)
+                ps=ps, shards=_shard_plan(owned, units, world_size, places))
+
+
+def _shard_plan(owned: list[tuple[str, int, int]],
+                units: dict[str, tuple[ShardedSynchronizer, list[str]]],
+                world_size: int, places: list[tuple[str, int, tuple[int, ...], int]]
+                ) -> ShardPlan | None:
+    if not owned and not units:
+        return None
+    return ShardPlan(owned=assign_owners(owned, world_size),
+                     units=tuple(UnitPlan(module=u, params=tuple(names),
+                                          reshard_after_forward=s.reshard_after_forward,
+                                          prefetch=s.prefetch)
+                                 for u, (s, names) in units.items()),
+                     places=tuple(places))
 
 
 def _compile_ps(leaves: list[tuple[PSSynchronizer, ParamInfo, int, dict[str, Any], str]],
@@ -461,6 +585,9 @@ def _configs_by_param(strategy: Strategy, profile: ModelProfile, where: str
 
 
 def _check_sync(sync: object, where: str) -> AllReduceSynchronizer | PSSynchronizer:
+    if isinstance(sync, ShardedSynchronizer):
+        raise StrategyError("a Sharded synchronizer on a part of a parameter", where=where,
+                            fix="shard the whole parameter (sharding splits it already)")
     if isinstance(sync, PSSynchronizer):
         if not sync.reduction_destination:
             raise StrategyError("PS synchronizer without a reduction_destination",

@@ -22,6 +22,7 @@ from stratagem.strategy.schema import (
     NodeConfig,
     Partitioner,
     PSSynchronizer,
+    ShardedSynchronizer,
     Strategy,
 )
 from stratagem.strategy.validate import validate
@@ -34,6 +35,7 @@ __all__ = [
     "GraphConfig",
     "NodeConfig",
     "PSSynchronizer",
+    "ShardedSynchronizer",
     "PartitionedAR",
     "Partitioner",
     "RandomAxisPartitionAR",

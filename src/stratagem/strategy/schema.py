@@ -1,10 +1,11 @@
 """The Strategy: an explicit, serializable, per-parameter distribution plan.
 
 A strategy lists, for every trainable parameter, how its gradient is synchronized: by
-all-reduce (with a group and a compressor) or through a parameter server (with a reduction
-destination and a consistency mode), optionally after partitioning the parameter along one
-axis into parts that each carry their own synchronizer. It is plain data: builders produce
-it, people can write it by hand, and the runtime compiles it per rank.
+all-reduce (with a group and a compressor), through a parameter server (with a reduction
+destination and a consistency mode) or sharded across the workers (ZeRO stage 1-3),
+optionally after partitioning the parameter along one axis into parts that each carry
+their own synchronizer. It is plain data: builders produce it, people can write it by
+hand, and the runtime compiles it per rank.
 """
 
 from __future__ import annotations
@@ -102,8 +103,42 @@ class PSSynchronizer:
         return d
 
 
-Synchronizer = AllReduceSynchronizer | PSSynchronizer
-_SYNC_TYPES: dict[str, type] = {"AllReduce": AllReduceSynchronizer, "PS": PSSynchronizer}
+MAX_PREFETCH = 16
+SHARD_STAGES = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class ShardedSynchronizer:
+    """Sharded data parallel (ZeRO): every worker holds a 1/world share of some state.
+
+    ``stage`` 1: the optimizer state is sharded -- gradients are all-reduced, each worker
+    updates the parameters it owns and sends their new values to the others. ``stage`` 2:
+    the gradients too -- each is reduced to its owner alone and freed on the others during
+    backward. ``stage`` 3: the parameters too -- torch's FSDP2 (``fully_shard``) keeps a
+    1/world slice of each and gathers the ``unit`` module's parameters just in time for its
+    forward and backward. ``unit``: the module sharded as one piece at stage 3 (e.g. one
+    transformer block, ``blocks.0``); empty: the module the parameter belongs to; every
+    trainable parameter under a unit must be sharded with the same options.
+    ``reshard_after_forward`` (stage 3): free the gathered parameters after forward and
+    gather them again for backward (less memory, one more all-gather). ``prefetch``
+    (stage 3): how many following units to gather ahead during forward (0: none).
+    See docs/concepts/sharding.md.
+    """
+
+    kind: ClassVar[str] = "Sharded"
+    stage: int = 1
+    unit: str = ""
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "stage": self.stage, "unit": self.unit,
+                "reshard_after_forward": self.reshard_after_forward, "prefetch": self.prefetch}
+
+
+Synchronizer = AllReduceSynchronizer | PSSynchronizer | ShardedSynchronizer
+_SYNC_TYPES: dict[str, type] = {"AllReduce": AllReduceSynchronizer, "PS": PSSynchronizer,
+                                "Sharded": ShardedSynchronizer}
 
 
 @dataclass(frozen=True)
@@ -226,6 +261,12 @@ class Strategy:
                       if any(isinstance(leaf.synchronizer, PSSynchronizer)
                              for leaf in nc.leaves()))
 
+    @property
+    def sharded_parameters(self) -> list[str]:
+        """Parameters with a :class:`ShardedSynchronizer` (ZeRO stage 1, 2 or 3)."""
+        return sorted(nc.var_name for nc in self.node_config
+                      if isinstance(nc.synchronizer, ShardedSynchronizer))
+
     def config_for(self, var_name: str) -> NodeConfig:
         for nc in self.node_config:
             if nc.var_name == var_name:
@@ -314,6 +355,11 @@ def sync_text(s: Synchronizer | None) -> str:
         rows = ", rows" if s.row_sparse else ""
         copy = ", replicated" if s.local_replication else ""
         return f"PS(dest={s.reduction_destination}, {mode}{rows}{copy})"
+    if isinstance(s, ShardedSynchronizer):
+        if s.stage == 3:
+            return (f"Sharded(stage=3, unit={s.unit or '(own module)'}, "
+                    f"reshard_after_forward={s.reshard_after_forward}, prefetch={s.prefetch})")
+        return f"Sharded(stage={s.stage})"
     return "none"
 
 
@@ -429,4 +475,5 @@ class _StrategyParser:
 
 
 _INT_LIMITS = {"staleness": MAX_STALENESS, "group": MAX_GROUP,
-               "powersgd_rank": MAX_POWERSGD_RANK}
+               "powersgd_rank": MAX_POWERSGD_RANK, "stage": max(SHARD_STAGES),
+               "prefetch": MAX_PREFETCH}

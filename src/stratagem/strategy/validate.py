@@ -13,10 +13,13 @@ from stratagem.strategy.schema import (
     ENGINES,
     MAX_GROUP,
     MAX_POWERSGD_RANK,
+    MAX_PREFETCH,
     MAX_STALENESS,
+    SHARD_STAGES,
     AllReduceSynchronizer,
     NodeConfig,
     PSSynchronizer,
+    ShardedSynchronizer,
     Strategy,
 )
 
@@ -66,7 +69,69 @@ def validate(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec) -> S
                 fix="add a node_config entry for it, or rebuild the strategy for this model")
         _check_node(nc, info, destinations)
     check_engines(strategy)
+    check_sharded_units(strategy, profile)
     return strategy
+
+
+def unit_of(name: str, sync: ShardedSynchronizer) -> str:
+    """The module a stage-3 parameter is sharded with: ``sync.unit``, or its own module."""
+    return sync.unit if sync.unit else name.rpartition(".")[0]
+
+
+def _under(name: str, unit: str) -> bool:
+    return unit == "" or name.startswith(unit + ".")
+
+
+def check_sharded_units(strategy: Strategy, profile: ModelProfile) -> None:
+    """Every trainable parameter under a stage-3 unit must be sharded with it: FSDP2 shards
+    a module's parameters together, so one that another synchronizer (or another unit)
+    owns would be owned twice. Refuses the first such parameter, naming it."""
+    by_name = {nc.var_name: nc for nc in strategy.node_config}
+    units: dict[str, tuple[str, ShardedSynchronizer]] = {}
+    for nc in strategy.node_config:
+        s = nc.synchronizer
+        if isinstance(s, ShardedSynchronizer) and s.stage == 3:
+            units.setdefault(unit_of(nc.var_name, s), (nc.var_name, s))
+    for unit, (first, sync) in units.items():
+        for info in profile.params:
+            names = [n for n in (info.name, *info.aliases) if _under(n, unit)]
+            if not names:
+                continue
+            nc = next((by_name[n] for n in (info.name, *info.aliases) if n in by_name), None)
+            other = nc.synchronizer if nc is not None else None
+            same = (isinstance(other, ShardedSynchronizer) and other.stage == 3
+                    and unit_of(nc.var_name, other) == unit
+                    and (other.reshard_after_forward, other.prefetch)
+                    == (sync.reshard_after_forward, sync.prefetch))
+            if not same:
+                what = _describe(other, nc.var_name if nc else info.name)
+                raise StrategyError(
+                    f"parameter {names[0]!r} is inside the sharded unit {unit or '(root)'!r} "
+                    f"(stage 3, from {first!r}) but is {what}: it would be owned twice",
+                    where=f"node_config[{nc.var_name if nc else info.name}]",
+                    fix=f"give {names[0]!r} the same Sharded synchronizer (stage 3, unit "
+                        f"{unit!r}, same options), or choose a unit that does not contain it")
+            outside = [n for n in (info.name, *info.aliases) if not _under(n, unit)]
+            if outside:
+                raise StrategyError(
+                    f"parameter {info.name!r} is tied: {outside[0]!r} lies outside the "
+                    f"sharded unit {unit or '(root)'!r}", where=f"node_config[{nc.var_name}]",
+                    fix="choose a unit that contains every module sharing the parameter, "
+                        "or shard it at stage 1 or 2")
+
+
+def _describe(sync: object, name: str) -> str:
+    if isinstance(sync, ShardedSynchronizer):
+        if sync.stage != 3:
+            return f"sharded at stage {sync.stage}"
+        return (f"sharded with unit {unit_of(name, sync)!r}, "
+                f"reshard_after_forward={sync.reshard_after_forward}, "
+                f"prefetch={sync.prefetch}")
+    if isinstance(sync, AllReduceSynchronizer):
+        return "synchronized by AllReduce"
+    if isinstance(sync, PSSynchronizer):
+        return f"owned by the parameter server {sync.reduction_destination}"
+    return "partitioned"
 
 
 def _check_node(nc: NodeConfig, info: ParamInfo, destinations: set[str]) -> None:
@@ -146,6 +211,37 @@ def _check_sync(nc: NodeConfig, info: ParamInfo, destinations: set[str], where: 
                                 where=where, fix="set staleness: 0 for asynchronous training")
         if s.row_sparse:
             check_row_sparse(s, info, where)
+    elif isinstance(s, ShardedSynchronizer):
+        check_sharded(s, info, where, partitioned=part)
+
+
+def check_sharded(sync: ShardedSynchronizer, info: ParamInfo, where: str,
+                  partitioned: bool) -> None:
+    """A Sharded synchronizer must be runnable: a known stage, a whole dense parameter, a
+    unit (stage 3 only) that contains the parameter."""
+    if sync.stage not in SHARD_STAGES:
+        raise StrategyError(f"unknown sharding stage {sync.stage}", where=where,
+                            fix="use stage 1 (optimizer state), 2 (+ gradients) or 3 "
+                                "(+ parameters)")
+    if not 0 <= sync.prefetch <= MAX_PREFETCH:
+        raise StrategyError(f"prefetch {sync.prefetch} out of range", where=where,
+                            fix=f"use 0 to {MAX_PREFETCH} units")
+    if partitioned:
+        raise StrategyError(f"a Sharded synchronizer on a part of {info.name!r}", where=where,
+                            fix="shard the whole parameter (sharding splits it already)")
+    if info.sparse:
+        raise StrategyError(f"sharding {info.name!r}, whose gradient is sparse", where=where,
+                            fix="all-reduce it (gather_rows) or send its rows to parameter "
+                                "servers")
+    if sync.stage != 3 and sync.unit:
+        raise StrategyError(f"unit {sync.unit!r} at stage {sync.stage}", where=where,
+                            fix="units apply to stage 3 (parameters gathered per unit); "
+                                "drop unit, or use stage 3")
+    if sync.stage == 3 and sync.unit and not any(
+            n.startswith(sync.unit + ".") for n in (info.name, *info.aliases)):
+        raise StrategyError(f"unit {sync.unit!r} does not contain {info.name!r}", where=where,
+                            fix="name a module the parameter belongs to (a prefix of its "
+                                "name), or leave unit empty for its own module")
 
 
 def check_gather_rows(sync: AllReduceSynchronizer, info: ParamInfo, where: str,
@@ -224,6 +320,14 @@ def check_engines(strategy: Strategy) -> None:
         return
     where = f"strategy {strategy.id}"
     first_name, first = ddp[0]
+    sharded = next((leaf.var_name for nc in strategy.node_config for leaf in nc.leaves()
+                    if isinstance(leaf.synchronizer, ShardedSynchronizer)), None)
+    if sharded is not None:
+        raise StrategyError(
+            f"parameter {sharded!r} is sharded while {first_name!r} runs on engine 'ddp'",
+            where=where, fix="use engine: stratagem for the all-reduce groups of a model "
+                             "with sharded parameters (DDP's reducer would own their "
+                             "gradients too)")
     for name, s in syncs:
         if s.engine != "ddp":
             raise StrategyError(

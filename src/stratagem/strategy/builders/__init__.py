@@ -15,6 +15,7 @@ from stratagem.strategy.builders.ps import (
     PSLoadBalancing,
     UnevenPartitionedPS,
 )
+from stratagem.strategy.builders.sharded import ZeRO
 
 __all__ = [
     "AllReduce",
@@ -30,4 +31,5 @@ __all__ = [
     "PartitionedPS",
     "UnevenPartitionedPS",
     "Parallax",
+    "ZeRO",
 ]

@@ -1,0 +1,293 @@
+"""Peak memory per worker of a strategy, and Auto's choice under a memory limit.
+
+The estimate adds what one worker holds at the peak of a step (the worst rank's share):
+parameters (a 1/world slice of stage-3 ones, plus the gathered units), gradients (a
+stage-2 worker keeps only its own, a stage-3 one its slice plus one unit's whole
+gradients), optimizer state (elements of state per parameter element by the optimizer's
+kind, on the workers that update the parameter), activations (the bytes autograd saves
+for backward, measured on the sample batch) and communication buffers (the all-reduce
+groups' flat buffers). See docs/concepts/sharding.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.analysis.profile import ModelProfile
+from stratagem.errors import StratagemError
+from stratagem.resource import ResourceSpec
+from stratagem.strategy.schema import ShardedSynchronizer, Strategy
+from stratagem.strategy.validate import unit_of
+
+STATE_PER_ELEMENT = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2,
+                     "Adagrad": 1, "Adadelta": 2, "RMSprop": 1, "SGD": 1, "Lion": 1}
+"""Optimizer state elements per parameter element (SGD: the momentum buffer, when set)."""
+DEFAULT_STATE = 2  # unknown optimizer: Adam's
+BACKWARD_UNITS = 7  # stage 3: units' worth of bytes in flight during backward (below)
+
+
+def state_per_element(optimizer: Any) -> int:
+    """Elements of optimizer state per parameter element for ``optimizer`` (one or a list;
+    the largest), Adam's 2 when unknown."""
+    opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or [])
+    if not opts:
+        return DEFAULT_STATE
+    out = 0
+    for o in opts:
+        k = STATE_PER_ELEMENT.get(type(o).__name__, DEFAULT_STATE)
+        if isinstance(o, torch.optim.SGD) and not any(g.get("momentum") for g in o.param_groups):
+            k = 0
+        if isinstance(o, torch.optim.RMSprop) and any(g.get("momentum") for g in o.param_groups):
+            k = 2
+        out = max(out, k)
+    return out
+
+
+def activation_bytes(model: nn.Module, sample_input: Any,
+                     run: Any = None) -> int:
+    """Bytes of the tensors autograd saves for backward in one training forward of
+    ``model`` on ``sample_input`` (each storage once), without running backward."""
+    seen: dict[Any, int] = {}
+    alive = []  # the storages, until the end: a freed one's address may come again
+    # Saved views of the parameters (a linear layer's transposed weight) are not new memory.
+    held = {(p.untyped_storage().data_ptr(), p.device)
+            for p in [*model.parameters(), *model.buffers()]}
+
+    def pack(t: torch.Tensor) -> None:
+        # Returns nothing: keeping ``t`` would tie a saved output to its own graph node (a
+        # reference cycle outside Python's collector: the parameters would never be freed).
+        st = t.untyped_storage()
+        key = (st.data_ptr(), t.device)
+        if key not in held:
+            seen[key] = st.nbytes()
+            alive.append(st)
+
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("activation_bytes runs no backward")
+
+    was = model.training
+    model.train()
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = run(model, sample_input) if run else (
+                model(*sample_input) if isinstance(sample_input, tuple) else model(sample_input))
+            del out
+    finally:
+        model.train(was)
+    return sum(seen.values())
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one worker holds at the peak of a step, by item (the worst rank's)."""
+
+    items: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return sum(self.items.values())
+
+    def largest(self, n: int = 3) -> list[tuple[str, int]]:
+        return sorted(self.items.items(), key=lambda kv: -kv[1])[:n]
+
+    def text(self) -> str:
+        parts = ", ".join(f"{k} {mib(v)}" for k, v in self.largest(len(self.items)) if v)
+        return f"{mib(self.peak)} per worker ({parts})"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def estimate_memory(strategy: Strategy, profile: ModelProfile, world: int, *,
+                    state_elements: int = DEFAULT_STATE, activations: int = 0
+                    ) -> MemoryEstimate:
+    """Peak bytes per worker of ``strategy`` on ``world`` workers (the module docstring)."""
+    from stratagem.runtime.plan import assign_owners  # (the runtime's own assignment)
+
+    configs = {nc.var_name: nc for nc in strategy.node_config}
+    params = grads = state = buffers = 0
+    units: dict[str, int] = {}
+    keep: dict[str, bool] = {}
+    prefetch: dict[str, int] = {}
+    owned_sizes = []
+    itemsize = {}
+    largest_owned = 0
+    for info in profile.params:
+        nc = next((configs[n] for n in (info.name, *info.aliases) if n in configs), None)
+        sync = nc.synchronizer if nc is not None else None
+        itemsize[info.name] = info.bytes // max(info.numel, 1)
+        if isinstance(sync, ShardedSynchronizer) and sync.stage == 3:
+            u = unit_of(nc.var_name, sync)
+            rows = info.shape[0] if info.shape else 1
+            shard = math.ceil(rows / world) * (info.numel // max(rows, 1))  # FSDP2 pads dim 0
+            params += shard * itemsize[info.name]
+            grads += shard * itemsize[info.name]
+            state += shard * itemsize[info.name] * state_elements
+            units[u] = units.get(u, 0) + info.bytes
+            keep[u] = not sync.reshard_after_forward
+            prefetch[u] = sync.prefetch
+            continue
+        params += info.bytes
+        if isinstance(sync, ShardedSynchronizer):
+            owned_sizes.append((info.name, sync.stage, info.numel))
+            if sync.stage == 1:
+                grads += info.bytes
+                buffers += info.bytes  # the stage-1 all-reduce group's buffer
+            else:
+                largest_owned = max(largest_owned, info.bytes)
+            continue
+        grads += info.bytes
+        state += info.bytes * state_elements
+        buffers += info.bytes  # the all-reduce groups' flat buffers (or PS buckets)
+    if owned_sizes:
+        owned = assign_owners(owned_sizes, world)
+        per_rank = [0] * world
+        g2 = [0] * world
+        for o in owned:
+            per_rank[o.owner] += o.numel * itemsize[o.param]
+            if o.stage == 2:
+                g2[o.owner] += o.numel * itemsize[o.param]
+        worst = max(range(world), key=lambda r: per_rank[r] * state_elements + g2[r])
+        state += per_rank[worst] * state_elements
+        grads += g2[worst] + 2 * largest_owned  # own gradients + the reduce in flight
+    gathered = 0
+    if units:
+        biggest = max(units.values())
+        kept = sum(b for u, b in units.items() if keep[u])
+        ahead = max(prefetch.values())
+        # FSDP2's forward: the kept units, the running unit, those prefetched, and the
+        # all-gather buffer it is copied out of. Backward: the running unit's parameters
+        # and the next one's (prefetched), the running unit's whole gradients, and two
+        # reduce-scatters -- the running unit's and the previous one's, still in flight
+        # -- each a flat input plus gloo's buffer (it reduce-scatters by an all-reduce):
+        # 7 units. (The 7 is a model of the overlap, checked against measured peaks on
+        # CPU: tests/planner/test_memory.py.)
+        gathered = max(kept + biggest * (2 + ahead), kept + BACKWARD_UNITS * biggest)
+    return MemoryEstimate(items={"parameters": params, "gradients": grads,
+                                 "optimizer state": state, "activations": activations,
+                                 "gathered units": gathered, "comm buffers": buffers})
+
+
+def calibration_fits(profile: ModelProfile, limit: int, activations: int) -> bool:
+    """Whether calibrating (whole parameters and gradients, the sample's activations)
+    stays within ``limit`` bytes; if not, Auto plans from estimated costs."""
+    return 2 * sum(p.bytes for p in profile.params) + activations <= limit
+
+
+def check_shard_floor(profile: ModelProfile, spec: ResourceSpec) -> None:
+    """A limit below one worker's shard of the largest parameter cannot be met by any
+    strategy: refused, naming the field."""
+    limit = spec.memory_limit()
+    if limit is None or not profile.params:
+        return
+    bytes_, where = limit
+    biggest = max(profile.params, key=lambda p: p.bytes)
+    shard = math.ceil(biggest.bytes / spec.num_workers)
+    if bytes_ < shard:
+        raise StratagemError(
+            f"{where} is {mib(bytes_)}, less than one worker's shard of {biggest.name!r} "
+            f"({mib(shard)} of {mib(biggest.bytes)} over {spec.num_workers} workers)",
+            where=f"{spec.source}: {where}",
+            fix="raise the limit, or add workers")
+
+
+def not_fitting(estimates: list[tuple[str, MemoryEstimate]], limit: int, where: str,
+                profile: ModelProfile, world: int, state_elements: int,
+                activations: int) -> StratagemError:
+    """The error when no candidate fits: the smallest estimate, the limit, its largest
+    items, and what would fit."""
+    name, best = min(estimates, key=lambda t: t[1].peak)
+    items = ", ".join(f"{k} {mib(v)}" for k, v in best.largest())
+    from stratagem.strategy.builders.sharded import ZeRO
+
+    hints = []
+    for w in (2 * world, 4 * world, 8 * world):
+        s = ZeRO(stage=3).build(profile, ResourceSpec.local(1))
+        if estimate_memory(s, profile, w, state_elements=state_elements,
+                           activations=activations).peak <= limit:
+            hints.append(f"{w} workers with ZeRO-3")
+            break
+    no_act = best.peak - activations
+    if activations and no_act <= limit:
+        share = (limit - no_act) / activations
+        hints.append(f"a per-worker batch about {share:.0%} of this one, or activation "
+                     "checkpointing")
+    return StratagemError(
+        f"no strategy fits the memory limit: the smallest estimate ({name}) is "
+        f"{mib(best.peak)} per worker, the limit {mib(limit)}; largest items: {items}",
+        where=where,
+        fix="what would fit: " + ("; ".join(hints) if hints else
+                                  "a larger memory limit (no smaller batch or more workers "
+                                  "within 8x would do)"))
+
+
+# Communication volume of the sharded stages against an all-reduce of the same gradients
+# (in units of its bytes): stage 1 and 2 add the owners' broadcast of the new values (a
+# reduce(-scatter) plus a gather is the all-reduce's volume), stage 3 gathers the
+# parameters for forward and, resharded after it, again for backward.
+SHARD_COMM_FACTOR = {1: 1.5, 2: 1.5, 3: 1.5}
+RESHARD_EXTRA = 0.5
+
+
+def fit_memory(choice: Any, activations: int, optimizer: Any, price: Any) -> Any:
+    """``choice`` when its strategy fits the spec's memory limit (or no limit is set);
+    else the fastest candidate (the priced ones, then ZeRO 1, 2 and 3) that fits, with its
+    estimate in the notes. Raises StratagemError when none fits. ``activations``: bytes
+    measured by :func:`activation_bytes` (0: unknown); ``price(strategy)``: the search's
+    StepCost of an all-reduce strategy."""
+    from dataclasses import replace as dc_replace
+
+    from stratagem.planner.cost_model import StepCost
+    from stratagem.planner.search import Candidate
+    from stratagem.strategy.builders.allreduce import AllReduce
+    from stratagem.strategy.builders.sharded import ZeRO
+
+    spec, profile = choice.spec, choice.profile
+    limit = spec.memory_limit()
+    if limit is None:
+        return choice
+    check_shard_floor(profile, spec)
+    limit_bytes, where = limit
+    k = state_per_element(optimizer)
+    act = activations
+    world = spec.num_workers
+
+    def est(s: Strategy) -> MemoryEstimate:
+        return estimate_memory(s, profile, world, state_elements=k, activations=act)
+
+    pool = sorted(choice.candidates, key=lambda c: c.cost.total_s)
+    if choice.best not in pool:
+        pool.insert(0, choice.best)
+    base = price(AllReduce().build(profile, spec))
+    for stage, keep in ((1, True), (2, True), (3, False), (3, True)):
+        s = ZeRO(stage=stage, reshard_after_forward=keep).build(profile, spec)
+        if base is None:
+            continue
+        factor = SHARD_COMM_FACTOR[stage] + (RESHARD_EXTRA if stage == 3 and keep else 0)
+        cost = StepCost(compute_s=base.compute_s, exposed_comm_s=base.exposed_comm_s * factor,
+                        overhead_s=base.overhead_s, link_bytes=dict(base.link_bytes),
+                        parts=dict(base.parts))
+        name = f"ZeRO-{stage}" + ("" if stage < 3 else
+                                  " (reshard after forward)" if keep else " (kept)")
+        pool.append(Candidate(name, s, cost))
+    estimates = [(c.name, est(c.strategy)) for c in pool]
+    fitting = [(c, e) for c, (_, e) in zip(pool, estimates, strict=True)
+               if e.peak <= limit_bytes]
+    if not fitting:
+        raise not_fitting(estimates, limit_bytes, f"{spec.source}: {where}", profile, world,
+                          k, act)
+    best, e = min(fitting, key=lambda t: t[0].cost.total_s)
+    note = (f"memory: {best.name} needs {e.text()}, within {where} {mib(limit_bytes)}")
+    if best is choice.best:
+        return dc_replace(choice, notes=(*choice.notes, note), memory=e)
+    first = estimates[0][1]
+    note += (f"; {choice.best.name} would need {mib(first.peak)}")
+    return dc_replace(choice, best=best,
+                      candidates=tuple(sorted(pool, key=lambda c: c.cost.total_s)),
+                      notes=(*choice.notes, note), memory=e)

@@ -1,0 +1,243 @@
+"""Sharded data parallel: ZeRO stages 1 and 2 on the user's optimizer, stage 3 by FSDP2.
+
+Stage 1 and 2 (whole parameters to owners, :func:`~stratagem.runtime.plan.assign_owners`):
+the optimizer's ``step`` is wrapped by hooks. Before it, a non-owner's gradient of an owned
+parameter is set to None, so the user's optimizer (any torch optimizer) neither updates
+the parameter nor creates state for it: each worker holds the state of its share only.
+After it, each owner broadcasts its parameters' new values. Stage-1 gradients are
+all-reduced with the other groups; stage-2 gradients are summed onto their owner alone
+(``reduce``) as backward produces them, and freed on the other workers right after.
+
+Stage 3 is torch's ``fully_shard`` (FSDP2) on each unit module, and on the root with every
+other parameter ignored (so the units are not roots: a root keeps its parameters gathered
+after forward). The optimizer's parameters are rebound to FSDP2's sharded ones.
+
+Why stages 1 and 2 are not ``ZeroRedundancyOptimizer``: see docs/concepts/sharding.md.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stratagem.errors import StratagemError
+from stratagem.runtime.plan import Owned, Plan
+
+
+def optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    return list(optimizer)
+
+
+class ShardEngine:
+    """Runs one rank's :class:`ShardPlan` over its own gloo group (collectives of its own
+    order, apart from the all-reduce groups')."""
+
+    def __init__(self, plan: Plan, module: nn.Module, params: dict[str, nn.Parameter],
+                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+                 process_group: dist.ProcessGroup | None) -> None:
+        shards = plan.shards
+        assert shards is not None
+        self.plan, self.shards, self.rank = plan, shards, plan.rank
+        self.world_size = plan.world_size
+        self.optimizers = optimizers_of(optimizer)
+        if not self.optimizers:
+            raise StratagemError(
+                "a sharded strategy needs the optimizer", where="DistributedModel",
+                fix="pass optimizer= (AutoDist.distribute(model, optimizer) does): sharding "
+                    "decides which worker updates which parameter")
+        ranks = (dist.get_process_group_ranks(process_group) if process_group is not None
+                 else list(range(dist.get_world_size())))
+        self.group = dist.new_group(ranks, backend="gloo")
+        self.global_ranks = ranks
+        self.require_sync = True
+        self.grad_weight = 1.0
+        self._owned = {o.param: o for o in shards.owned}
+        # (only these: the stage-3 originals must go once FSDP2 has sharded them)
+        self._params = {o.param: params[o.param] for o in shards.owned}
+        self._handles: list[Any] = []
+        self._stage2 = [o for o in _reverse(shards.owned, plan.params) if o.stage == 2]
+        self._pending: tuple[Owned, Any] | None = None
+        self._ready: set[str] = set()
+        self._next = 0
+        self._queued = False
+        ref = weakref.ref(self)
+        for o in self._stage2:
+            def hook(param: torch.Tensor, name: str = o.param, ref: weakref.ref = ref) -> None:
+                engine = ref()
+                if engine is not None:
+                    engine._on_grad(name)
+
+            self._handles.append(params[o.param].register_post_accumulate_grad_hook(hook))
+        for opt in self.optimizers:
+            self._handles.append(opt.register_step_pre_hook(
+                lambda *_a, ref=ref: ref() and ref()._before_step()))
+            self._handles.append(opt.register_step_post_hook(
+                lambda *_a, ref=ref: ref() and ref()._after_step()))
+        self.sharded_params: dict[str, nn.Parameter] = {}
+        if shards.units:
+            self._fully_shard(module, params)
+
+    # -- stage 3 -------------------------------------------------------------------------
+    def _fully_shard(self, module: nn.Module, params: dict[str, nn.Parameter]) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        names = self.shards.unit_params
+        for opt in self.optimizers:
+            for n in names:
+                if opt.state.get(params[n]):
+                    raise StratagemError(
+                        f"the optimizer already holds state for {n!r}, which stage 3 shards",
+                        where="DistributedModel",
+                        fix="wrap the model before the first step; load a checkpoint after "
+                            "wrapping")
+        mesh = DeviceMesh.from_group(self.group, "cpu" if self.plan.device == "cpu"
+                                     else torch.device(self.plan.device).type)
+        modules = dict(module.named_modules())
+        wrapped = []
+        for u in self.shards.units:
+            if u.module == "":
+                continue
+            wrapped.append(fully_shard(modules[u.module], mesh=mesh,
+                                       reshard_after_forward=u.reshard_after_forward))
+        root_unit = next((u for u in self.shards.units if u.module == ""), None)
+        ignored = {p for n, p in params.items() if n not in names}
+        fully_shard(module, mesh=mesh, ignored_params=ignored,
+                    reshard_after_forward=root_unit.reshard_after_forward if root_unit
+                    else True)
+        for i, u in enumerate(u for u in self.shards.units if u.module):
+            if u.prefetch and i + 1 < len(wrapped):
+                wrapped[i].set_modules_to_forward_prefetch(wrapped[i + 1: i + 1 + u.prefetch])
+        new = dict(module.named_parameters())
+        swap = {id(params[n]): new[n] for n in names}
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                g["params"] = [swap.get(id(p), p) for p in g["params"]]
+        self.sharded_params = {n: new[n] for n in names}
+        self._root = module
+
+    def set_requires_gradient_sync(self, on: bool) -> None:
+        if self.shards.units:
+            self._root.set_requires_gradient_sync(on)
+
+    # -- stage 2: gradients reduced to their owner during backward ------------------------
+    def _on_grad(self, name: str) -> None:
+        if not self.require_sync:
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._ready.add(name)
+        while self._next < len(self._stage2) and self._stage2[self._next].param in self._ready:
+            self._launch(self._stage2[self._next])
+            self._next += 1
+
+    @torch.no_grad()
+    def _launch(self, o: Owned) -> None:
+        p = self._params[o.param]
+        if p.grad is None:  # unused in this backward: a zero gradient, as all-reduce gives
+            p.grad = torch.zeros_like(p)
+        p.grad.mul_(self.grad_weight / self.world_size)
+        work = dist.reduce(p.grad, dst=self.global_ranks[o.owner], group=self.group,
+                           async_op=True)
+        self._settle()
+        self._pending = (o, work)
+
+    def _settle(self) -> None:
+        """Wait for the reduce in flight; a non-owner frees that gradient."""
+        if self._pending is None:
+            return
+        o, work = self._pending
+        self._pending = None
+        work.wait()
+        if o.owner != self.rank:
+            self._params[o.param].grad = None
+
+    def _finish_backward(self) -> None:
+        while self._next < len(self._stage2):
+            self._launch(self._stage2[self._next])
+            self._next += 1
+        self._settle()
+        self._ready.clear()
+        self._next = 0
+        self._queued = False
+
+    def prepare_for_forward(self) -> None:
+        """Drop the state of a backward that failed before its end callback ran."""
+        if self._queued:
+            self._settle()
+            self._ready.clear()
+            self._next = 0
+            self._queued = False
+
+    # -- stages 1 and 2: owners update, then send the values -------------------------------
+    def _before_step(self) -> None:
+        for o in self.shards.owned:
+            if o.owner != self.rank:
+                self._params[o.param].grad = None
+
+    @torch.no_grad()
+    def _after_step(self) -> None:
+        for owner in range(self.world_size):
+            mine = [self._params[o.param] for o in self.shards.owned if o.owner == owner]
+            if not mine:
+                continue
+            flat = torch.cat([p.detach().reshape(-1) for p in mine]) if owner == self.rank \
+                else torch.empty(sum(p.numel() for p in mine), dtype=mine[0].dtype)
+            dist.broadcast(flat, src=self.global_ranks[owner], group=self.group)
+            if owner != self.rank:
+                offset = 0
+                for p in mine:
+                    p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    # -- state ---------------------------------------------------------------------------
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Collective: the module's state dict with every sharded tensor gathered whole
+        (plain tensors: ``torch.load`` + ``load_state_dict`` of the plain model take it)."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for k, v in module.state_dict().items():
+            out[k] = v.full_tensor().detach().clone() if isinstance(v, DTensor) \
+                else v.detach().clone()
+        return out
+
+    def load_full_state_dict(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load whole tensors (a :meth:`full_state_dict`, any world size's) into this
+        rank's shards."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        own = module.state_dict()
+        with torch.no_grad():
+            for k, v in own.items():
+                if k not in state:
+                    raise StratagemError(f"the state dict has no {k!r}",
+                                         where="DistributedModel.load_full_state_dict",
+                                         fix="load a state dict saved from this model")
+                if isinstance(v, DTensor):
+                    v.copy_(distribute_tensor(state[k].to(v.dtype), v.device_mesh,
+                                              v.placements))
+                else:
+                    v.copy_(state[k])
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _reverse(owned: tuple[Owned, ...], order: tuple[str, ...]) -> list[Owned]:
+    """Stage-2 launch order: reverse registration order, as backward produces gradients."""
+    index = {n: i for i, n in enumerate(order)}
+    return sorted(owned, key=lambda o: -index[o.param])
+

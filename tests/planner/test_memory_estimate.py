@@ -1,0 +1,123 @@
+"""The peak-memory estimate, memory limits in the spec, and Auto's choice under them
+(no processes: estimated costs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from stratagem.analysis import analyze
+from stratagem.errors import ResourceSpecError, StratagemError
+from stratagem.planner import estimate_memory, plan_from_profile
+from stratagem.planner.memory import BACKWARD_UNITS, activation_bytes, state_per_element
+from stratagem.resource import ResourceSpec, parse_size
+from stratagem.strategy import AllReduce, Auto
+from stratagem.strategy.builders import ZeRO
+
+
+class Blocks(nn.Module):
+    """``n`` equal blocks of one 64x64 matrix each (16 KiB each in fp32)."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return x
+
+
+P = 4 * 64 * 64 * 4  # parameter bytes
+UNIT = 64 * 64 * 4
+
+
+def spec(world: int, **node: object) -> ResourceSpec:
+    return ResourceSpec.from_dict({"nodes": [{"address": "127.0.0.1", "workers": world,
+                                              **node}]})
+
+
+def test_sizes_parse_and_bad_ones_name_the_field() -> None:
+    assert parse_size("6GiB") == 6 * 2**30
+    assert parse_size("512 MB") == 512 * 10**6
+    assert parse_size("1.5KiB") == 1536
+    assert parse_size(4096) == 4096
+    s = ResourceSpec.from_dict({"nodes": [{"address": "127.0.0.1", "workers": 2,
+                                           "memory": "1GiB"}], "memory_budget": "1GiB"})
+    assert s.memory_limit() == (2**29, "memory_budget")
+    assert ResourceSpec.from_dict(s.to_dict()).memory_limit() == s.memory_limit()
+    assert spec(2).memory_limit() is None
+    for bad, what in (("lots", "not a size"), (-5, "negative"), ("-1GiB", "negative"),
+                      (0, "zero"), (True, "not a size"), ("1e3GiB", "not a size")):
+        with pytest.raises(ResourceSpecError, match=what) as err:
+            spec(1, memory=bad)
+        assert "nodes[0].memory" in str(err.value)
+    with pytest.raises(ResourceSpecError, match="memory_budget"):
+        ResourceSpec.from_dict({"nodes": [{"address": "127.0.0.1"}], "memory_budget": "x"})
+
+
+def test_estimate_by_stage_known_answers() -> None:
+    profile = analyze(Blocks())
+    w = 4
+    rep = estimate_memory(AllReduce().build(profile, spec(w)), profile, w,
+                          state_elements=2, activations=100)
+    assert rep.items == {"parameters": P, "gradients": P, "optimizer state": 2 * P,
+                         "activations": 100, "gathered units": 0, "comm buffers": P}
+    z1 = estimate_memory(ZeRO(stage=1).build(profile, spec(w)), profile, w)
+    assert (z1.items["parameters"], z1.items["gradients"], z1.items["optimizer state"]) == (
+        P, P, 2 * UNIT)  # four equal parameters: one each
+    z2 = estimate_memory(ZeRO(stage=2).build(profile, spec(w)), profile, w)
+    assert z2.items["gradients"] == UNIT + 2 * UNIT  # own + one reduce in flight
+    z3 = estimate_memory(ZeRO(stage=3).build(profile, spec(w)), profile, w)
+    assert (z3.items["parameters"], z3.items["gradients"], z3.items["optimizer state"]) == (
+        P // w, P // w, 2 * P // w)
+    assert z3.items["gathered units"] == BACKWARD_UNITS * UNIT
+    kept = estimate_memory(ZeRO(stage=3, reshard_after_forward=False).build(
+        profile, spec(w)), profile, w)
+    assert kept.items["gathered units"] == P + BACKWARD_UNITS * UNIT
+    assert rep.peak > z1.peak > z2.peak
+
+
+def test_optimizer_kinds_and_activations() -> None:
+    m = Blocks()
+    assert state_per_element(torch.optim.Adam(m.parameters())) == 2
+    assert state_per_element(torch.optim.SGD(m.parameters(), lr=0.1)) == 0
+    assert state_per_element(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) == 1
+    assert state_per_element(None) == 2
+    # tanh saves its output (8 x 64 floats) per block; the weights' views are not counted.
+    assert activation_bytes(m, torch.randn(8, 64)) == 4 * 8 * 64 * 4 + 8 * 64 * 4
+
+
+def test_no_limit_leaves_auto_unchanged() -> None:
+    profile = analyze(Blocks())
+    base = plan_from_profile(Auto(), profile, spec(4))
+    roomy = plan_from_profile(Auto(), profile, spec(4, memory="1GiB"))
+    assert base.builder == roomy.builder
+    assert [nc.to_dict() for nc in base.node_config] == [nc.to_dict()
+                                                         for nc in roomy.node_config]
+
+
+@pytest.mark.parametrize("units, builder", [(40, "ZeRO-2"), (25, "ZeRO-3")])
+def test_auto_picks_the_fastest_that_fits(units: int, builder: str) -> None:
+    profile = analyze(Blocks(16))
+    # 16 units on 4 workers: replicated 80 units; ZeRO-1 16 + 16 + 8 + 16 (buffer) = 56;
+    # ZeRO-2 16 + (4 + 2) + 8 = 30; ZeRO-3 4 + 4 + 8 + 7 gathered = 23.
+    s = plan_from_profile(Auto(), profile, spec(4, memory=units * UNIT))
+    assert s.builder == builder and s.sharded_parameters == sorted(profile.names)
+
+
+def test_nothing_fits_names_peak_limit_items_and_what_would() -> None:
+    profile = analyze(Blocks())
+    with pytest.raises(StratagemError) as err:
+        plan_from_profile(Auto(), profile, spec(2, memory=2 * P))
+    text = str(err.value)
+    assert "nodes[0].memory" in text and "no strategy fits" in text
+    assert "limit 0.1 MiB" in text and "optimizer state" in text and "workers with ZeRO-3" in text
+
+
+def test_limit_below_one_shard_is_refused() -> None:
+    profile = analyze(Blocks())
+    with pytest.raises(StratagemError, match="less than one worker's shard") as err:
+        plan_from_profile(Auto(), profile, spec(2, memory=UNIT // 4))
+    assert "nodes[0].memory" in str(err.value)
