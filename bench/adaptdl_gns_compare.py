@@ -75,6 +75,40 @@ def _model(model: str):  # noqa: ANN202
     return nn.Sequential(nn.EmbeddingBag(500, 16, mode="mean"), nn.Linear(16, 2))
 
 
+def _strided_order(n: int, batch: int, replicas: int) -> list[int]:
+    """Sample order under which contiguous per-replica slices of each global batch hold
+    what AdaptDL's strided sampler deals out (replica ``r`` takes every ``replicas``-th
+    sample from ``r``): position ``b*batch + r*local + j`` holds sample ``b*batch + r +
+    replicas*j``."""
+    local = batch // replicas
+    order = []
+    for b in range(n // batch):
+        order += [b * batch + r + replicas * j for r in range(replicas) for j in range(local)]
+    return order + list(range(len(order), n))
+
+
+def _probe(ref, net, x, y, rank: int) -> dict:  # noqa: ANN001 - torch types per environment
+    """Independent per-step reference, the same code on both systems: this replica's
+    local gradient from a private copy of the model (no hooks of either system), each
+    replica's |g_local|^2, the squared norm of the replicas' averaged local gradients,
+    and a checksum of the weights (the same trajectory on both systems?)."""
+    import torch
+    import torch.distributed as dist
+
+    ref.load_state_dict(net.module.state_dict())
+    loss = torch.nn.functional.cross_entropy(ref(x), y)
+    grads = torch.autograd.grad(loss, list(ref.parameters()))
+    flat = torch.cat([g.reshape(-1).double() for g in grads])
+    world = dist.get_world_size()
+    local = torch.zeros(world, dtype=torch.float64)
+    local[rank] = flat.pow(2).sum()
+    dist.all_reduce(local)
+    dist.all_reduce(flat)
+    wsum = float(sum(p.double().pow(2).sum() for p in ref.parameters()))
+    return {"ref_local": local.tolist(), "ref_T": float((flat / world).pow(2).sum()),
+            "weights_sqr": wsum}
+
+
 def worker(system: str, model_name: str, out: str) -> None:
     import torch
 
@@ -86,27 +120,77 @@ def worker(system: str, model_name: str, out: str) -> None:
         from stratagem import adaptdl
     torch.set_num_threads(1)
     adl.init_process_group("gloo")
-    loader = adl.AdaptiveDataLoader(_data(model_name), batch_size=BATCH, shuffle=False,
-                                    drop_last=True)
+    split = os.environ.get("GNS_SPLIT", "native")
+    data = _data(model_name)
+    if split == "strided" and system == "stratagem":  # AdaptDL's per-replica samples
+        data = torch.utils.data.Subset(data, _strided_order(len(data), BATCH, 2))
+    loader = adl.AdaptiveDataLoader(data, batch_size=BATCH, shuffle=False, drop_last=True)
     net = _model(model_name)
     opt = (torch.optim.Adam(net.parameters(), lr=LR[model_name])  # preconditioned stats
            if model_name.endswith("-adam") else
            torch.optim.SGD(net.parameters(), lr=LR[model_name]))
     net = adl.AdaptiveDataParallel(net, opt)
+    if system == "adaptdl" and os.environ.get("GNS_ADAPTDL_FIRST_STEP") == "fixed":
+        # AdaptDL marks its loader as the training loader only in the first backward's
+        # callback, so the job's very first forward keeps accum_scale = num_replicas: that
+        # step's variance is measured x replicas and its LR is scaled by gain(replicas).
+        # Marking it first makes step 1 like every other step (controlled runs only).
+        loader._elastic.train()
+    rank = adaptdl.env.replica_rank()
+    ref = _model(model_name)
+    raw: list = []  # what each system's estimator was fed this step: (S, T)
+    if system == "adaptdl":
+        gns = net.gns
+        orig = gns._update_avg
+
+        def record(name, value, factor):  # noqa: ANN001, ANN202
+            if name == "sqr_avg":
+                raw.append(["sqr", float(sum(value))])
+            else:  # var = (S - T) * scale with scale = log(factor) / log(smoothing)
+                scale = float(torch.tensor(factor).log() / torch.tensor(0.999).log())
+                raw.append(["var", float(sum(value)) / scale])
+            return orig(name, value, factor)
+        gns._update_avg = record
+    else:
+        from stratagem.adapt.noise_scale import GradientNoiseScale  # (made lazily)
+        orig = GradientNoiseScale.update
+
+        def record(self, local, mean, size, **kw):  # noqa: ANN001, ANN003, ANN202
+            import numpy as np
+            loc = np.asarray(local, dtype=float).reshape(len(local), -1).sum(1)
+            raw.append(["ST", float(loc.mean()), float(np.sum(mean))])
+            return orig(self, local, mean, size, **kw)
+        GradientNoiseScale.update = record
     rows = []
     step = 0
     for _epoch in adl.remaining_epochs_until(EPOCHS):
         for x, y in loader:
+            probe = _probe(ref, net, x, y, rank)
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(x), y)
             loss.backward()
+            probe["grad_T"] = float(sum(p.grad.double().pow(2).sum()
+                                        for p in net.module.parameters()
+                                        if p.grad is not None))
             opt.step()
             step += 1
             sqr, var = float(net.gns.sqr_avg()), float(net.gns.var_avg())
-            raw = float(sum(float(v) for v in net.gns.raw_sqr_avg))  # unclipped
+            raw_sqr = float(sum(float(v) for v in net.gns.raw_sqr_avg))  # unclipped
+            fed = {}
+            for entry in raw:
+                if entry[0] == "ST":
+                    fed = {"fed_S": entry[1], "fed_T": entry[2]}
+                elif entry[0] == "sqr":
+                    fed["fed_sqr"] = entry[1]
+                else:
+                    fed["fed_var"] = entry[1]
+            if "fed_sqr" in fed:  # AdaptDL, two replicas: sqr = 2T - S, var = S - T
+                fed["fed_T"] = fed["fed_sqr"] + fed["fed_var"]
+                fed["fed_S"] = fed["fed_T"] + fed["fed_var"]
+            raw.clear()
             rows.append({"step": step, "loss": float(loss), "sqr": sqr, "var": var,
-                         "sqr_raw": raw})
-    if adaptdl.env.replica_rank() == 0:
+                         "sqr_raw": raw_sqr, **probe, **fed})
+    if rank == 0:
         Path(out).write_text(json.dumps(rows))
 
 
