@@ -252,6 +252,20 @@ def compare(ours: list[dict], theirs: list[dict]) -> dict:
     return out
 
 
+def noise(ours: list[dict], theirs: list[dict]) -> dict:
+    """How well a run resolves |G|^2: mean and standard error of the one-step estimates
+    ``2T - S`` (two replicas) after the warm-up, per system."""
+    out = {}
+    for name, rows in (("stratagem", ours), ("adaptdl", theirs)):
+        vals = [2 * r["fed_T"] - r["fed_S"] for r in rows[int(len(rows) * WARMUP):]
+                if "fed_T" in r]
+        mean = sum(vals) / len(vals)
+        sd = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+        out[name] = {"one_step_sqr_mean": mean, "one_step_sqr_sd": sd,
+                     "standard_error": sd / len(vals) ** 0.5, "steps": len(vals)}
+    return out
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(*sys.argv[2:5])
@@ -274,13 +288,25 @@ def main() -> None:
                                ("stratagem", sys.executable)):
             series[system] = run_system(python, system, model,
                                         work / f"{system}-{model}.json", work / "ckpt")
+        # the controlled run: AdaptDL's first step made like the others (see worker)
+        os.environ["GNS_ADAPTDL_FIRST_STEP"] = "fixed"
+        try:
+            series["adaptdl_first_step_fixed"] = run_system(
+                args.adaptdl_python, "adaptdl", model, work / f"adaptdl-fixed-{model}.json",
+                work / "ckpt-fixed")
+        finally:
+            os.environ.pop("GNS_ADAPTDL_FIRST_STEP")
         cmp = compare(series["stratagem"], series["adaptdl"])
-        result["models"][model] = {**cmp, "series": series}
+        controlled = compare(series["stratagem"], series["adaptdl_first_step_fixed"])
+        result["models"][model] = {**cmp, "controlled": controlled,
+                                   "noise": noise(series["stratagem"], series["adaptdl"]),
+                                   "series": series}
         print(f"{model}: " + ", ".join(
             f"{k} median {cmp[k]['median_rel_diff']:.1%} last {cmp[k]['last_rel_diff']:.1%} "
             f"({cmp[k]['last']['stratagem']:.4g} vs {cmp[k]['last']['adaptdl']:.4g})"
-            for k in ("sqr", "var", "noise_scale")) + f"; within 10%: {cmp['within_10pct']}",
-              flush=True)
+            for k in ("sqr", "var", "noise_scale")) + f"; within 10%: {cmp['within_10pct']}"
+            + "; controlled: " + ", ".join(f"{k} max {controlled[k]['max_rel_diff']:.1e}"
+                                           for k in ("sqr", "var")), flush=True)
     result["load_after"] = os.getloadavg()
     result["summary"] = {m: r["within_10pct"] for m, r in result["models"].items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
