@@ -6,7 +6,13 @@ plain SGD, no autoscaling so both train at the same batch and learning rate) run
 ``import adaptdl`` in a virtual environment where ``adaptdl==0.2.11`` is installed and once
 with ``from stratagem import adaptdl``, from the same initial weights and data. After every
 optimizer step rank 0 records ``model.gns.sqr_avg()``, ``model.gns.var_avg()`` (the
-smoothed statistics both expose in AdaptDL's units) and their ratio, the noise scale.
+smoothed statistics both expose in AdaptDL's units) and their ratio, the noise scale; and a
+probe, the same code on both systems: each replica's local squared gradient norm from a
+private copy of the model, the squared norm of their average, a weight checksum, and the
+(S, T) pair each system's estimator was fed that step. Each model also runs on AdaptDL with
+its first step made like the others ("controlled": AdaptDL marks its loader as the
+training loader only after the job's first backward, so that step runs at
+``accum_scale = num_replicas``); against it the two systems should be identical.
 
 Models: a small CNN on 3x8x8 images, an MLP, and an embedding-bag model (sparse
 inputs), with SGD; and the embedding-bag model with Adam (both systems then measure
@@ -75,18 +81,6 @@ def _model(model: str):  # noqa: ANN202
     return nn.Sequential(nn.EmbeddingBag(500, 16, mode="mean"), nn.Linear(16, 2))
 
 
-def _strided_order(n: int, batch: int, replicas: int) -> list[int]:
-    """Sample order under which contiguous per-replica slices of each global batch hold
-    what AdaptDL's strided sampler deals out (replica ``r`` takes every ``replicas``-th
-    sample from ``r``): position ``b*batch + r*local + j`` holds sample ``b*batch + r +
-    replicas*j``."""
-    local = batch // replicas
-    order = []
-    for b in range(n // batch):
-        order += [b * batch + r + replicas * j for r in range(replicas) for j in range(local)]
-    return order + list(range(len(order), n))
-
-
 def _probe(ref, net, x, y, rank: int) -> dict:  # noqa: ANN001 - torch types per environment
     """Independent per-step reference, the same code on both systems: this replica's
     local gradient from a private copy of the model (no hooks of either system), each
@@ -120,11 +114,8 @@ def worker(system: str, model_name: str, out: str) -> None:
         from stratagem import adaptdl
     torch.set_num_threads(1)
     adl.init_process_group("gloo")
-    split = os.environ.get("GNS_SPLIT", "native")
-    data = _data(model_name)
-    if split == "strided" and system == "stratagem":  # AdaptDL's per-replica samples
-        data = torch.utils.data.Subset(data, _strided_order(len(data), BATCH, 2))
-    loader = adl.AdaptiveDataLoader(data, batch_size=BATCH, shuffle=False, drop_last=True)
+    loader = adl.AdaptiveDataLoader(_data(model_name), batch_size=BATCH, shuffle=False,
+                                    drop_last=True)
     net = _model(model_name)
     opt = (torch.optim.Adam(net.parameters(), lr=LR[model_name])  # preconditioned stats
            if model_name.endswith("-adam") else
