@@ -6,7 +6,13 @@ plain SGD, no autoscaling so both train at the same batch and learning rate) run
 ``import adaptdl`` in a virtual environment where ``adaptdl==0.2.11`` is installed and once
 with ``from stratagem import adaptdl``, from the same initial weights and data. After every
 optimizer step rank 0 records ``model.gns.sqr_avg()``, ``model.gns.var_avg()`` (the
-smoothed statistics both expose in AdaptDL's units) and their ratio, the noise scale.
+smoothed statistics both expose in AdaptDL's units) and their ratio, the noise scale; and a
+probe, the same code on both systems: each replica's local squared gradient norm from a
+private copy of the model, the squared norm of their average, a weight checksum, and the
+(S, T) pair each system's estimator was fed that step. Each model also runs on AdaptDL with
+its first step made like the others ("controlled": AdaptDL marks its loader as the
+training loader only after the job's first backward, so that step runs at
+``accum_scale = num_replicas``); against it the two systems should be identical.
 
 Models: a small CNN on 3x8x8 images, an MLP, and an embedding-bag model (sparse
 inputs), with SGD; and the embedding-bag model with Adam (both systems then measure
@@ -75,6 +81,28 @@ def _model(model: str):  # noqa: ANN202
     return nn.Sequential(nn.EmbeddingBag(500, 16, mode="mean"), nn.Linear(16, 2))
 
 
+def _probe(ref, net, x, y, rank: int) -> dict:  # noqa: ANN001 - torch types per environment
+    """Independent per-step reference, the same code on both systems: this replica's
+    local gradient from a private copy of the model (no hooks of either system), each
+    replica's |g_local|^2, the squared norm of the replicas' averaged local gradients,
+    and a checksum of the weights (the same trajectory on both systems?)."""
+    import torch
+    import torch.distributed as dist
+
+    ref.load_state_dict(net.module.state_dict())
+    loss = torch.nn.functional.cross_entropy(ref(x), y)
+    grads = torch.autograd.grad(loss, list(ref.parameters()))
+    flat = torch.cat([g.reshape(-1).double() for g in grads])
+    world = dist.get_world_size()
+    local = torch.zeros(world, dtype=torch.float64)
+    local[rank] = flat.pow(2).sum()
+    dist.all_reduce(local)
+    dist.all_reduce(flat)
+    wsum = float(sum(p.double().pow(2).sum() for p in ref.parameters()))
+    return {"ref_local": local.tolist(), "ref_T": float((flat / world).pow(2).sum()),
+            "weights_sqr": wsum}
+
+
 def worker(system: str, model_name: str, out: str) -> None:
     import torch
 
@@ -93,20 +121,67 @@ def worker(system: str, model_name: str, out: str) -> None:
            if model_name.endswith("-adam") else
            torch.optim.SGD(net.parameters(), lr=LR[model_name]))
     net = adl.AdaptiveDataParallel(net, opt)
+    if system == "adaptdl" and os.environ.get("GNS_ADAPTDL_FIRST_STEP") == "fixed":
+        # AdaptDL marks its loader as the training loader only in the first backward's
+        # callback, so the job's very first forward keeps accum_scale = num_replicas: that
+        # step's variance is measured x replicas and its LR is scaled by gain(replicas).
+        # Marking it first makes step 1 like every other step (controlled runs only).
+        loader._elastic.train()
+    rank = adaptdl.env.replica_rank()
+    ref = _model(model_name)
+    raw: list = []  # what each system's estimator was fed this step: (S, T)
+    if system == "adaptdl":
+        gns = net.gns
+        orig = gns._update_avg
+
+        def record(name, value, factor):  # noqa: ANN001, ANN202
+            if name == "sqr_avg":
+                raw.append(["sqr", float(sum(value))])
+            else:  # var = (S - T) * scale with scale = log(factor) / log(smoothing)
+                scale = float(torch.tensor(factor).log() / torch.tensor(0.999).log())
+                raw.append(["var", float(sum(value)) / scale])
+            return orig(name, value, factor)
+        gns._update_avg = record
+    else:
+        from stratagem.adapt.noise_scale import GradientNoiseScale  # (made lazily)
+        orig = GradientNoiseScale.update
+
+        def record(self, local, mean, size, **kw):  # noqa: ANN001, ANN003, ANN202
+            import numpy as np
+            loc = np.asarray(local, dtype=float).reshape(len(local), -1).sum(1)
+            raw.append(["ST", float(loc.mean()), float(np.sum(mean))])
+            return orig(self, local, mean, size, **kw)
+        GradientNoiseScale.update = record
     rows = []
     step = 0
     for _epoch in adl.remaining_epochs_until(EPOCHS):
         for x, y in loader:
+            probe = _probe(ref, net, x, y, rank)
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(x), y)
             loss.backward()
+            probe["grad_T"] = float(sum(p.grad.double().pow(2).sum()
+                                        for p in net.module.parameters()
+                                        if p.grad is not None))
             opt.step()
             step += 1
             sqr, var = float(net.gns.sqr_avg()), float(net.gns.var_avg())
-            raw = float(sum(float(v) for v in net.gns.raw_sqr_avg))  # unclipped
+            raw_sqr = float(sum(float(v) for v in net.gns.raw_sqr_avg))  # unclipped
+            fed = {}
+            for entry in raw:
+                if entry[0] == "ST":
+                    fed = {"fed_S": entry[1], "fed_T": entry[2]}
+                elif entry[0] == "sqr":
+                    fed["fed_sqr"] = entry[1]
+                else:
+                    fed["fed_var"] = entry[1]
+            if "fed_sqr" in fed:  # AdaptDL, two replicas: sqr = 2T - S, var = S - T
+                fed["fed_T"] = fed["fed_sqr"] + fed["fed_var"]
+                fed["fed_S"] = fed["fed_T"] + fed["fed_var"]
+            raw.clear()
             rows.append({"step": step, "loss": float(loss), "sqr": sqr, "var": var,
-                         "sqr_raw": raw})
-    if adaptdl.env.replica_rank() == 0:
+                         "sqr_raw": raw_sqr, **probe, **fed})
+    if rank == 0:
         Path(out).write_text(json.dumps(rows))
 
 
@@ -168,6 +243,20 @@ def compare(ours: list[dict], theirs: list[dict]) -> dict:
     return out
 
 
+def noise(ours: list[dict], theirs: list[dict]) -> dict:
+    """How well a run resolves |G|^2: mean and standard error of the one-step estimates
+    ``2T - S`` (two replicas) after the warm-up, per system."""
+    out = {}
+    for name, rows in (("stratagem", ours), ("adaptdl", theirs)):
+        vals = [2 * r["fed_T"] - r["fed_S"] for r in rows[int(len(rows) * WARMUP):]
+                if "fed_T" in r]
+        mean = sum(vals) / len(vals)
+        sd = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5
+        out[name] = {"one_step_sqr_mean": mean, "one_step_sqr_sd": sd,
+                     "standard_error": sd / len(vals) ** 0.5, "steps": len(vals)}
+    return out
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(*sys.argv[2:5])
@@ -190,13 +279,25 @@ def main() -> None:
                                ("stratagem", sys.executable)):
             series[system] = run_system(python, system, model,
                                         work / f"{system}-{model}.json", work / "ckpt")
+        # the controlled run: AdaptDL's first step made like the others (see worker)
+        os.environ["GNS_ADAPTDL_FIRST_STEP"] = "fixed"
+        try:
+            series["adaptdl_first_step_fixed"] = run_system(
+                args.adaptdl_python, "adaptdl", model, work / f"adaptdl-fixed-{model}.json",
+                work / "ckpt-fixed")
+        finally:
+            os.environ.pop("GNS_ADAPTDL_FIRST_STEP")
         cmp = compare(series["stratagem"], series["adaptdl"])
-        result["models"][model] = {**cmp, "series": series}
+        controlled = compare(series["stratagem"], series["adaptdl_first_step_fixed"])
+        result["models"][model] = {**cmp, "controlled": controlled,
+                                   "noise": noise(series["stratagem"], series["adaptdl"]),
+                                   "series": series}
         print(f"{model}: " + ", ".join(
             f"{k} median {cmp[k]['median_rel_diff']:.1%} last {cmp[k]['last_rel_diff']:.1%} "
             f"({cmp[k]['last']['stratagem']:.4g} vs {cmp[k]['last']['adaptdl']:.4g})"
-            for k in ("sqr", "var", "noise_scale")) + f"; within 10%: {cmp['within_10pct']}",
-              flush=True)
+            for k in ("sqr", "var", "noise_scale")) + f"; within 10%: {cmp['within_10pct']}"
+            + "; controlled: " + ", ".join(f"{k} max {controlled[k]['max_rel_diff']:.1e}"
+                                           for k in ("sqr", "var")), flush=True)
     result["load_after"] = os.getloadavg()
     result["summary"] = {m: r["within_10pct"] for m, r in result["models"].items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

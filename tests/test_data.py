@@ -74,6 +74,25 @@ def test_drop_last_and_uneven_last_batch_weights() -> None:
     assert sum(w[0] for w in weights) / 3 == pytest.approx(1.0)
 
 
+def test_interleaved_deal_is_adaptdl_s_with_the_same_shares() -> None:
+    """``interleave``: replica r takes every N-th sample of each (micro-)batch from the
+    r-th (AdaptDL's deal), same share sizes and weights as the contiguous deal."""
+    def deal(accum: int) -> list[list[list[int]]]:
+        out = []
+        for r in range(3):
+            loader = DistributedDataLoader(_dataset(16), 8, rank=r, world_size=3)
+            loader.sampler.interleave = True
+            loader.sampler.accum_steps = accum
+            out.append([b[0].tolist() for b in loader])
+        return out
+
+    assert deal(0) == [[[0, 3, 6], [8, 11, 14]], [[1, 4, 7], [9, 12, 15]],
+                       [[2, 5], [10, 13]]]
+    # one accumulation step: micro-batches of 4 samples, each dealt out strided
+    assert deal(1) == [[[0, 3], [4, 7], [8, 11], [12, 15]], [[1], [5], [9], [13]],
+                       [[2], [6], [10], [14]]]
+
+
 def test_split_evenly() -> None:
     assert split_evenly(7, 3) == [(0, 3), (3, 2), (5, 2)]
 

@@ -93,11 +93,14 @@ class GlobalBatchSampler:
     """This rank's share of each global batch of the epoch, from ``position`` onwards.
 
     ``plan()`` lists the remaining batches; iterating yields their index lists (the
-    ``batch_sampler`` protocol of torch's DataLoader).
+    ``batch_sampler`` protocol of torch's DataLoader). Each (micro-)batch is dealt out in
+    contiguous slices, or with ``interleave=True`` strided: replica ``r`` takes every
+    ``world_size``-th sample from the ``r``-th (AdaptDL's deal, which its drop-in keeps so
+    that every replica sees the samples it sees under AdaptDL; shares have the same sizes).
     """
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, *,
-                 shuffle: bool, seed: int, drop_last: bool) -> None:
+                 shuffle: bool, seed: int, drop_last: bool, interleave: bool = False) -> None:
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.rank = rank
@@ -105,6 +108,7 @@ class GlobalBatchSampler:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.interleave = interleave
         self.accum_steps = 0
         self.position = ShardPosition()
         self.batches: list[GlobalBatch] = []  # what the next iteration yields
@@ -130,6 +134,10 @@ class GlobalBatchSampler:
             micros = max(min(self.accum_steps + 1, size // self.world_size), 1)
             shares = []
             for chunk_start, chunk_len in split_evenly(size, micros):
+                if self.interleave:
+                    first = start + chunk_start
+                    shares.append(order[first + self.rank:first + chunk_len:self.world_size])
+                    continue
                 local_start, local_len = split_evenly(chunk_len, self.world_size)[self.rank]
                 first = start + chunk_start + local_start
                 shares.append(order[first:first + local_len])

@@ -187,3 +187,27 @@ def _saved(module: torch.nn.Module) -> bytes:
     buf = io.BytesIO()
     torch.save(module.state_dict(), buf)
     return buf.getvalue()
+
+
+def split_statistics(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    """One step of a one-weight model (output ``w = 0``, MSE loss against targets 1..4,
+    so sample ``t``'s gradient is ``-2t``) at batch 4 on 2 replicas, without autoscaling:
+    the samples this replica got and the gradient statistics after the step."""
+    adl = _setup(ckpt)
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    dmodel = adl.AdaptiveDataParallel(model, opt)
+    targets = torch.arange(1.0, 9.0).reshape(-1, 1)
+    loader = adl.AdaptiveDataLoader(TensorDataset(torch.ones(8, 1), targets), batch_size=4)
+    got: list[float] = []
+    for _epoch in adl.remaining_epochs_until(1):
+        for xb, yb in loader:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(dmodel(xb), yb).backward()
+            opt.step()
+            got = yb.reshape(-1).tolist()
+            break
+    return {"samples": got, "sqr": dmodel.gns.raw_sqr_avg.tolist(),
+            "var": dmodel.gns.raw_var_avg.tolist()}

@@ -89,6 +89,21 @@ def test_custom_scaling_rule_scales_the_steps_stratagem_runs(tmp_path: Path) -> 
             torch.testing.assert_close(other["final"][k], v)
 
 
+def test_replicas_get_adaptdl_s_samples_and_statistics_of_a_known_answer(
+        tmp_path: Path) -> None:
+    """AdaptDL deals each batch out strided (replica r: every N-th sample from the r-th),
+    and the local squared norms of the gradient statistics depend on that deal. Batch
+    [1, 2, 3, 4], sample gradient -2t: replica 0 gets [1, 3] (mean gradient -4), replica 1
+    [2, 4] (-6); S = (16 + 36) / 2 = 26, T = 5^2 = 25, so |G|^2 = 2T - S = 24 and the
+    variance at the base batch (AdaptDL's units) is (S - T) * 1 = 1 -- contiguous halves
+    ([1, 2], [3, 4]) would give 21."""
+    results = _run(w.split_statistics, 2, tmp_path / "out")
+    assert [r["samples"] for r in results] == [[1.0, 3.0], [2.0, 4.0]]
+    for r in results:
+        assert r["sqr"] == pytest.approx([24.0])
+        assert r["var"] == pytest.approx([1.0])
+
+
 # -- in-process: no process group needed ----------------------------------------------------
 @pytest.fixture
 def fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

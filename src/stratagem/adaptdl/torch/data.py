@@ -405,6 +405,10 @@ class AdaptiveDataLoader(AdaptiveDataLoaderMixin):
             world_size=world, shuffle=shuffle, seed=ad.seed,
             on_batch=job.set_grad_weight, elastic=True, **kwargs)
         self._loader.base_batch_size = self.batch_size  # the LR rules' reference batch
+        # AdaptDL's deal: replica r takes every N-th sample of each batch from the r-th, so
+        # each replica's samples (its loss, its BatchNorm statistics, the gradient
+        # statistics' local norms) are those it has under AdaptDL
+        self._loader.sampler.interleave = True
         self._pending_autoscale: tuple[int, Any, bool] | None = None
         self._elastic = _LoaderHelper(self._loader, self.batch_size)
         job.register_loader(self)
