@@ -141,8 +141,11 @@ def test_checkpoint_state_roundtrip_and_unique_names() -> None:
 
 
 def test_accumulator_modes_and_restore() -> None:
-    from stratagem.adaptdl.torch import Accumulator
+    from stratagem.adaptdl.torch import Accumulator, accumulator
 
+    # Accumulators are named by creation count (as AdaptDL's are): start this run's count at
+    # zero, as a fresh process would, whatever other tests in this process made before.
+    accumulator._init_count.clear()
     acc = Accumulator()
     acc["loss"] += 1.5
     acc["n"] += 2
@@ -161,8 +164,6 @@ def test_accumulator_modes_and_restore() -> None:
     acc["n"] += 1  # pending: summed in by the save
     save_all_states()
     drop_job()
-    from stratagem.adaptdl.torch import accumulator
-
     accumulator._init_count.clear()
     restored = Accumulator()
     with restored.synchronized():  # replayed code: the first synchronization's results
