@@ -84,8 +84,9 @@ built-ins. Not the default path: ``distribute(model, opt)`` without ``sample_inp
 on the first training batch (calibration, probe and trials on it: the ``Auto`` variant)."""
 NOT_BUILTIN_VARIANTS = ("Auto", AUTO_FP16, AUTO_PROFILE, "DDP", HYBRID)
 NOT_AVAILABLE = "planner not available"
-# Builders that are neither baselines nor candidates here.
-NOT_BUILTIN = {"auto"}
+# Builders that are neither baselines nor candidates here: ZeRO trades step time for memory
+# and has its own benchmark (bench/sharding.py); it refuses sparse-gradient models.
+NOT_BUILTIN = {"auto", "zero"}
 
 
 # ----------------------------------------------------------------------------- planner hooks

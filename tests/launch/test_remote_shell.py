@@ -105,7 +105,7 @@ def test_plan_local_chief_and_ssh_worker(plan_for: Callable[..., object],
     assert words[:4] == ["python", "-m", "stratagem.launch.agent", "--watch-stdin"]
     assert _opt(words, "--rdzv-conf") == "is_host=0" and _opt(words, "--local-addr") == "10.0.0.2"
     assert _opt(words, "--nproc-per-node") == "1"
-    assert words[-5:] == ["-m", "stratagem.launch.worker", "train.py", "--lr", "0.1"]
+    assert words[-6:] == ["-m", "--", "stratagem.launch.worker", "train.py", "--lr", "0.1"]
 
 
 def test_plan_describe_names_every_node(plan_for: Callable[..., object]) -> None:

@@ -29,9 +29,11 @@ def alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_cluster_up_submit_ls_logs_down(tmp_path, capsys):
+def test_cluster_up_submit_ls_logs_down(tmp_path, capsys, monkeypatch):
     """Also: the files are private, a scheduler killed with SIGKILL is restarted alone by
     another `up` (same Ray head, the running job taken over), and `down` stops all."""
+    # as a fresh `stratagem` process: no RAY_AUTH_MODE left by ray.init() in this one
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     pytest.importorskip("ray", reason="Ray is an optional extra: pip install "
                         "'stratagem[cluster]'")
     c = tmp_path / "c"

@@ -314,8 +314,13 @@ def test_down_never_signals_a_reused_pid_and_kills_what_ignores_sigterm_after_gr
             proc.wait()
 
 
-def test_up_writes_a_private_ray_token_and_turns_the_heads_drain_wait_off(tmp_path):
+def test_up_writes_a_private_ray_token_and_turns_the_heads_drain_wait_off(tmp_path,
+                                                                        monkeypatch):
     from stratagem.service import cluster
+
+    # ray.init() in this process (another module's fixture) sets RAY_AUTH_MODE=token in
+    # os.environ, which `up` would rightly take as the user's own choice
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
 
     if not cluster._ray_has_tokens():
         pytest.skip("this Ray has no token authentication")

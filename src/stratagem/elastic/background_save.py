@@ -101,6 +101,7 @@ class BackgroundSave:
         self.key = f"{KEY}/{nonce:016x}"
         self.timeout_s = env.pg_timeout().total_seconds()
         self.error: CheckpointError | None = None
+        self._names: list[str] = []  # the files this rank writes into the directory
         self._thread = threading.Thread(target=self._run, daemon=False,
                                         name=f"stratagem-checkpoint-{seq}")
 
@@ -147,10 +148,18 @@ class BackgroundSave:
             self._remove_tmp()
 
     def _remove_tmp(self) -> None:
-        """A failed write leaves no temporary directory holding disk space."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        """A failed write leaves no temporary files holding disk space: rank 0 (which commits
+        or drops the save) removes the directory; another rank only its own files, since on
+        a shared file system the directory holds the other ranks' parts, still being
+        written."""
+        if self.rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        for name in self._names:
+            (self.tmp / name).unlink(missing_ok=True)
 
     def _write(self) -> dict[str, str]:
+        self._names = list(self.files)
         self.tmp.mkdir(parents=True, exist_ok=True)
         sums = {}
         for name, value in self.files.items():
