@@ -201,3 +201,14 @@ def test_the_paper_search_repair_keeps_every_rule_on_random_matrices():
         assert check_allocation({k: v for k, v in a.items() if v}, jobs, cluster, {}) == []
         used = (m > 0).sum(1)
         assert (used <= -(-m.sum(1) // 4)).all()  # node-count limit with no slack
+
+
+def test_service_weight_favours_the_job_with_less_attained_service():
+    fn = _goodput(0.05, 1e-3, 0.005, 1e5)  # scales well: both want every GPU
+    jobs = [JobView(n, 0, age=6000, attained_service=s, goodput=fn, max_batch_size=4096,
+                    local_bsz_bounds=(8, 128)) for n, s in (("old", 36000.0), ("new", 0.0))]
+    cluster = ClusterSpec(1, 4)
+    even = PolluxPolicy().allocate(jobs, cluster, {}, 0.0)
+    assert len(even["old"]) == len(even["new"]) == 2  # unweighted: equal speedups
+    weighted = PolluxPolicy(service_weight=1.0).allocate(jobs, cluster, {}, 0.0)
+    assert len(weighted["new"]) > len(weighted["old"]) > 0
