@@ -18,6 +18,11 @@ are then placed consolidated (:mod:`.placement`, which keeps node capacity and a
 distributed job per node); a job that cannot be placed at its count takes the largest count
 that fits, and leftover GPUs go to whichever job gains most from one more. Ties between
 unallocated jobs go to the least attained service, then the oldest.
+
+Options measured against the Pollux baseline and left off by default (no robust gain, see
+docs/concepts/scheduling.md): ``spread_aware`` prices a fragmented placement at its real node
+count; ``restart_cost`` picks another restart-cost model; ``service_weight`` weights each
+job's term by its attained service.
 """
 
 from __future__ import annotations
@@ -28,15 +33,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stratagem.errors import StratagemError
 from stratagem.sched.policy.base import Allocation, ClusterSpec, JobView
 from stratagem.sched.policy.placement import NodeState, keep_or_place
 
 _EPS = 1e-3  # added to every speedup so the power mean stays finite at 0 replicas
+_RESTART_COSTS = ("pollux", "resize", "half")
 
 
 @dataclass
 class PolluxPolicy:
-    """``fairness``: power-mean exponent ``p``; ``restart_delay``: seconds a restart costs."""
+    """``fairness``: power-mean exponent ``p``; ``restart_delay``: seconds a restart costs;
+    ``restart_cost``: "pollux" (cumulative, the paper's), "resize" or "half";
+    ``spread_aware``, ``service_weight`` / ``service_scale``: see the module docstring."""
 
     fairness: float = -1.0
     restart_delay: float = 30.0
@@ -48,6 +57,16 @@ class PolluxPolicy:
     adaptive_batch: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
     _fresh: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.restart_cost not in _RESTART_COSTS:
+            raise StratagemError(f"unknown restart_cost {self.restart_cost!r}",
+                                 where="PolluxPolicy",
+                                 fix=f"use one of {', '.join(_RESTART_COSTS)}")
+        if self.service_weight < 0 or self.service_scale <= 0:
+            raise StratagemError("service_weight must be >= 0 and service_scale > 0",
+                                 where="PolluxPolicy", fix="e.g. service_weight=0.5, "
+                                 "service_scale=3600 (GPU-seconds)")
 
     # -- per-job terms ---------------------------------------------------------------------
     def speedups(self, job: JobView, max_r: int, fair: int, gpn: int) -> np.ndarray:
