@@ -201,3 +201,47 @@ def test_the_paper_search_repair_keeps_every_rule_on_random_matrices():
         assert check_allocation({k: v for k, v in a.items() if v}, jobs, cluster, {}) == []
         used = (m > 0).sum(1)
         assert (used <= -(-m.sum(1) // 4)).all()  # node-count limit with no slack
+
+
+def test_service_weight_favours_the_job_with_less_attained_service():
+    fn = _goodput(0.05, 1e-3, 0.005, 1e5)  # scales well: both want every GPU
+    jobs = [JobView(n, 0, age=6000, attained_service=s, goodput=fn, max_batch_size=4096,
+                    local_bsz_bounds=(8, 128)) for n, s in (("old", 36000.0), ("new", 0.0))]
+    cluster = ClusterSpec(1, 4)
+    even = PolluxPolicy().allocate(jobs, cluster, {}, 0.0)
+    assert len(even["old"]) == len(even["new"]) == 2  # unweighted: equal speedups
+    weighted = PolluxPolicy(service_weight=1.0).allocate(jobs, cluster, {}, 0.0)
+    assert len(weighted["new"]) > len(weighted["old"]) > 0
+
+
+def test_spread_aware_placement_prefers_a_packed_smaller_count_to_a_fragmented_one():
+    # Cheap within a node, very expensive across nodes (alpha_n = 5 s per step).
+    params = ThroughputParams(0.05, 1e-3, 0.005, 1e-4, 5.0, 1e-2, 1.5)
+    fn = GoodputFunction(params, GNSEstimate(1.0, 1e5), 32)
+    cluster = ClusterSpec(2, 4)
+    pinned = [JobView(n, 0, age=600, preemptible=False, max_replicas=2) for n in ("p0", "p1")]
+    job = JobView("a", 0, age=6000, goodput=fn, max_batch_size=4096, local_bsz_bounds=(8, 128))
+    current = {"p0": (0, 0), "p1": (1, 1)}  # two GPUs free on each node
+    plain = PolluxPolicy().allocate([*pinned, job], cluster, current, 0.0)
+    assert len(set(plain["a"])) == 2  # packed-count search: 4 replicas over both nodes
+    aware = PolluxPolicy(spread_aware=True).allocate([*pinned, job], cluster, current, 0.0)
+    assert len(aware["a"]) == 2 and len(set(aware["a"])) == 1
+    assert check_allocation(aware, [*pinned, job], cluster, current) == []
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_the_policy_options_keep_every_constraint(scenario):
+    cluster, jobs, _ = scenario
+    policy = PolluxPolicy(spread_aware=True, service_weight=0.5, restart_cost="resize")
+    first = policy.allocate(jobs, cluster, {}, 0.0)
+    assert check_allocation(first, jobs, cluster, {}) == []
+    second = policy.allocate(jobs, cluster, first, 60.0)
+    assert check_allocation(second, jobs, cluster, first) == []
+
+
+def test_bad_policy_options_are_clear_errors():
+    with pytest.raises(StratagemError, match="restart_cost"):
+        PolluxPolicy(restart_cost="free")
+    with pytest.raises(StratagemError, match="service_weight"):
+        PolluxPolicy(service_weight=-1.0)

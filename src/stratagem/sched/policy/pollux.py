@@ -18,6 +18,11 @@ are then placed consolidated (:mod:`.placement`, which keeps node capacity and a
 distributed job per node); a job that cannot be placed at its count takes the largest count
 that fits, and leftover GPUs go to whichever job gains most from one more. Ties between
 unallocated jobs go to the least attained service, then the oldest.
+
+Options measured against the Pollux baseline and left off by default (no robust gain, see
+docs/concepts/scheduling.md): ``spread_aware`` prices a fragmented placement at its real node
+count; ``restart_cost`` picks another restart-cost model; ``service_weight`` weights each
+job's term by its attained service.
 """
 
 from __future__ import annotations
@@ -28,22 +33,40 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stratagem.errors import StratagemError
 from stratagem.sched.policy.base import Allocation, ClusterSpec, JobView
 from stratagem.sched.policy.placement import NodeState, keep_or_place
 
 _EPS = 1e-3  # added to every speedup so the power mean stays finite at 0 replicas
+_RESTART_COSTS = ("pollux", "resize", "half")
 
 
 @dataclass
 class PolluxPolicy:
-    """``fairness``: power-mean exponent ``p``; ``restart_delay``: seconds a restart costs."""
+    """``fairness``: power-mean exponent ``p``; ``restart_delay``: seconds a restart costs;
+    ``restart_cost``: "pollux" (cumulative, the paper's), "resize" or "half";
+    ``spread_aware``, ``service_weight`` / ``service_scale``: see the module docstring."""
 
     fairness: float = -1.0
     restart_delay: float = 30.0
+    restart_cost: str = "pollux"
+    spread_aware: bool = False
+    service_weight: float = 0.0
+    service_scale: float = 3600.0
     name: str = "pollux"
     adaptive_batch: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
     _fresh: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.restart_cost not in _RESTART_COSTS:
+            raise StratagemError(f"unknown restart_cost {self.restart_cost!r}",
+                                 where="PolluxPolicy",
+                                 fix=f"use one of {', '.join(_RESTART_COSTS)}")
+        if self.service_weight < 0 or self.service_scale <= 0:
+            raise StratagemError("service_weight must be >= 0 and service_scale > 0",
+                                 where="PolluxPolicy", fix="e.g. service_weight=0.5, "
+                                 "service_scale=3600 (GPU-seconds)")
 
     # -- per-job terms ---------------------------------------------------------------------
     def speedups(self, job: JobView, max_r: int, fair: int, gpn: int) -> np.ndarray:
@@ -78,9 +101,24 @@ class PolluxPolicy:
             return -np.log(s + _EPS)
         return (s + _EPS) ** p if p < 0 else -((s + _EPS) ** p)
 
+    def _weight(self, job: JobView) -> float:
+        """Weight of a job's term: less attained service, more weight (0: all equal)."""
+        if not self.service_weight:
+            return 1.0
+        return (1.0 + job.attained_service / self.service_scale) ** -self.service_weight
+
     def restart_factor(self, job: JobView) -> float:
+        """Speedup kept by a job whose allocation changes now (1: no cost)."""
         d = self.restart_delay
-        return max(job.age - job.num_restarts * d, 0.0) / (job.age + d) if d > 0 else 1.0
+        if d <= 0:
+            return 1.0
+        if self.restart_cost == "resize":
+            # One restart loses ``d`` seconds of a remaining time estimated, as Pollux
+            # does, by the job's age: only this change is charged, not past ones.
+            return max(job.age - d, 0.0) / max(job.age, d)
+        if self.restart_cost == "half":
+            return job.age / (job.age + d)
+        return max(job.age - job.num_restarts * d, 0.0) / (job.age + d)
 
     # -- decision --------------------------------------------------------------------------
     def allocate(self, jobs: Sequence[JobView], cluster: ClusterSpec,
@@ -107,7 +145,7 @@ class PolluxPolicy:
                 s = self.speedups(job, max_r, min(fair, max(max_r, 1)), gpn)[opts]
                 if now_r or job.num_restarts:  # a change, or restarting a preempted job
                     s = np.where(opts == now_r, s, s * self.restart_factor(job))
-            f = self.phi(s)
+            f = self.phi(s) * self._weight(job)
             f = f + np.where(opts == 0, tie[job.name] * abs(float(self.phi(np.zeros(1))[0])),
                              0.0)
             costs.append(f)
@@ -154,17 +192,103 @@ class PolluxPolicy:
                     if reps:
                         out[name] = reps
                         break
+        if self.spread_aware:
+            by_name = {j.name: j for j in jobs}
+            for name in order:
+                if name in out and name not in pinned:
+                    self._unspread(by_name[name], out, state, cost_of[name], cluster)
+        by_name = {j.name: j for j in jobs}
+        stuck: set[str] = set()
         while state.total_free > 0:  # leftover GPUs: one step up where it helps most
             best, gain = None, 0.0
             for name, cost in cost_of.items():
                 now_r = len(out.get(name, ()))
                 up = min((r for r in cost if r > now_r), default=None)
-                if (name not in pinned and up is not None and now_r in cost
-                        and cost[now_r] - cost[up] > gain):
+                if (name not in pinned and name not in stuck and up is not None
+                        and now_r in cost and cost[now_r] - cost[up] > gain):
                     best, gain = name, cost[now_r] - cost[up]
-            if best is None or not self._grow(best, out, state, cost_of[best]):
+            if best is None:
                 break
+            old = out.get(best, ())
+            if not self._grow(best, out, state, cost_of[best]):
+                break
+            if self.spread_aware and not self._worth(by_name[best], old, out[best],
+                                                     cost_of[best], cluster):
+                state.release(out[best])
+                state.take(old)
+                if old:
+                    out[best] = old
+                else:
+                    del out[best]
+                stuck.add(best)
         return out
+
+    def _worth(self, job: JobView, old: tuple[int, ...], new: tuple[int, ...],
+               cost: dict[int, float], cluster: ClusterSpec) -> bool:
+        """Is ``new`` better than ``old`` once both are priced at their real node counts?"""
+        gpn = cluster.gpus_per_node
+
+        w = self._weight(job)
+
+        def real(reps: tuple[int, ...]) -> float:
+            r = len(reps)
+            s = self._inverse_phi(cost[r] / w) * self._spread_ratio(job, len(set(reps)), r,
+                                                                     gpn)
+            return w * float(self.phi(np.array([s]))[0])
+
+        return real(new) < (real(old) if old else cost[0])
+
+    def _spread_ratio(self, job: JobView, nodes: int, r: int, gpn: int) -> float:
+        """Goodput on ``nodes`` nodes over goodput consolidated, at ``r`` replicas (the job's
+        own model prices the extra inter-node traffic; 1 without a model)."""
+        least = -(-r // gpn)
+        fn = job.goodput
+        if fn is None or nodes <= least:
+            return 1.0
+        key = ("spread", fn.throughput_params, fn.gns, fn.base_batch_size, nodes, r,
+               least, job.max_batch_size, job.local_bsz_bounds)
+        hit = self._fresh.get(key, self._cache.get(key))
+        if hit is None:
+            grid = fn.optimize_grid(np.array([least, nodes]), np.array([r, r]),
+                                    job.max_batch_size or fn.base_batch_size,
+                                    job.local_bsz_bounds, job.gradient_accumulation)
+            good = np.asarray(grid.goodput, dtype=float)
+            hit = float(good[1] / good[0]) if good[0] > 0 else 1.0
+        self._fresh[key] = hit
+        return hit
+
+    def _unspread(self, job: JobView, out: Allocation, state: NodeState,
+                  cost: dict[int, float], cluster: ClusterSpec) -> None:
+        """A job placed on more nodes than its count needs (fragmentation) is priced at its
+        real node count; a smaller count that fits on fewer nodes replaces it if better."""
+        gpn = cluster.gpus_per_node
+        reps = out[job.name]
+        r, k = len(reps), len(set(reps))
+        if k <= -(-r // gpn):
+            return
+        # The power-mean term of the spread placement: the speedup scaled by the ratio.
+        w = self._weight(job)
+        s = self._inverse_phi(cost[r] / w) * self._spread_ratio(job, k, r, gpn)
+        best, best_cost = reps, w * float(self.phi(np.array([s]))[0])
+        state.release(reps)
+        for r2 in sorted((x for x in cost if 0 < x < r), reverse=True):
+            if cost[r2] >= best_cost:
+                continue
+            cand = state.place(r2)
+            if cand and len(set(cand)) <= -(-r2 // gpn):
+                best, best_cost = cand, cost[r2]
+                break
+        state.take(best)
+        out[job.name] = best
+
+    def _inverse_phi(self, c: float) -> float:
+        """The speedup whose :meth:`phi` is ``c``."""
+        p = self.fairness
+        if p == 0:
+            return max(math.exp(-c) - _EPS, 0.0)
+        if p < 0:
+            return max(c ** (1.0 / p) - _EPS, 0.0)
+        return max((-c) ** (1.0 / p) - _EPS, 0.0)
 
     @staticmethod
     def _grow(name: str, out: Allocation, state: NodeState, cost: dict[int, float]) -> bool:
