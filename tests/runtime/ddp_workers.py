@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import rt_workers
 import torch
-from rt_common import BATCH, batch, guarded, loss_fn, make_model, make_optimizer
+from rt_common import batch, guarded, loss_fn, make_model, make_optimizer
 from rt_workers import local_slice, powersgd_roundtrip, regression_data, state, wrap
 from torch import nn
 
@@ -39,17 +40,7 @@ def no_sync_case(rank: int, world: int) -> dict:
 
 
 def grad_weight_case(rank: int, world: int) -> dict:
-    sizes = [3, 5]
-    dm = wrap(make_model("mlp", seed=rank), rank, world, DDP)
-    o = make_optimizer("sgd", dm.parameters())
-    sl = local_slice(rank, world, sizes)
-    dm.grad_weight = sizes[rank] * world / BATCH
-    for step in range(10):
-        x, y = batch("mlp", step)
-        o.zero_grad()
-        loss_fn("mlp", dm(x[sl]), y[sl]).backward()
-        o.step()
-    return state(dm)
+    return rt_workers.grad_weight_case(rank, world, DDP)
 
 
 def batchnorm_case(rank: int, world: int) -> dict:

@@ -66,9 +66,10 @@ def equivalence(rank: int, world: int) -> dict:
         for b, o, m in EQUIV_CASES}
 
 
-def grad_weight_case(rank: int, world: int) -> dict:
+def grad_weight_case(rank: int, world: int, builder: Any = None) -> dict:
+    """Uneven local batches weighted by ``grad_weight`` (``builder``: AllReduce's default)."""
     sizes = [3, 5]
-    dm = wrap(make_model("mlp", seed=rank), rank, world, BUILDERS["AllReduce"]())
+    dm = wrap(make_model("mlp", seed=rank), rank, world, builder or BUILDERS["AllReduce"]())
     o = make_optimizer("sgd", dm.parameters())
     sl = local_slice(rank, world, sizes)
     dm.grad_weight = sizes[rank] * world / BATCH
