@@ -20,11 +20,11 @@ load). Run it under ``nice``: it is 8 runs per configuration and system by defau
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -54,20 +54,26 @@ def _midranks(values: Sequence[float]) -> list[float]:
 
 def mann_whitney(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
     """Exact two-sided Mann-Whitney U test (midranks for ties, the permutation distribution
-    of the rank sum enumerated): returns (U of ``a``, p-value)."""
+    of the rank sum counted exactly): returns (U of ``a``, p-value).
+
+    Doubled midranks are integers, so the number of ways ``len(a)`` of the pooled values
+    reach each rank sum is counted by dynamic programming (exact for any sample size)."""
     if not a or not b:
         raise ValueError("both samples need at least one value")
-    ranks = _midranks([*a, *b])
+    doubled = [round(2 * r) for r in _midranks([*a, *b])]
     n = len(a)
-    observed = sum(ranks[:n]) - n * (n + 1) / 2
+    observed = sum(doubled[:n]) / 2 - n * (n + 1) / 2
     mean = n * len(b) / 2
     extreme = abs(observed - mean)
-    total = hits = 0
-    for chosen in itertools.combinations(range(len(ranks)), n):
-        u = sum(ranks[i] for i in chosen) - n * (n + 1) / 2
-        total += 1
-        hits += abs(u - mean) >= extreme - 1e-9
-    return observed, hits / total
+    ways: list[dict[int, int]] = [{} for _ in range(n + 1)]  # ways[k][sum of k doubled ranks]
+    ways[0][0] = 1
+    for r in doubled:
+        for k in range(n, 0, -1):
+            for total, count in ways[k - 1].items():
+                ways[k][total + r] = ways[k].get(total + r, 0) + count
+    hits = sum(c for t, c in ways[n].items()
+               if abs(t / 2 - n * (n + 1) / 2 - mean) >= extreme - 1e-9)
+    return observed, hits / math.comb(len(doubled), n)
 
 
 def fisher_exact(k1: int, n1: int, k2: int, n2: int) -> float:
@@ -84,13 +90,21 @@ def fisher_exact(k1: int, n1: int, k2: int, n2: int) -> float:
 
 
 # -- worker -----------------------------------------------------------------------------------
-def _data(n: int, seed: int):  # noqa: ANN202
+def _data(n: int, seed: int, order_seed: int | None = None):  # noqa: ANN202
+    """``n`` images; ``order_seed`` permutes them (the same permutation on both systems)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     prototypes = torch.randn(10, 3, 32, 32, generator=torch.Generator().manual_seed(99))
     y = torch.randint(0, 10, (n,), generator=g)
     x = 0.5 * prototypes[y] + torch.randn(n, 3, 32, 32, generator=g)
+    if order_seed is not None:
+        # Neither system's sampler takes the run's seed (AdaptDL's order is a function of
+        # the epoch only, the drop-in's of its job seed), so each would see one fixed order
+        # in every run; permuting the dataset by the seed makes the order vary with the
+        # seed on both alike.
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(10_000 + order_seed))
+        x, y = x[perm], y[perm]
     return torch.utils.data.TensorDataset(x, y)
 
 
@@ -117,8 +131,8 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str) -> No
     torch.set_num_threads(1)
     adl.init_process_group("gloo")
     shuffle = os.environ.get("SEEDS_SHUFFLE", "1") == "1"  # 0: the same order on both
-    loader = adl.AdaptiveDataLoader(_data(TRAIN, 1), batch_size=BATCH, shuffle=shuffle,
-                                    drop_last=True)
+    loader = adl.AdaptiveDataLoader(_data(TRAIN, 1, seed), batch_size=BATCH,
+                                    shuffle=shuffle, drop_last=True)
     if autoscale:
         loader.autoscale_batch_size(256, local_bsz_bounds=(16, 256),
                                     gradient_accumulation=True)
@@ -128,8 +142,10 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str) -> No
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9, weight_decay=5e-4)
     net = adl.AdaptiveDataParallel(net, opt, scaling_rule=AdaScale())
     losses: list[float] = []
+    decisions: list[dict] = []  # per epoch: what each system decided (batch size, LR, ...)
     for _epoch in adl.remaining_epochs_until(epochs):
         stats = adl.Accumulator()
+        batches: list[int] = []
         for x, y in loader:
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(x), y)
@@ -137,8 +153,17 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str) -> No
             opt.step()
             stats["loss"] += float(loss) * len(y)
             stats["n"] += len(y)
+            batches.append(int(loader.current_batch_size))
         with stats.synchronized():
             losses.append(stats["loss"] / max(stats["n"], 1))
+            samples = int(stats["n"])
+        decisions.append({
+            "samples": samples, "micro_batches": len(batches),
+            "batch_sizes": sorted(set(batches)),
+            "accumulation_steps": int(loader.accumulation_steps),
+            "gain": float(net.gain), "lr_factor": float(net._state.lr_factor),
+            "progress": float(net.gns.get_progress()),
+            "sqr": float(net.gns.sqr_avg()), "var": float(net.gns.var_avg())})
     net.eval()
     stats = adl.Accumulator()
     with torch.no_grad():
@@ -149,7 +174,7 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str) -> No
         accuracy = stats["correct"] / stats["n"]
     if adaptdl.env.replica_rank() == 0:
         Path(out).write_text(json.dumps({
-            "accuracy": accuracy, "losses": losses,
+            "accuracy": accuracy, "losses": losses, "decisions": decisions,
             "diverged": not all(math.isfinite(v) for v in losses)}))
 
 
@@ -197,7 +222,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     u, p = mann_whitney(acc["stratagem"], acc["adaptdl"])
     p_div = fisher_exact(div["stratagem"], n["stratagem"], div["adaptdl"], n["adaptdl"])
     return {"accuracy": acc, "diverged": div, "runs": n,
-            "median": {s: sorted(v)[len(v) // 2] for s, v in acc.items() if v},
+            "median": {s: statistics.median(v) for s, v in acc.items() if v},
+            "mean": {s: statistics.fmean(v) for s, v in acc.items() if v},
+            "std": {s: statistics.stdev(v) if len(v) > 1 else 0.0 for s, v in acc.items()},
             "mann_whitney_u": u, "p_accuracy": p, "p_diverged": p_div,
             "same_at_5pct": p >= 0.05 and p_div >= 0.05}
 
@@ -210,7 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adaptdl-python", default="/work/adaptdl-venv/bin/python")
     parser.add_argument("--seeds", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--autoscale", default="0,1", help="0: without, 1: with")
     parser.add_argument("--out", default=str(HERE.parent / "results" / "adaptdl_seeds.json"))
@@ -219,7 +246,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {"load_before": os.getloadavg(), "setup": {
         "train": TRAIN, "test": TEST, "batch": BATCH, "lr": LR, "epochs": args.epochs,
-        "seeds": args.seeds}, "configs": {}}
+        "seeds": args.seeds, "order": "training set permuted by the seed on both systems",
+        "shuffle": os.environ.get("SEEDS_SHUFFLE", "1") == "1"}, "configs": {}}
     for replicas in (int(r) for r in args.replicas.split(",")):
         for autoscale in (a == "1" for a in args.autoscale.split(",")):
             runs: dict[str, list[dict]] = {"adaptdl": [], "stratagem": []}
@@ -228,12 +256,17 @@ def main() -> None:
                                        ("stratagem", sys.executable)):
                     runs[system].append(run_once(python, system, replicas, seed,
                                                  args.epochs, autoscale, work))
+                    last = runs[system][-1]
+                    print(f"  r{replicas} a{int(autoscale)} seed {seed} {system}: "
+                          f"accuracy {last.get('accuracy')}, {last['seconds']:.0f} s",
+                          flush=True)
                     errors = [r["error"] for r in runs[system] if "error" in r]
                     if errors:
                         raise SystemExit(f"{system} failed:\n{errors[0]}")
             key = f"replicas={replicas},autoscale={autoscale}"
             summary = summarize(runs)
-            result["configs"][key] = {**summary, "runs_detail": runs}
+            result["configs"][key] = {**summary, "load_after": os.getloadavg(),
+                                      "runs_detail": runs}
             print(f"{key}: median accuracy stratagem {summary['median']['stratagem']:.3f} "
                   f"adaptdl {summary['median']['adaptdl']:.3f}, p={summary['p_accuracy']:.3f}; "
                   f"diverged {summary['diverged']}, p={summary['p_diverged']:.3f}",
