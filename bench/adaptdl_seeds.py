@@ -190,6 +190,9 @@ def run_once(python: str, system: str, replicas: int, seed: int, epochs: int,
     """One run on ``replicas`` processes (AdaptDL's standalone rendezvous)."""
     tag = f"{system}-r{replicas}-a{int(autoscale)}-s{seed}"
     out, ckpt = work / f"{tag}.json", work / "ckpt" / tag
+    done = work / f"{tag}.done.json"
+    if done.exists():  # finished in an earlier, interrupted sweep (--work)
+        return json.loads(done.read_text())
     ckpt.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     procs = []
@@ -211,7 +214,9 @@ def run_once(python: str, system: str, replicas: int, seed: int, epochs: int,
     if any(p.returncode for p in procs):
         return {"error": "\n".join(t[-2000:] for t in logs), "seconds":
                 time.monotonic() - started}
-    return {**json.loads(out.read_text()), "seconds": time.monotonic() - started}
+    result = {**json.loads(out.read_text()), "seconds": time.monotonic() - started}
+    done.write_text(json.dumps(result))
+    return result
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
@@ -241,8 +246,10 @@ def main() -> None:
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--autoscale", default="0,1", help="0: without, 1: with")
     parser.add_argument("--out", default=str(HERE.parent / "results" / "adaptdl_seeds.json"))
+    parser.add_argument("--work", default=None,
+                        help="run directory; runs finished there before are reused")
     args = parser.parse_args()
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / f"seeds-{os.getpid()}"
+    work = Path(args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"seeds-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {"load_before": os.getloadavg(), "setup": {
         "train": TRAIN, "test": TEST, "batch": BATCH, "lr": LR, "epochs": args.epochs,

@@ -214,3 +214,40 @@ def test_adam_gets_adamscale_and_preconditioned_statistics_only_when_asked(
         drop_job()
         if torch.distributed.is_initialized():  # the one-process group the model joined
             torch.distributed.destroy_process_group()
+
+
+def test_autoscaled_epochs_end_on_progress_as_adaptdl_s(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """AdaptDL's epoch under autoscaling: batches until the progress made before a batch's
+    step reaches ``(epoch + 1) * len(dataset) / batch_size``, over as many passes as that
+    takes. Known answer: 100 samples, batch 10, each step credited a gain of 0.5 (a batch
+    whose gain is half a base step) -> epoch 0 stops after the 21st batch (progress 10.0
+    before it), two full passes and one batch; epoch 1 (target 20) after 20 more.
+    Without autoscaling an epoch is one pass (10 batches) whatever the progress."""
+    import stratagem.adaptdl.torch as adl
+    from stratagem.adaptdl.torch import data as adl_data
+
+    credited = {"steps": 0}
+    monkeypatch.setattr(adl_data, "_job_progress", lambda: 0.5 * credited["steps"])
+    x = torch.arange(100.0)[:, None]
+    try:
+        loader = adl.AdaptiveDataLoader(torch.utils.data.TensorDataset(x), batch_size=10,
+                                        shuffle=True)
+        plain = adl.AdaptiveDataLoader(torch.utils.data.TensorDataset(x), batch_size=10)
+        loader.autoscale_batch_size(40)
+        epochs: list[list[list[int]]] = []
+        plain_batches: list[int] = []
+        for _epoch in adl.remaining_epochs_until(2):
+            epochs.append([])
+            for (xb,) in loader:
+                epochs[-1].append([int(v) for v in xb.flatten()])
+                credited["steps"] += 1  # the script's optimizer step
+            plain_batches.append(sum(1 for _ in plain))
+    finally:
+        drop_job()
+    assert [len(e) for e in epochs] == [21, 20]
+    first = epochs[0]
+    for k in (0, 1):  # each full pass is a permutation of the dataset
+        assert sorted(s for b in first[10 * k:10 * k + 10] for s in b) == list(range(100))
+    assert all(len(b) == 10 for e in epochs for b in e)
+    assert plain_batches == [10, 10]

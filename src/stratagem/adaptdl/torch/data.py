@@ -454,5 +454,35 @@ class AdaptiveDataLoader(AdaptiveDataLoaderMixin):
             if self._elastic.skipdone():
                 return
             self._elastic.round_batch_size()  # the replicas may differ since the last loop
-            yield from self._loader
+            epoch = current_epoch()
+            if self.max_batch_size is None or epoch is None:
+                yield from self._loader
+                return
+            yield from self._progress_epoch(epoch)
+
+    def _progress_epoch(self, epoch: int) -> Iterator[Any]:
+        """AdaptDL's epoch under autoscaling: batches until the job's scale-invariant
+        progress reaches ``(epoch + 1) * len(dataset) / batch_size`` base-batch steps,
+        starting further passes over the data as needed (a larger batch whose gain is below
+        its scale trains on more samples), or ending a pass early. As in AdaptDL the test
+        reads the progress made before the batch's own step, so the epoch ends one step
+        after the target is reached."""
+        target = (epoch + 1) * len(self.dataset) / self.batch_size
+        while True:
+            stepped = False
+            for batch in self._loader:
+                before = _job_progress()
+                stepped = True
+                yield batch
+                if before >= target:
+                    return  # leaving the pass ends it: the next epoch starts a fresh one
+            if not stepped:  # an empty pass would loop for ever
+                return
+            # As in AdaptDL, the test is only made after a batch: a pass that ends at the
+            # target still takes one batch of the next.
+
+
+def _job_progress() -> float:
+    """The job's scale-invariant progress (AdaptDL's ``_metrics.get_progress()``)."""
+    return max((float(m.gns.get_progress()) for m in job.models()), default=0.0)
 
