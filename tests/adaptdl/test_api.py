@@ -226,6 +226,7 @@ def test_autoscaled_epochs_end_on_progress_as_adaptdl_s(monkeypatch: pytest.Monk
     Without autoscaling an epoch is one pass (10 batches) whatever the progress."""
     import stratagem.adaptdl.torch as adl
     from stratagem.adaptdl.torch import data as adl_data
+    from stratagem.adaptdl.torch import job
 
     credited = {"steps": 0}
     monkeypatch.setattr(adl_data, "_job_progress", lambda: 0.5 * credited["steps"])
@@ -244,7 +245,10 @@ def test_autoscaled_epochs_end_on_progress_as_adaptdl_s(monkeypatch: pytest.Monk
                 credited["steps"] += 1  # the script's optimizer step
             plain_batches.append(sum(1 for _ in plain))
     finally:
+        job.reset()
         drop_job()
+        if torch.distributed.is_initialized():  # the one-process group the loaders joined
+            torch.distributed.destroy_process_group()
     assert [len(e) for e in epochs] == [21, 20]
     first = epochs[0]
     for k in (0, 1):  # each full pass is a permutation of the dataset
