@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import adaptdl_seeds as seeds  # noqa: E402
@@ -31,6 +32,22 @@ def test_fisher_exact_known_answers() -> None:
     assert seeds.fisher_exact(0, 8, 0, 8) == pytest.approx(1.0)
     # 3 of 5 against 1 of 5: p = 0.5238 (two-sided, tables no more likely than observed)
     assert seeds.fisher_exact(3, 5, 1, 5) == pytest.approx(0.5238, abs=1e-4)
+
+
+def test_mann_whitney_exact_beyond_enumeration() -> None:
+    # 12 + 12 completely separated: 2 of C(24, 12) = 2,704,156 splits are as extreme
+    u, p = seeds.mann_whitney(list(range(12)), list(range(12, 24)))
+    assert u == 0.0 and p == pytest.approx(2 / 2_704_156)
+
+
+def test_the_training_order_follows_the_seed_with_the_same_samples() -> None:
+    """Neither system's sampler takes the run's seed, so the bench permutes the dataset by
+    it: the same samples, another order per seed, the same order for a seed."""
+    a, b, a2 = (seeds._data(64, 1, s) for s in (0, 1, 0))
+    assert torch.equal(a.tensors[0], a2.tensors[0])
+    assert not torch.equal(a.tensors[1], b.tensors[1])
+    key = lambda d: sorted(map(tuple, d.tensors[0].flatten(1)[:, :4].tolist()))  # noqa: E731
+    assert key(a) == key(b)
 
 
 def test_summary_flags_a_difference_and_accepts_equal_samples() -> None:
