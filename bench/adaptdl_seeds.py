@@ -189,7 +189,8 @@ def run_once(python: str, system: str, replicas: int, seed: int, epochs: int,
              autoscale: bool, work: Path, timeout: float = 900) -> dict:
     """One run on ``replicas`` processes (AdaptDL's standalone rendezvous)."""
     tag = f"{system}-r{replicas}-a{int(autoscale)}-s{seed}"
-    out, ckpt = work / f"{tag}.json", work / "ckpt" / tag
+    # per process: two sweeps sharing --work may run the same run at once
+    out, ckpt = work / f"{tag}.{os.getpid()}.json", work / "ckpt" / f"{tag}.{os.getpid()}"
     done = work / f"{tag}.done.json"
     if done.exists():  # finished in an earlier, interrupted sweep (--work)
         return json.loads(done.read_text())
@@ -248,6 +249,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE.parent / "results" / "adaptdl_seeds.json"))
     parser.add_argument("--work", default=None,
                         help="run directory; runs finished there before are reused")
+    parser.add_argument("--reverse", action="store_true",
+                        help="seeds from the last down (a second sweep on the same --work)")
     args = parser.parse_args()
     work = Path(args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"seeds-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
@@ -258,7 +261,8 @@ def main() -> None:
     for replicas in (int(r) for r in args.replicas.split(",")):
         for autoscale in (a == "1" for a in args.autoscale.split(",")):
             runs: dict[str, list[dict]] = {"adaptdl": [], "stratagem": []}
-            for seed in range(args.seeds):  # interleaved: the load drifts for both alike
+            order = range(args.seeds)[::-1] if args.reverse else range(args.seeds)
+            for seed in order:  # interleaved: the load drifts for both alike
                 for system, python in (("adaptdl", args.adaptdl_python),
                                        ("stratagem", sys.executable)):
                     runs[system].append(run_once(python, system, replicas, seed,
