@@ -1,18 +1,23 @@
 """Final accuracy of an AdaptDL program over seeds: AdaptDL itself against the drop-in.
 
 A LeNet on CIFAR-shaped synthetic images (3x32x32, 10 classes: a fixed random prototype
-per class plus noise; the data are the same for every run, the seed sets the initial
-weights and the shuffling)
-at AdaptDL's CIFAR example learning rate (SGD 0.1, momentum 0.9, weight decay 5e-4,
-AdaScale), trained for a few epochs, with ``import adaptdl`` (in a virtual environment
-where ``adaptdl==0.2.11`` is installed) and with ``from stratagem import adaptdl``; 1 and 2
-replicas (AdaptDL's standalone rendezvous), without and with ``autoscale_batch_size``. Each
-configuration runs ``--seeds`` seeds per system; the final test accuracies of the two
-systems are compared with an exact two-sided Mann-Whitney U test, and the counts of
-diverged runs (a non-finite loss) with Fisher's exact test, both at 5%.
+per class plus noise; the same samples in every run) at AdaptDL's CIFAR example learning
+rate (SGD 0.1, momentum 0.9, weight decay 5e-4, AdaScale), trained for a few epochs, with
+``import adaptdl`` (in a virtual environment where ``adaptdl==0.2.11`` is installed) and
+with ``from stratagem import adaptdl``; 1 and 2 replicas (AdaptDL's standalone
+rendezvous), without and with ``autoscale_batch_size``. The seed sets the initial weights
+and the training order (the dataset is permuted by it: neither system's sampler takes the
+script's seed, so without that each system would train every run in one fixed order of its
+own). Each configuration runs ``--seeds`` seeds per system, interleaved; the final test
+accuracies of the two systems are compared with an exact two-sided Mann-Whitney U test,
+and the counts of diverged runs (a non-finite loss) with Fisher's exact test, both at 5%.
+Each run also records, per epoch, what the system decided: batch sizes, accumulation,
+gain, LR factor, scale-invariant progress, gradient statistics.
 
 Writes bench/results/adaptdl_seeds.json (every run, per-configuration tests, the machine's
 load). Run it under ``nice``: it is 8 runs per configuration and system by default.
+``--work DIR`` keeps each finished run there, so an interrupted sweep resumes, and a second
+sweep with ``--reverse`` on the same directory shares the work.
 
     nice python bench/adaptdl_seeds.py --adaptdl-python /work/adaptdl-venv/bin/python
 """

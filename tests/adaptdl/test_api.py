@@ -255,3 +255,52 @@ def test_autoscaled_epochs_end_on_progress_as_adaptdl_s(monkeypatch: pytest.Monk
         assert sorted(s for b in first[10 * k:10 * k + 10] for s in b) == list(range(100))
     assert all(len(b) == 10 for e in epochs for b in e)
     assert plain_batches == [10, 10]
+
+
+def test_an_autoscaled_epoch_ends_after_a_step_s_last_micro_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With gradient accumulation (2 micro-batches of 5 per step of 10) the epoch ends
+    after the micro-batch that completes a step: 100 samples, batch 10, gain 0.5 per step
+    -> epoch 0 takes 21 whole steps (42 micro-batches), none left half accumulated."""
+    import contextlib
+
+    import stratagem.adaptdl.torch as adl
+    from stratagem.adaptdl.torch import data as adl_data
+    from stratagem.adaptdl.torch import job
+
+    class Hooks:  # the adaptive loop's part that the loader sees (stratagem.data.LoaderHooks)
+        current_batch = None
+
+        def start(self, loader) -> None:
+            loader.accum_steps = 1
+
+        @contextlib.contextmanager
+        def scope(self, loader, info):
+            self.current_batch = info
+            try:
+                yield
+            finally:
+                self.current_batch = None
+
+        def end(self, loader) -> None:
+            pass
+
+    credited = {"steps": 0}
+    monkeypatch.setattr(adl_data, "_job_progress", lambda: 0.5 * credited["steps"])
+    try:
+        loader = adl.AdaptiveDataLoader(torch.utils.data.TensorDataset(torch.arange(100.0)),
+                                        batch_size=10)
+        loader.autoscale_batch_size(40, gradient_accumulation=True)
+        hooks = loader._loader.hooks = Hooks()
+        finals = []
+        for _epoch in adl.remaining_epochs_until(1):
+            for (xb,) in loader:
+                assert len(xb) == 5
+                finals.append(hooks.current_batch.final)
+                credited["steps"] += hooks.current_batch.final  # the optimizer step
+    finally:
+        job.reset()
+        drop_job()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert len(finals) == 42 and finals[-1] and sum(finals) == 21

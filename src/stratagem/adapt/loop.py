@@ -254,6 +254,12 @@ class AdaptiveTrainer:
         return loss
 
     @property
+    def current_batch(self) -> GlobalBatch | None:
+        """The (micro-)batch in hand while the loop body runs (``.final``: its optimizer
+        step applies the update), None between batches."""
+        return self._micro
+
+    @property
     def adaptive(self) -> bool:
         """Whether batch size and LR adapt (autoscaling on), so adaptive fields mean
         something."""

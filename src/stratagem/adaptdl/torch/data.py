@@ -466,7 +466,9 @@ class AdaptiveDataLoader(AdaptiveDataLoaderMixin):
         starting further passes over the data as needed (a larger batch whose gain is below
         its scale trains on more samples), or ending a pass early. As in AdaptDL the test
         reads the progress made before the batch's own step, so the epoch ends one step
-        after the target is reached."""
+        after the target is reached. With gradient accumulation it ends after a step's
+        last micro-batch (AdaptDL ends after the next micro-batch and carries its gradient
+        into the next epoch's first step)."""
         target = (epoch + 1) * len(self.dataset) / self.batch_size
         while True:
             stepped = False
@@ -474,7 +476,8 @@ class AdaptiveDataLoader(AdaptiveDataLoaderMixin):
                 before = _job_progress()
                 stepped = True
                 yield batch
-                if before >= target:
+                held = getattr(self._loader.hooks, "current_batch", None)
+                if before >= target and (held is None or held.final):
                     return  # leaving the pass ends it: the next epoch starts a fresh one
             if not stepped:  # an empty pass would loop for ever
                 return
