@@ -75,6 +75,23 @@ def check_every_sample_once(out: Path, drop_last_ok: bool = False) -> dict[int, 
     return worlds
 
 
+def check_progress_epochs(out: Path, epochs: int) -> None:
+    """AdaptDL's autoscaled epoch runs on scale-invariant progress, so it may take more than
+    one pass (and one step more than the target): each epoch starts with a pass without a
+    repeated sample, short of at most a remainder that drop_last leaves at a larger batch."""
+    by_epoch: dict[int, list[list[int]]] = {}
+    for _step, recs in sorted(steps(out).items()):
+        by_epoch.setdefault(recs[0]["epoch"], []).append([i for r in recs for i in r["ids"]])
+    assert sorted(by_epoch) == list(range(epochs))
+    for epoch, batches in by_epoch.items():
+        seen: set[int] = set()
+        for batch in batches:
+            if seen & set(batch):
+                break
+            seen |= set(batch)
+        assert len(seen) > N - max(len(b) for b in batches), f"epoch {epoch}"
+
+
 def test_only_the_imports_differ_from_the_adaptdl_script() -> None:
     text = SCRIPT.read_text()
     original = text.replace("from stratagem import adaptdl", "import adaptdl")
@@ -137,20 +154,7 @@ def test_single_replica_plain_python_with_autoscale(tmp_path: Path) -> None:
                            "--autoscale-bsz"], env=base_env(tmp_path / "ckpt"), cwd=SCRIPTS,
                           capture_output=True, text=True, timeout=80)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    # AdaptDL's autoscaled epoch runs on scale-invariant progress, so it may take more than
-    # one pass (and one step more than the target): each epoch starts with a pass without a
-    # repeated sample, short of at most a remainder that drop_last leaves at a larger batch.
-    by_epoch: dict[int, list[list[int]]] = {}
-    for _step, recs in sorted(steps(out).items()):
-        by_epoch.setdefault(recs[0]["epoch"], []).append([i for r in recs for i in r["ids"]])
-    assert sorted(by_epoch) == [0, 1]
-    for epoch, batches in by_epoch.items():
-        seen: set[int] = set()
-        for batch in batches:
-            if seen & set(batch):
-                break
-            seen |= set(batch)
-        assert len(seen) > N - max(len(b) for b in batches), f"epoch {epoch}"
+    check_progress_epochs(out, 2)
     per_epoch = [sum(len(r["ids"]) for recs in steps(out).values() for r in recs
                      if r["epoch"] == e) for e in range(2)]
     assert [s["total"] for s in stats(out) if s["phase"] == "train"] == per_epoch
