@@ -6,7 +6,9 @@ AdaptDL every replica takes ``ceil(batch_size / replicas)`` samples, so the batc
 an epoch is checkpointed as a sample offset, so a restart with any number of replicas
 neither skips nor repeats a sample; a checkpoint saved inside the loop body replays the
 batch in hand; a loop already finished in the current epoch before a restart is skipped,
-and a loop left with ``break`` ends its pass (the next ``for`` starts a fresh one).
+and a loop left with ``break`` ends its pass (the next ``for`` starts a fresh one). Under
+``autoscale_batch_size`` a loop is AdaptDL's epoch of scale-invariant progress, which may
+take more than one pass.
 
 ``ElasticSampler``, ``AdaptiveDataLoaderHelper`` and ``AdaptiveDataLoaderMixin`` are
 AdaptDL's building blocks for custom restart-safe loaders; ``current_dataloader()`` is the
