@@ -262,25 +262,15 @@ def not_fitting(estimates: list[tuple[str, MemoryEstimate]], limit: int, where: 
                                   "within 8x would do)"))
 
 
-# Communication volume of the sharded stages against an all-reduce of the same gradients
-# (in units of its bytes): stage 1 and 2 add the owners' broadcast of the new values (a
-# reduce(-scatter) plus a gather is the all-reduce's volume), stage 3 gathers the
-# parameters for forward and, resharded after it, again for backward.
-SHARD_COMM_FACTOR = {1: 1.5, 2: 1.5, 3: 1.5}
-RESHARD_EXTRA = 0.5
-
-
 def fit_memory(choice: Any, activations: int, optimizer: Any, price: Any) -> Any:
     """``choice`` when its strategy fits the spec's memory limit (or no limit is set);
     else the fastest candidate (the priced ones, then ZeRO 1, 2 and 3) that fits, with its
     estimate in the notes. Raises StratagemError when none fits. ``activations``: bytes
     measured by :func:`activation_bytes` (0: unknown); ``price(strategy)``: the search's
-    StepCost of an all-reduce strategy."""
+    StepCost of a strategy (None: it cannot run)."""
     from dataclasses import replace as dc_replace
 
-    from stratagem.planner.cost_model import StepCost
     from stratagem.planner.search import Candidate
-    from stratagem.strategy.builders.allreduce import AllReduce
     from stratagem.strategy.builders.sharded import ZeRO
 
     spec, profile = choice.spec, choice.profile
@@ -299,15 +289,11 @@ def fit_memory(choice: Any, activations: int, optimizer: Any, price: Any) -> Any
     pool = sorted(choice.candidates, key=lambda c: c.cost.total_s)
     if choice.best not in pool:
         pool.insert(0, choice.best)
-    base = price(AllReduce().build(profile, spec))
     for stage, keep in ((1, True), (2, True), (3, False), (3, True)):
         s = ZeRO(stage=stage, reshard_after_forward=keep).build(profile, spec)
-        if base is None:
+        cost = price(s)  # the cost model prices the sharded collectives (shard_cost)
+        if cost is None:
             continue
-        factor = SHARD_COMM_FACTOR[stage] + (RESHARD_EXTRA if stage == 3 and keep else 0)
-        cost = StepCost(compute_s=base.compute_s, exposed_comm_s=base.exposed_comm_s * factor,
-                        overhead_s=base.overhead_s, link_bytes=dict(base.link_bytes),
-                        parts=dict(base.parts))
         name = f"ZeRO-{stage}" + ("" if stage < 3 else
                                   " (reshard after forward)" if keep else " (kept)")
         pool.append(Candidate(name, s, cost))
