@@ -96,3 +96,14 @@ def test_init_callback_replaces_reset_parameters() -> None:
          materialize=MetaInit(seed=None, init=init))
     assert seen == ["0", "1"]
     assert all(torch.all(p == 0.5) for p in lazy.parameters())
+
+
+def test_autodist_refuses_a_meta_model_with_the_recipe() -> None:
+    import stratagem as sg
+
+    ad = sg.AutoDist(strategy_builder="AllReduce", verbose=False)
+    with torch.device("meta"):
+        lazy = Net()
+    with pytest.raises(StratagemError, match="meta device") as err:
+        ad.distribute(lazy, torch.optim.SGD(lazy.parameters(), lr=0.1))
+    assert "materialize=MetaInit" in err.value.fix
