@@ -41,10 +41,11 @@ TIMED = 30
 """Interleaved steps per variant (after two warm-up steps): at 8 the ratio moved by 0.2
 between runs on the loaded machine."""
 VARIANTS = ("replicated", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2 direct")
-PREFETCH0 = "ZeRO-3 prefetch 0"
-"""ZeRO-3 without explicit forward prefetch: the direct FSDP2 baseline's own setting (the
-builder's default gathers one unit ahead)."""
-TIMED_VARIANTS = ("ZeRO-3", PREFETCH0, "FSDP2 direct")
+PREFETCH1 = "ZeRO-3 prefetch 1"
+"""ZeRO-3 gathering one unit ahead in forward (the builder's default until results/
+sharding.json's commit, where the variants were "ZeRO-3" = this and "ZeRO-3 prefetch 0" =
+today's default, the direct FSDP2 baseline's own setting)."""
+TIMED_VARIANTS = ("ZeRO-3", PREFETCH1, "FSDP2 direct")
 
 
 class Block(nn.Module):
@@ -124,8 +125,8 @@ def build(variant: str, rank: int, world: int) -> tuple[nn.Module, torch.optim.O
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         return model, opt, None
     profile = analyze(model)
-    builder = (AllReduce() if variant == "replicated" else ZeRO(stage=3, prefetch=0)
-               if variant == PREFETCH0 else ZeRO(stage=int(variant[-1])))
+    builder = (AllReduce() if variant == "replicated" else ZeRO(stage=3, prefetch=1)
+               if variant == PREFETCH1 else ZeRO(stage=int(variant[-1])))
     strategy = builder.build(profile, ResourceSpec.local(1))
     est = estimate_memory(strategy, profile, world, state_elements=2,
                           activations=activation_bytes(model, (batch(0, rank)[0],))).peak
@@ -237,11 +238,11 @@ def main() -> None:
             "interleaved_cpu_ms": {v: round(s * 1e3, 1) for v, s in cpu.items()},
             "zero3_over_fsdp2": round(inter["ZeRO-3"] / inter["FSDP2 direct"], 3)
             if inter else None,
-            "zero3_prefetch0_over_fsdp2": round(inter[PREFETCH0] / inter["FSDP2 direct"], 3)
+            "zero3_prefetch1_over_fsdp2": round(inter[PREFETCH1] / inter["FSDP2 direct"], 3)
             if inter else None,
             "cpu_zero3_over_fsdp2": round(cpu["ZeRO-3"] / cpu["FSDP2 direct"], 3)
             if cpu else None,
-            "cpu_zero3_prefetch0_over_fsdp2": round(cpu[PREFETCH0] / cpu["FSDP2 direct"], 3)
+            "cpu_zero3_prefetch1_over_fsdp2": round(cpu[PREFETCH1] / cpu["FSDP2 direct"], 3)
             if cpu else None}
     result["host"] = {"cores": os.cpu_count(), "loadavg_1m_start": round(load0, 2),
                       "commit": commit(),
