@@ -37,8 +37,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 VOCAB, DIM, BLOCKS, SEQ, PER_WORKER = 512, 192, 12, 16, 2
 STEPS = 3
-TIMED = 8
+TIMED = 30
+"""Interleaved steps per variant (after two warm-up steps): at 8 the ratio moved by 0.2
+between runs on the loaded machine."""
 VARIANTS = ("replicated", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2 direct")
+PREFETCH1 = "ZeRO-3 prefetch 1"
+"""ZeRO-3 gathering one unit ahead in forward (the builder's default until results/
+sharding.json's commit, where the variants were "ZeRO-3" = this and "ZeRO-3 prefetch 0" =
+today's default, the direct FSDP2 baseline's own setting)."""
+TIMED_VARIANTS = ("ZeRO-3", PREFETCH1, "FSDP2 direct")
 
 
 class Block(nn.Module):
@@ -118,7 +125,8 @@ def build(variant: str, rank: int, world: int) -> tuple[nn.Module, torch.optim.O
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         return model, opt, None
     profile = analyze(model)
-    builder = AllReduce() if variant == "replicated" else ZeRO(stage=int(variant[-1]))
+    builder = (AllReduce() if variant == "replicated" else ZeRO(stage=3, prefetch=1)
+               if variant == PREFETCH1 else ZeRO(stage=int(variant[-1])))
     strategy = builder.build(profile, ResourceSpec.local(1))
     est = estimate_memory(strategy, profile, world, state_elements=2,
                           activations=activation_bytes(model, (batch(0, rank)[0],))).peak
@@ -158,22 +166,29 @@ def worker(rank: int, world: int, port: int, out: str, timed: bool) -> None:
     if not timed:
         result["step_s"] = {}
         if rank == 0:
-            Path(out).write_text(json.dumps({**result, "interleaved_s": {}}))
+            Path(out).write_text(json.dumps({**result, "interleaved_s": {},
+                                         "interleaved_cpu_s": {}}))
         dist.barrier()
         dist.destroy_process_group()
         return
     # Interleaved: Stratagem's ZeRO-3 against FSDP2 direct, same model, world and batch.
-    pair = {v: build(v, rank, world)[:2] for v in ("ZeRO-3", "FSDP2 direct")}
+    pair = {v: build(v, rank, world)[:2] for v in TIMED_VARIANTS}
     timed: dict[str, list[float]] = {v: [] for v in pair}
+    cpu: dict[str, list[float]] = {v: [] for v in pair}
+    names = list(pair)
     for s in range(TIMED + 2):
-        order = list(pair) if s % 2 == 0 else list(reversed(pair))
-        for v in order:
+        k = s % len(names)  # the order rotates
+        for v in names[k:] + names[:k]:
             dist.barrier()
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             step(*pair[v], s, rank)
             if s >= 2:
                 timed[v].append(time.perf_counter() - t)
+                cpu[v].append(time.process_time() - c)
     result["interleaved_s"] = {v: statistics.median(ts) for v, ts in timed.items()}
+    # CPU seconds of the process per step (its gloo threads too): less sensitive to what
+    # else the loaded machine runs than the wall time
+    result["interleaved_cpu_s"] = {v: statistics.median(ts) for v, ts in cpu.items()}
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
@@ -189,6 +204,14 @@ def run(world: int, timed: bool) -> dict:
     data = json.loads(out.read_text())
     out.unlink()
     return data
+
+
+def commit() -> str:
+    import subprocess
+
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True, timeout=10, check=False)
+    return out.stdout.strip()
 
 
 def main() -> None:
@@ -207,13 +230,22 @@ def main() -> None:
                    if x["estimate"] else None}
                for v, x in r["memory"].items()}
         inter = r["interleaved_s"]
+        cpu = r.get("interleaved_cpu_s", {})
         result["worlds"][str(world)] = {
             "memory_per_worker": mem,
             "step_ms": {v: round(s * 1e3, 1) for v, s in r["step_s"].items()},
             "interleaved_step_ms": {v: round(s * 1e3, 1) for v, s in inter.items()},
+            "interleaved_cpu_ms": {v: round(s * 1e3, 1) for v, s in cpu.items()},
             "zero3_over_fsdp2": round(inter["ZeRO-3"] / inter["FSDP2 direct"], 3)
-            if inter else None}
+            if inter else None,
+            "zero3_prefetch1_over_fsdp2": round(inter[PREFETCH1] / inter["FSDP2 direct"], 3)
+            if inter else None,
+            "cpu_zero3_over_fsdp2": round(cpu["ZeRO-3"] / cpu["FSDP2 direct"], 3)
+            if cpu else None,
+            "cpu_zero3_prefetch1_over_fsdp2": round(cpu[PREFETCH1] / cpu["FSDP2 direct"], 3)
+            if cpu else None}
     result["host"] = {"cores": os.cpu_count(), "loadavg_1m_start": round(load0, 2),
+                      "commit": commit(),
                       "loadavg_1m_end": round(os.getloadavg()[0], 2),
                       "note": "shared machine: other engineers' jobs ran meanwhile"}
     RESULTS.mkdir(exist_ok=True)

@@ -550,7 +550,14 @@ class AutoDist:
 
     def _check_model_device(self, model: nn.Module) -> None:
         """A model the script put on a GPU is not moved to the CPU behind its back (its
-        batches would follow it to the GPU and the forward fail on a device mismatch)."""
+        batches would follow it to the GPU and the forward fail on a device mismatch). A
+        meta-device model (no values) is refused: distribute() cannot materialize it."""
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            raise StratagemError(
+                "the model is on the meta device (no values)", where="AutoDist.distribute",
+                fix="plan with stratagem.planner.choose and wrap it with DistributedModel(..., "
+                    "materialize=MetaInit(seed=...)) (docs/how-to/meta-device.md), or build "
+                    "it on a real device")
         on_gpu = sorted({str(p.device) for p in model.parameters() if p.device.type == "cuda"})
         if self.device.type != "cpu" or not on_gpu:
             return

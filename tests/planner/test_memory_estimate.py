@@ -17,11 +17,12 @@ from stratagem.strategy.builders import ZeRO
 
 
 class Blocks(nn.Module):
-    """``n`` equal blocks of one 64x64 matrix each (16 KiB each in fp32)."""
+    """``n`` equal blocks of one ``width`` x ``width`` matrix each (16 KiB each in fp32
+    at 64)."""
 
-    def __init__(self, n: int = 4) -> None:
+    def __init__(self, n: int = 4, width: int = 64) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(n))
+        self.blocks = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
@@ -98,22 +99,40 @@ def test_no_limit_leaves_auto_unchanged() -> None:
                                                          for nc in roomy.node_config]
 
 
-@pytest.mark.parametrize("units, builder", [(40, "ZeRO-2"), (25, "ZeRO-3")])
+@pytest.mark.parametrize("units, builder", [(40, "ZeRO-2"), (26, "ZeRO-3")])
 def test_auto_picks_the_fastest_that_fits(units: int, builder: str) -> None:
-    profile = analyze(Blocks(16))
+    big = 2**20  # 512 x 512 fp32 blocks: 1 MiB units, so that the reserve is 2 units
+    profile = analyze(Blocks(16, width=512))
     # 16 units on 4 workers: replicated 80 units; ZeRO-1 16 + 16 + 8 + 16 (buffer) = 56;
-    # ZeRO-2 16 + (4 + 2) + 8 = 30; ZeRO-3 4 + 4 + 8 + 7 gathered = 23.
-    s = plan_from_profile(Auto(), profile, spec(4, memory=units * UNIT))
+    # ZeRO-2 16 + (4 + 2) + 8 = 30; ZeRO-3 4 + 4 + 8 + 5 gathered = 21. A candidate fits
+    # when 1.05 x its estimate + 2 (the reserve) is within the limit: ZeRO-2 33.5 units,
+    # ZeRO-3 24.05.
+    s = plan_from_profile(Auto(), profile, spec(4, memory=units * big))
     assert s.builder == builder and s.sharded_parameters == sorted(profile.names)
 
 
+def test_margin_and_reserve_known_answer() -> None:
+    from stratagem.planner.memory import MARGIN, RESERVE, MemoryEstimate, fits
+
+    e = MemoryEstimate(items={"parameters": 100 * 2**20})
+    edge = int(100 * 2**20 * (1 + MARGIN)) + RESERVE
+    assert fits(e, edge) and not fits(e, edge - 1)
+    # 24.05 units fit 25 MiB; the estimate alone (21 units) would have fitted 22 MiB too.
+    profile = analyze(Blocks(16, width=512))
+    with pytest.raises(StratagemError, match="no strategy fits"):
+        plan_from_profile(Auto(), profile, spec(4, memory=22 * 2**20))
+
+
 def test_nothing_fits_names_peak_limit_items_and_what_would() -> None:
-    profile = analyze(Blocks())
+    profile = analyze(Blocks(width=512))  # 4 MiB of parameters
+    # 2 workers' ZeRO-3: 2 + 2 + 4 + 5 gathered = 13 MiB; 4 workers': 9 MiB, which fits
+    # 12 MiB with the margin and reserve (11.45)
     with pytest.raises(StratagemError) as err:
-        plan_from_profile(Auto(), profile, spec(2, memory=2 * P))
+        plan_from_profile(Auto(), profile, spec(2, memory=12 * 2**20))
     text = str(err.value)
     assert "nodes[0].memory" in text and "no strategy fits" in text
-    assert "limit 0.1 MiB" in text and "optimizer state" in text and "workers with ZeRO-3" in text
+    assert "limit 12.0 MiB" in text and "optimizer state" in text
+    assert "4 workers with ZeRO-3" in text
 
 
 def test_limit_below_one_shard_is_refused() -> None:

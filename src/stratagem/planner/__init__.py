@@ -81,10 +81,13 @@ def choose(model: nn.Module, spec: ResourceSpec, *, batch_size: int | None = Non
     together = (probe or trials) and collective_ready(spec)
     limit = spec.memory_limit()
     activations, calibrated = 0, sample_input
+    meta = any(p.is_meta for p in model.parameters())  # no values: nothing to time
     if limit is not None and sample_input is not None:
         activations = activation_bytes(model, sample_input)
         if not calibration_fits(profile, limit[0], activations):
             calibrated, trials = None, False  # its backward would not fit: estimate
+    if meta:
+        calibrated, trials = None, False
     cal, profile = _calibration(model, profile, batch_size or options.batch_size,
                                 calibrated, loss_fn, together)
     links, link_probe = measured_links(spec) if probe else (None, None)

@@ -26,6 +26,9 @@ exactly what the runtime would execute:
   a refresh's two all-to-alls, and the second all-to-all that replicated pieces' rows
   take in the push (no pull announced them), each cost a pull round's share, as ranks
   arrive at them unevenly from their own work;
+- **sharded parameters** (:func:`shard_cost`): all-gathers, reduce-scatters, reduces
+  and the owners' broadcasts, each half a ring all-reduce's bytes and fixed cost; the
+  gathers and broadcasts exposed, the gradients' reduce(-scatter)s queued in backward;
 - **overlap**: transfers queue on one link in launch order (``timeline.schedule``);
   whatever ends after backward is exposed communication; of the time spent moving bytes
   during backward, the measured share the compute loses (``LinkModel.interference``) is
@@ -155,6 +158,69 @@ def group_cost(group: GroupPlan, links: LinkModel, replicas: list[str], cal: Cal
     moving = ring_bytes_time(links, replicas, nbytes, rate)
     wire = queued_ring_time(links, len(replicas), moving, rounds)
     return wire, work, ring_flows(replicas, nbytes), max(0.0, wire - moving)
+
+
+def half_ring_s(links: LinkModel, replicas: list[str], nbytes: float) -> tuple[float, float]:
+    """(seconds, of them moving bytes) of an all-gather, reduce-scatter, reduce or
+    broadcast of ``nbytes`` (the whole tensor) among ``replicas``: half a ring
+    all-reduce's bytes ((n-1)/n of them on each link) and half its fixed cost."""
+    if len(replicas) < 2 or nbytes <= 0:
+        return 0.0, 0.0
+    moving = ring_bytes_time(links, replicas, nbytes) / 2
+    return moving + links.ring_fixed_s(len(replicas)) / 2, moving
+
+
+def shard_cost(plan: Plan, links: LinkModel, replicas: list[str], cal: Calibration,
+               nbytes: dict[str, int]
+               ) -> tuple[list[tuple[float, str, float, float]], float,
+                          list[tuple[str, str, float]], int]:
+    """The sharded parameters' collectives (runtime/sharded.py): (backward events
+    ``(ready, name, seconds, moving seconds)``, exposed seconds, flows, messages).
+
+    Stage 3 (FSDP2), per unit: the forward's all-gather (exposed: the unit's forward waits
+    for it), with ``reshard_after_forward`` the backward's all-gather again (exposed: its
+    backward waits), and the gradients' reduce-scatter, queued in backward as the unit's
+    gradients are ready. Stage 2: each parameter's gradient reduced to its owner as it is
+    ready (queued in backward). Stages 1 and 2: after the update, each owner broadcasts
+    its parameters (exposed: the next forward waits); stage-1 gradients are all-reduced
+    in a group of the plan, priced with the groups."""
+    shards = plan.shards
+    assert shards is not None
+    W = len(replicas)
+    events: list[tuple[float, str, float, float]] = []
+    flows: list[tuple[str, str, float]] = []
+    exposed_s = 0.0
+    messages = 0
+    per_msg = 2 * (W - 1)  # a ring all-gather or reduce-scatter: (n-1) sends and receives
+
+    def ring(n: float) -> list[tuple[str, str, float]]:
+        return [(a, replicas[(i + 1) % W], n * (W - 1) / W) for i, a in enumerate(replicas)]
+
+    for u in shards.units:
+        b = sum(nbytes[p] for p in u.params)
+        gather, _ = half_ring_s(links, replicas, b)
+        rs, rs_moving = half_ring_s(links, replicas, b)
+        gathers = 2 if u.reshard_after_forward else 1
+        exposed_s += gathers * gather
+        events.append((_ready(cal, list(u.params)), f"reduce-scatter {u.module or '(root)'}",
+                       rs, rs_moving))
+        flows += ring(b) * (gathers + 1)
+        messages += per_msg * (gathers + 1)
+    owned_bytes: dict[int, int] = {}
+    for o in shards.owned:
+        b = nbytes[o.param]
+        owned_bytes[o.owner] = owned_bytes.get(o.owner, 0) + b
+        if o.stage == 2:
+            t, moving = half_ring_s(links, replicas, b)
+            events.append((_ready(cal, [o.param]), f"reduce {o.param}", t, moving))
+            flows += ring(b)
+            messages += per_msg
+    for b in owned_bytes.values():  # one flat broadcast per owner
+        t, _ = half_ring_s(links, replicas, b)
+        exposed_s += t
+        flows += ring(b)
+        messages += per_msg
+    return events, exposed_s, flows, messages
 
 
 def _ready(cal: Calibration, params: list[str]) -> float:
@@ -363,6 +429,13 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
             pull_s = max(pull_wire_s, pull_s - sparse_push_s)
         all_flows += fwd_flows + push_flows + ref_flows
 
+    shard_exposed_s = 0.0
+    if plan.shards is not None:
+        shard_events, shard_exposed_s, shard_flows, shard_msgs = shard_cost(
+            plan, links, replicas, cal, {n: p.bytes for n, p in info.items()})
+        events += shard_events
+        all_flows += shard_flows
+        messages += shard_msgs
     events.sort(key=lambda e: e[0])  # the link takes them as they become ready
     slots = schedule([(name, ready, dur) for ready, name, dur, _ in events])
     # what moving the overlapped transfers' bytes takes from the backward pass's CPU (the
@@ -383,7 +456,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
                   if info[m.param].sparse and not g.gather_rows)
     update_s = cal.update_s(local + densify, profile.total_bytes)
     compute = cal.forward_s + cal.backward_s + update_s
-    exposed_comm = backward_tail + contention_s + pull_s + refresh_s + fwd_pull_s
+    exposed_comm = (backward_tail + contention_s + pull_s + refresh_s + fwd_pull_s
+                    + shard_exposed_s)
     # Compressor work runs inside the queued transfers (counted there; shown apart).
     # The runtime's own work per tensor (hook, copy in and back) and per group.
     # (a dense PS bucket's machinery -- buffer, posting its sends -- is priced as a group's)
@@ -403,7 +477,8 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
              "refresh": refresh_s,
              "compressor_work": work_s, "messages": float(messages),
              "runtime": runtime_s, "tensors": float(tensors), "row_scan": scan_s,
-             "write_back": write_back_s, "owner_pieces": owner_s}
+             "write_back": write_back_s, "owner_pieces": owner_s,
+             "sharded_exposed": shard_exposed_s}
     return StepCost(compute_s=compute, exposed_comm_s=exposed_comm, overhead_s=overhead,
                     link_bytes=links.flow_bytes(all_flows), parts=parts,
                     slots=tuple(slots))

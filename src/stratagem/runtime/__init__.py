@@ -9,6 +9,7 @@ from stratagem.runtime.compressors import (
     compressor_names,
     register_compressor,
 )
+from stratagem.runtime.materialize import MetaInit
 from stratagem.runtime.model import DistributedModel
 from stratagem.runtime.plan import GroupPlan, Member, Plan, compile_plan, resolve_backend
 from stratagem.runtime.stats import CommStats
@@ -19,6 +20,7 @@ __all__ = [
     "DistributedModel",
     "GroupPlan",
     "Member",
+    "MetaInit",
     "Plan",
     "compile_plan",
     "compressor_names",

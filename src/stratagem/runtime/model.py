@@ -21,6 +21,7 @@ from stratagem.runtime.comm import (
     make_comms,
 )
 from stratagem.runtime.ddp_engine import DDPReducer
+from stratagem.runtime.materialize import MetaInit, has_meta, materialize, rebind
 from stratagem.runtime.plan import Plan
 from stratagem.runtime.stats import CommStats
 
@@ -50,7 +51,7 @@ class DistributedModel(nn.Module):
     def __init__(self, module: nn.Module, plan: Plan,
                  process_group: dist.ProcessGroup | None = None, *,
                  optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-                 cluster: Any = None) -> None:
+                 cluster: Any = None, materialize: MetaInit | None = None) -> None:
         super().__init__()
         self.module = module
         self.plan = plan
@@ -59,6 +60,9 @@ class DistributedModel(nn.Module):
             raise StratagemError(f"the plan is for a parameter server (rank {plan.rank})",
                                  where="DistributedModel",
                                  fix="run it with stratagem.runtime.ps.run_server")
+        self._process_group = process_group
+        self._shard = None
+        built = self._materialize(optimizer, materialize)
         params = check_params(plan, module)
         self._ps = None
         if plan.ps is not None and (plan.world_size > 1 or plan.ps.servers):
@@ -67,21 +71,53 @@ class DistributedModel(nn.Module):
             self._ps = make_engine(plan, module, optimizer, cluster, process_group,
                                    self.comm_stats)
         # A PS engine broadcast everything already (servers included).
-        self._install_synchronizers(params, process_group, broadcast=self._ps is None)
-        self._process_group = process_group
-        self._shard = None
-        self._install_sharding(params, optimizer)
+        self._install_synchronizers(params, process_group, broadcast=self._ps is None,
+                                    sharded=built)
+        if not built:
+            self._install_sharding(params, optimizer)
         self._scaler_link: Any = None
         self._first_training_forward: Callable[[tuple, dict], None] | None = None
         self._hand_optimizer_state_to_owners()
         # The initial broadcast is not training traffic.
         self.comm_stats.reset()
 
+    def _materialize(self, optimizer: Any, options: MetaInit | None) -> bool:
+        """Values for a model built on the meta device (runtime/materialize.py): stage-3
+        units sharded as they get them, by the sharding engine, made here first. Whether
+        that engine exists now (its units already sharded)."""
+        module, plan = self.module, self.plan
+        if not has_meta(module):
+            return False
+        if options is None:
+            raise StratagemError(
+                "the model is on the meta device (no values)", where="DistributedModel",
+                fix="pass materialize=MetaInit(seed=...) so that each worker gives it values "
+                    "(docs/how-to/meta-device.md), or build it on a real device")
+        if plan.ps is not None:
+            raise StratagemError(
+                "a meta-device model with parameter-server synchronizers",
+                where="DistributedModel(materialize=...)",
+                fix="build the model on a real device for parameter-server strategies")
+        meta = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        if plan.shards is not None and plan.world_size > 1:
+            from stratagem.runtime.sharded import ShardEngine
+
+            self._shard = ShardEngine(plan, module, meta, optimizer, self._process_group,
+                                      meta=options)
+            return True
+        from stratagem.runtime.sharded import optimizers_of
+
+        materialize(module, options, torch.device(plan.device))
+        rebind(optimizers_of(optimizer), meta, dict(module.named_parameters()))
+        return False
+
     def _install_synchronizers(self, params: dict[str, nn.Parameter],
                                process_group: dist.ProcessGroup | None, *,
-                               broadcast: bool) -> None:
+                               broadcast: bool, sharded: bool = False) -> None:
         """The all-reduce synchronizers of ``self.plan`` (a local one in a one-process job
-        without servers); with ``broadcast``, rank 0's parameters and buffers first."""
+        without servers); with ``broadcast``, rank 0's parameters and buffers first (with
+        ``sharded``, stage 3 sharded already: its shards, every worker's own, are not
+        broadcast)."""
         plan = self.plan
         self._buffer_sync: BufferSync | None = None
         self._buffers_dirty = False
@@ -92,6 +128,10 @@ class DistributedModel(nn.Module):
         default, comms = make_comms(plan, process_group, self.comm_stats)
         if broadcast:
             states = list(dict.fromkeys([*self.module.parameters(), *self.module.buffers()]))
+            if sharded:
+                from torch.distributed.tensor import DTensor
+
+                states = [t for t in states if not isinstance(t, DTensor)]
             if plan.shards is None:
                 broadcast_coalesced([t for t in states if t.numel()], default)
             else:  # a few MB at a time: the model may not fit twice

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.errors import StratagemError
+from stratagem.runtime.materialize import MetaInit, materialize, rebind
 from stratagem.runtime.plan import Owned, Plan
 
 
@@ -43,7 +44,8 @@ class ShardEngine:
 
     def __init__(self, plan: Plan, module: nn.Module, params: dict[str, nn.Parameter],
                  optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
-                 process_group: dist.ProcessGroup | None) -> None:
+                 process_group: dist.ProcessGroup | None, *,
+                 meta: MetaInit | None = None) -> None:
         shards = plan.shards
         assert shards is not None
         self.plan, self.shards, self.rank = plan, shards, plan.rank
@@ -60,6 +62,10 @@ class ShardEngine:
         self.global_ranks = ranks
         self.require_sync = True
         self.grad_weight = 1.0
+        self._wrapped: dict[str, Any] = {}
+        self._device_mesh: Any = None
+        if meta is not None:  # values unit by unit, each sharded at once
+            params = self._materialize(module, params, meta)
         self._owned = {o.param: o for o in shards.owned}
         # (only these: the stage-3 originals must go once FSDP2 has sharded them)
         self._params = {o.param: params[o.param] for o in shards.owned}
@@ -87,8 +93,36 @@ class ShardEngine:
             self._fully_shard(module, params)
 
     # -- stage 3 -------------------------------------------------------------------------
-    def _fully_shard(self, module: nn.Module, params: dict[str, nn.Parameter]) -> None:
+    def _mesh(self) -> Any:
         from torch.distributed.device_mesh import DeviceMesh
+
+        if self._device_mesh is None:
+            self._device_mesh = DeviceMesh.from_group(
+                self.group, "cpu" if self.plan.device == "cpu"
+                else torch.device(self.plan.device).type)
+        return self._device_mesh
+
+    def _materialize(self, module: nn.Module, params: dict[str, nn.Parameter],
+                     meta: MetaInit) -> dict[str, nn.Parameter]:
+        """A meta-device model's values (runtime/materialize.py), each stage-3 unit sharded
+        by FSDP2 as soon as it has them; the optimizers rebound. The new parameters."""
+        from torch.distributed.fsdp import fully_shard
+
+        units = {u.module: u for u in self.shards.units if u.module}
+        modules = dict(module.named_modules())
+        mesh = self._mesh() if units else None
+
+        def shard(name: str) -> None:
+            self._wrapped[name] = fully_shard(
+                modules[name], mesh=mesh, reshard_after_forward=units[name].reshard_after_forward)
+
+        materialize(module, meta, torch.device(self.plan.device), units=frozenset(units),
+                    unit_done=shard)
+        new = dict(module.named_parameters())
+        rebind(self.optimizers, params, new)
+        return {n: new[n] for n in params}
+
+    def _fully_shard(self, module: nn.Module, params: dict[str, nn.Parameter]) -> None:
         from torch.distributed.fsdp import fully_shard
 
         names = self.shards.unit_params
@@ -100,15 +134,14 @@ class ShardEngine:
                         where="DistributedModel",
                         fix="wrap the model before the first step; load a checkpoint after "
                             "wrapping")
-        mesh = DeviceMesh.from_group(self.group, "cpu" if self.plan.device == "cpu"
-                                     else torch.device(self.plan.device).type)
+        mesh = self._mesh()
         modules = dict(module.named_modules())
         wrapped = []
         for u in self.shards.units:
             if u.module == "":
                 continue
-            wrapped.append(fully_shard(modules[u.module], mesh=mesh,
-                                       reshard_after_forward=u.reshard_after_forward))
+            wrapped.append(self._wrapped.get(u.module) or fully_shard(
+                modules[u.module], mesh=mesh, reshard_after_forward=u.reshard_after_forward))
         root_unit = next((u for u in self.shards.units if u.module == ""), None)
         ignored = {p for n, p in params.items() if n not in names}
         fully_shard(module, mesh=mesh, ignored_params=ignored,
