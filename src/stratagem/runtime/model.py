@@ -408,6 +408,78 @@ class DistributedModel(nn.Module):
             return
         self._shard.load_full_state_dict(self.module, dict(state_dict))
 
+    # -- sharded state (runtime/shard_state.py) -----------------------------------------
+    @property
+    def is_sharded(self) -> bool:
+        """Whether some state is held by one worker or in slices (a sharded strategy on
+        several workers): ``state_dict()`` and ``optimizer.state_dict()`` are then this
+        rank's share, and checkpoints are written by every rank."""
+        return self._shard is not None
+
+    def _layout(self) -> Any:
+        from stratagem.runtime.shard_state import ShardLayout
+
+        owners = {o.param: o.owner for o in self.plan.shards.owned} \
+            if self._shard is not None else {}
+        return ShardLayout(self.module, owners, self.plan.rank if self._shard else 0,
+                           self.plan.world_size if self._shard else 1)
+
+    def sharded_model_state(self) -> dict[str, Any]:
+        """This rank's pieces of the model state (each tensor written once over the ranks;
+        ``stratagem.checkpoint.assemble_pieces`` joins them for any world size)."""
+        from stratagem.runtime.shard_state import model_pieces
+
+        return model_pieces(self.module, self._layout())
+
+    def sharded_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's pieces of ``optimizer``'s state (see :meth:`sharded_model_state`)."""
+        from stratagem.runtime.shard_state import optimizer_pieces
+
+        return optimizer_pieces(optimizer, self._layout())
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Collective with a sharded strategy: ``optimizer``'s whole state dict, as one
+        process's optimizer would save it (owners' state and stage-3 slices gathered);
+        plain torch optimizers load it."""
+        from stratagem.runtime.shard_state import drop_foreign_state
+
+        if self._shard is None:
+            return optimizer.state_dict()
+        self._gather_owned_state(optimizer)
+        try:
+            state = optimizer.state_dict()
+            for entry in state["state"].values():
+                for k, v in entry.items():
+                    if hasattr(v, "full_tensor"):
+                        entry[k] = v.full_tensor().detach().clone()
+                    elif torch.is_tensor(v):
+                        entry[k] = v.detach().clone()
+        finally:
+            layout = self._layout()
+            drop_foreign_state(optimizer, layout.owners, layout.names, layout.rank)
+        return state
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                       state: Mapping[str, Any]) -> None:
+        """Load a whole optimizer state dict (a plain process's, or
+        :meth:`full_optimizer_state_dict` of any world size) into this rank's share."""
+        from stratagem.runtime.shard_state import local_optimizer_state
+
+        if self._shard is None:
+            optimizer.load_state_dict(dict(state))
+            return
+        layout = self._layout()
+        optimizer.load_state_dict(local_optimizer_state(
+            optimizer, dict(state), layout.owners, layout.names, layout.rank, layout.world))
+
+    def _gather_owned_state(self, optimizer: torch.optim.Optimizer) -> None:
+        from stratagem.runtime.shard_state import gather_owned_state
+
+        layout = self._layout()
+        if layout.owners:
+            gather_owned_state(optimizer, layout.owners, layout.names, layout.rank,
+                               self._shard.group, self._shard.global_ranks)
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         if assign:
