@@ -49,16 +49,19 @@ def logs(out: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("worker-*.log")))
 
 
-@pytest.fixture(scope="module", params=["default", "ddp"])
+@pytest.fixture(scope="module", params=["default", "ddp", "zero1", "zero2"])
 def run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
-    """The job on AutoDist's default strategy, and on AllReduce run by torch's DDP reducer
-    (rebuilt on each membership change; one process runs without it)."""
+    """The job on AutoDist's default strategy, on AllReduce run by torch's DDP reducer
+    (rebuilt on each membership change; one process runs without it), and sharded by
+    ZeRO stages 1 and 2 (the optimizer state is resharded over each new world)."""
     out = tmp_path_factory.mktemp("rescale")
     port = free_port()
     store = host_store("127.0.0.1", port)
     args = ["--leave-at", "8", "--leave-rank", "1", "--wait-joiner-at", "10"]
     if request.param == "ddp":
         args += ["--engine", "ddp"]
+    if request.param.startswith("zero"):
+        args += ["--zero", request.param[-1]]
     (out / "engine").write_text(request.param)
     procs = [start(out, port, 2, *args) for _ in range(2)]
     procs.append(start(out, port, 2, *args, "--join-after-gen", "1"))  # C: after B left
@@ -97,6 +100,19 @@ def test_the_engine_asked_for_runs_every_world(run: Path) -> None:
         assert engines == {"ddp"}
     else:  # AutoDist's default plans on the first batch: either engine, its choice
         assert engines <= {"ddp", "stratagem"}
+
+
+def test_sharded_jobs_stay_sharded(run: Path) -> None:
+    """ZeRO: sharded at two workers, each holding part of the optimizer state, and
+    whole on the one worker in between."""
+    if not (run / "engine").read_text().startswith("zero"):
+        return
+    for recs in records(run).values():
+        world = recs[0]["world"]
+        assert all(r["sharded"] == (world > 1) for r in recs), recs
+        if world > 1 and recs[0]["step"] > 1:  # (Adam's state exists after step 1)
+            held = [r["state_numel"] for r in recs]
+            assert 0 < min(held) and max(held) < sum(held), held
 
 
 def test_every_sample_exactly_once_per_epoch(run: Path) -> None:

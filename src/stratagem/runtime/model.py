@@ -70,6 +70,7 @@ class DistributedModel(nn.Module):
         self._install_synchronizers(params, process_group, broadcast=self._ps is None)
         self._process_group = process_group
         self._shard = None
+        self._optimizer = optimizer  # sharding needs it again after a regroup
         self._install_sharding(params, optimizer)
         self._scaler_link: Any = None
         self._first_training_forward: Callable[[tuple, dict], None] | None = None
@@ -110,10 +111,14 @@ class DistributedModel(nn.Module):
         shards the values every rank then holds."""
         if self.plan.shards is None or self.plan.world_size == 1:
             return
-        from stratagem.runtime.sharded import ShardEngine
+        from stratagem.runtime.shard_state import drop_foreign_state
+        from stratagem.runtime.sharded import ShardEngine, optimizers_of
 
         self._shard = ShardEngine(self.plan, self.module, params, optimizer,
                                   self._process_group)
+        layout = self._layout()
+        for opt in optimizers_of(optimizer):  # (state a regroup or replan brought along)
+            drop_foreign_state(opt, layout.owners, layout.names, layout.rank)
 
     def regroup(self, plan: Plan, process_group: dist.ProcessGroup | None = None, *,
                 broadcast: bool = True) -> None:
@@ -125,20 +130,37 @@ class DistributedModel(nn.Module):
         state (PowerSGD error feedback) starts fresh.
 
         Collective over ``process_group`` (default: the default group) when
-        ``plan.world_size > 1``. All-reduce strategies only: raises StratagemError with
-        parameter-server synchronizers (old or new plan)."""
-        if self._ps is not None or plan.ps is not None or self._shard is not None \
-                or plan.shards is not None:
-            raise StratagemError("in-process rescale supports all-reduce strategies only",
-                                 where="DistributedModel.regroup",
+        ``plan.world_size > 1``. All-reduce and ZeRO stage-1/2 strategies: with
+        stage-1/2 sharding, call :meth:`before_regroup` in the old group first (every
+        rank then holds the whole optimizer state, and the new owners keep their share).
+        Raises StratagemError with parameter-server synchronizers or stage-3 units (old or
+        new plan)."""
+        if self._ps is not None or plan.ps is not None:
+            raise StratagemError("in-process rescale supports all-reduce and ZeRO stage-1/2 "
+                                 "strategies only", where="DistributedModel.regroup",
                                  fix="use checkpoint-restart (SIGTERM and relaunch) for jobs "
                                      "with parameter-server synchronizers")
+        _refuse_stage3_regroup(self.plan, plan)
         params = check_params(plan, self.module)
         old = self._reducer
         old.remove_hooks()
+        if self._shard is not None:
+            self._shard.remove_hooks()
+            self._shard = None
         self.plan = plan
         self._install_synchronizers(params, process_group, broadcast=broadcast)
+        self._process_group = process_group
+        self._install_sharding(params, self._optimizer)
         self._carry_over(old, settings=False)
+
+    def before_regroup(self) -> None:
+        """Collective over the current group, before an in-process rescale replaces it:
+        every rank's optimizer takes the state of the stage-1/2 parameters other ranks own
+        (those may leave), so that any survivor can hand the whole state on."""
+        _refuse_stage3_regroup(self.plan, None)
+        if self._shard is not None:
+            for opt in self._shard.optimizers:
+                self._gather_owned_state(opt)
 
     def replan(self, make_plan: Callable[[], Plan], *,
                optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
@@ -499,6 +521,18 @@ class DistributedModel(nn.Module):
     def extra_repr(self) -> str:
         return (f"rank={self.plan.rank}, world_size={self.plan.world_size}, "
                 f"groups={len(self.plan.groups)}, engine={self.plan.engine}")
+
+
+def _refuse_stage3_regroup(old: Plan, new: Plan | None) -> None:
+    for plan in (old, new):
+        if plan is not None and plan.shards is not None and plan.shards.units \
+                and plan.world_size > 1:
+            raise StratagemError(
+                "in-process rescale cannot reshard stage-3 (FSDP2) units",
+                where="DistributedModel.regroup",
+                fix="use ZeRO stage 1 or 2 for in-process elastic jobs, or checkpoint-restart "
+                    "(SIGTERM and relaunch): a checkpoint of a stage-3 job restores onto any "
+                    "number of workers")
 
 
 class _ObserverHandle:
