@@ -112,7 +112,7 @@ def test_sharded_jobs_stay_sharded(run: Path) -> None:
         assert all(r["sharded"] == (world > 1) for r in recs), recs
         if world > 1 and recs[0]["step"] > 1:  # (Adam's state exists after step 1)
             held = [r["state_numel"] for r in recs]
-            assert 0 < min(held) and max(held) < sum(held), held
+            assert min(held) > 0 and max(held) < sum(held), held
 
 
 def test_every_sample_exactly_once_per_epoch(run: Path) -> None:
