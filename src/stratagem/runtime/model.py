@@ -494,6 +494,55 @@ class DistributedModel(nn.Module):
         optimizer.load_state_dict(local_optimizer_state(
             optimizer, dict(state), layout.owners, layout.names, layout.rank, layout.world))
 
+    # -- gradient statistics of sharded parameters (stratagem.adapt.gradient_stats) ------
+    def sharded_gradient_params(self) -> dict[int, str]:
+        """``id(param) -> name`` of the optimizer's stage-2 and stage-3 parameters: their
+        gradients are never whole and averaged on every rank, so the gradient observers
+        do not see them; :meth:`gradient_squares` does (empty without sharding)."""
+        if self._shard is None:
+            return {}
+        out = {id(self._shard._params[o.param]): o.param for o in self.plan.shards.owned
+               if o.stage == 2}
+        out.update({id(p): n for n, p in self._shard.sharded_params.items()})
+        return out
+
+    def collect_gradient_squares(self, on: bool) -> None:
+        """Collective: in the next synced backward, sum every stage-2/3 parameter's
+        squared local gradient over the ranks onto the rank that holds its (averaged)
+        gradient -- one extra reduce per parameter, as backward produces it."""
+        if self._shard is not None:
+            self._shard.collect_squares(on)
+
+    def gradient_squares(self) -> dict[int, torch.Tensor]:
+        """After such a backward: ``id(param) -> sum over ranks of grad**2``, for the
+        rows of each stage-2/3 gradient this rank holds (a stage-3 slice, an owned stage-2
+        parameter)."""
+        if self._shard is None or self._shard.squares is None:
+            return {}
+        names = {n: i for i, n in self.sharded_gradient_params().items()}
+        return {names[n]: t for n, t in self._shard.squares.items() if n in names}
+
+    def share_from_owners(self, optimizer: torch.optim.Optimizer,
+                          values: list[list[torch.Tensor | None]]
+                          ) -> list[list[torch.Tensor | None]]:
+        """Collective: ``values`` (one per parameter, grouped like
+        ``optimizer.param_groups``) with each stage-1 parameter's entry taken from its
+        owner, the only rank holding its optimizer state (e.g. Adam's divisors)."""
+        if self._shard is None:
+            return values
+        layout = self._layout()
+        by_name = {}
+        for gi, g in enumerate(optimizer.param_groups):
+            for j, p in enumerate(g["params"]):
+                by_name[layout.names.get(id(p), "")] = (gi, j)
+        shared = self._shard.share_owned({n: values[gi][j] for n, (gi, j) in by_name.items()})
+        out = [list(row) for row in values]
+        for n, t in shared.items():
+            if n in by_name:
+                gi, j = by_name[n]
+                out[gi][j] = t
+        return out
+
     def _gather_owned_state(self, optimizer: torch.optim.Optimizer) -> None:
         from stratagem.runtime.shard_state import gather_owned_state
 
