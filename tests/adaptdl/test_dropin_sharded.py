@@ -11,8 +11,6 @@ import pytest
 import torch
 from _spawn import Setup, run
 
-pytestmark = pytest.mark.slow
-
 UNSET = ("ADAPTDL_MASTER_ADDR", "ADAPTDL_MASTER_PORT", "ADAPTDL_NUM_REPLICAS",
          "ADAPTDL_REPLICA_RANK", "STRATAGEM_CHECKPOINT_DIR", "STRATAGEM_STRATEGY")
 
@@ -23,6 +21,7 @@ def _trace(tmp_path: Path, strategy: str) -> list[dict]:
                Setup(args=(2,), unset=UNSET))
 
 
+@pytest.mark.slow
 def test_zero_reports_the_statistics_of_all_reduce(tmp_path: Path) -> None:
     plain, sharded = _trace(tmp_path, "AllReduce"), _trace(tmp_path, "ZeRO")
     assert not plain[0]["sharded"] and all(r["sharded"] for r in sharded)
@@ -34,3 +33,21 @@ def test_zero_reports_the_statistics_of_all_reduce(tmp_path: Path) -> None:
             assert got == pytest.approx(ref, rel=1e-4, abs=1e-9), step
         for k, v in plain[0]["params"].items():
             torch.testing.assert_close(r["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_the_hand_driven_noise_scale_refuses_sharded_gradients() -> None:
+    """AdaptDL's standalone GradientNoiseScale sums ``p.grad`` as if whole: on a sharded
+    model it is refused, naming the statistics that do see sharded gradients."""
+    from types import SimpleNamespace
+
+    from stratagem.adaptdl.torch.gradient_noise_scale import GradientNoiseScale
+    from stratagem.errors import StratagemError
+
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    adp = SimpleNamespace(sharded=True, require_backward_grad_sync=True)
+    with pytest.raises(StratagemError, match="shards them") as info:
+        GradientNoiseScale(adp, opt, num_replicas=2)
+    assert "model.gns" in info.value.fix
+    GradientNoiseScale(SimpleNamespace(sharded=False, require_backward_grad_sync=True), opt,
+                       num_replicas=1)
