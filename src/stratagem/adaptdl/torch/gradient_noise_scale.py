@@ -49,7 +49,7 @@ class GradientNoiseScale:
 
     def __init__(self, adp: Any, optimizer: torch.optim.Optimizer, mp_scaler: Any = None,
                  num_replicas: int | None = None, accum_scale: float | None = None) -> None:
-        if getattr(adp, "sharded", False):
+        if getattr(adp, "sharded", False) is True:  # (a stand-in adp may answer anything)
             raise StratagemError(
                 "GradientNoiseScale reads whole averaged gradients, but the job's strategy "
                 "shards them (ZeRO)", where="adaptdl GradientNoiseScale",
