@@ -87,15 +87,15 @@ def test_both_engines_give_the_same_statistics_and_batch_sizes(tmp_path: Path) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
-def test_sharded_strategies_give_the_same_statistics_and_batch_sizes(
-        tmp_path: Path, optimizer: str) -> None:
+def test_sharded_strategies_give_the_same_statistics_and_batch_sizes(tmp_path: Path) -> None:
     """Issue 45 item 4: the same gradients all-reduced and sharded by ZeRO stage 1 (owners
     send Adam's divisors), 2 (squared local gradients reduced onto the owner) and 3 (onto
     FSDP2's row slices, hooked before its reduce-scatter): the same noise statistics, so
-    the same batch-size decision after every step."""
+    the same batch-size decision after every step. Adam: the preconditioned statistics,
+    whose divisors only the owners or shard holders have (plain SGD gave the same in a
+    manual run; not repeated here to keep the suite short)."""
     common = dict(steps=40, batch_size=32, lr=0.05, data=DATA, collect_stats=True,
-                  decide=autoscale_decision, optimizer=optimizer, hidden=8,
+                  decide=autoscale_decision, optimizer="adam", hidden=8,
                   options={"stats_every": 1})
     runs = {name: spawn(train_worker, 2, tmp_path / name, **common, **kw)
             for name, kw in (("allreduce", {"engine": "stratagem"}), ("zero1", {"zero": 1}),
