@@ -71,7 +71,32 @@ RESUMED = {  # case resumed on the second world: the checkpoint it loads
 }
 
 
+def stepped_before_wrapping(rank: int, world: int, case: str) -> dict[str, Any]:
+    """Plain torch for the first half (the whole batch, on every rank alike), then the
+    model and its optimizer, state and all, are wrapped: sharding takes the state over."""
+    model = make_model("mlp", seed=0)
+    opt = make_optimizer("adam", model.parameters())
+    for step in range(HALF):
+        x, y = batch("mlp", step)
+        opt.zero_grad()
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+    profile = analyze(model)
+    plan = compile_plan(CASES[case](profile).with_replicas([]), profile, rank=rank,
+                        world_size=world, device=torch.device("cpu"))
+    dm = DistributedModel(model, plan, optimizer=opt)
+    steps(dm, opt, rank, world, HALF, STEPS)
+    return {"state": dm.full_state_dict(), "optimizer": dm.full_optimizer_state_dict(opt)}
+
+
+WRAPPED = ("zero2", "zero3")
+
+
 def load_world(rank: int, world: int, ckpt: Path) -> dict[str, Any]:
-    return {name: guarded(lambda name=name, src=src: second_half(
-                rank, world, name.split("_from_")[0], src, ckpt))
-            for name, src in RESUMED.items()}
+    out = {name: guarded(lambda name=name, src=src: second_half(
+               rank, world, name.split("_from_")[0], src, ckpt))
+           for name, src in RESUMED.items()}
+    for case in WRAPPED:
+        out[f"{case}_wrapped_late"] = guarded(
+            lambda case=case: stepped_before_wrapping(rank, world, case))
+    return out

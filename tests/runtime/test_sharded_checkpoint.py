@@ -79,6 +79,17 @@ def test_four_to_two_workers_equals_one_process(name: str, resumed: list[dict],
         close_optimizer(got["optimizer"], ref[1])
 
 
+@pytest.mark.parametrize("case", w.WRAPPED)
+def test_state_held_before_wrapping_is_sharded(case: str, resumed: list[dict],
+                                               ref: tuple[dict, dict]) -> None:
+    """An optimizer stepped before the model is wrapped (or a restored job that Auto
+    re-plans to a sharded strategy) keeps its state: owners keep theirs, FSDP2 slices."""
+    for r in resumed:
+        got = check(r[f"{case}_wrapped_late"])
+        close(got["state"], ref[0])
+        close_optimizer(got["optimizer"], ref[1])
+
+
 @pytest.mark.parametrize("source", ["zero3-sharded", "mixed-sharded", "zero1-full"])
 def test_into_one_plain_process(source: str, saved: Path, ref: tuple[dict, dict]) -> None:
     """checkpoint.load into a plain torch model and Adam, then plain training on."""

@@ -154,8 +154,6 @@ def local_optimizer_state(optimizer: torch.optim.Optimizer, full: dict[str, Any]
     """A whole (single-process) optimizer state dict cut to what this rank holds: stage-1/2
     parameters' state on their owner only, stage-3 (``DTensor``) parameters' state as this
     rank's ``DTensor`` slice, everything else whole."""
-    from torch.distributed.tensor import DTensor
-
     params = flat_params(optimizer)
     state = full.get("state", {})
     out: dict[int, dict[str, Any]] = {}
@@ -169,21 +167,25 @@ def local_optimizer_state(optimizer: torch.optim.Optimizer, full: dict[str, Any]
         owner = owners.get(names.get(id(p), ""))
         if owner is not None and owner != rank:
             continue
-        if not _is_dtensor(p):
-            out[i] = dict(entry)
-            continue
-        local: dict[str, Any] = {}
-        for k, v in entry.items():
-            if torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape):
-                offset, rows = _rows(v.shape[0], rank, world)
-                piece = v[offset:offset + rows].to(p.dtype).clone()
-                local[k] = DTensor.from_local(piece, p.device_mesh, p.placements,
-                                              run_check=False, shape=p.shape,
-                                              stride=p.stride())
-            else:
-                local[k] = v
-        out[i] = local
+        out[i] = shard_entry(entry, p, rank, world) if _is_dtensor(p) else dict(entry)
     return {"state": out, "param_groups": full["param_groups"]}
+
+
+def shard_entry(entry: dict[str, Any], p: Any, rank: int, world: int) -> dict[str, Any]:
+    """One parameter's whole optimizer state cut to this rank's ``DTensor`` slice of the
+    stage-3 parameter ``p`` (tensors of ``p``'s shape; others, e.g. ``step``, as they are)."""
+    from torch.distributed.tensor import DTensor
+
+    local: dict[str, Any] = {}
+    for k, v in entry.items():
+        if torch.is_tensor(v) and not _is_dtensor(v) and tuple(v.shape) == tuple(p.shape):
+            offset, rows = _rows(v.shape[0], rank, world)
+            piece = v[offset:offset + rows].to(p.dtype).clone()
+            local[k] = DTensor.from_local(piece, p.device_mesh, p.placements,
+                                          run_check=False, shape=p.shape, stride=p.stride())
+        else:
+            local[k] = v
+    return local
 
 
 # -- every rank takes the owners' state (before an in-process rescale) ---------------------

@@ -27,6 +27,7 @@ from torch import nn
 
 from stratagem.errors import StratagemError
 from stratagem.runtime.plan import Owned, Plan
+from stratagem.runtime.shard_state import shard_entry
 
 
 def optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -92,14 +93,10 @@ class ShardEngine:
         from torch.distributed.fsdp import fully_shard
 
         names = self.shards.unit_params
-        for opt in self.optimizers:
-            for n in names:
-                if opt.state.get(params[n]):
-                    raise StratagemError(
-                        f"the optimizer already holds state for {n!r}, which stage 3 shards",
-                        where="DistributedModel",
-                        fix="wrap the model before the first step; load a checkpoint after "
-                            "wrapping")
+        # state the optimizer already holds (a restored job that Auto re-plans to stage
+        # 3; an optimizer stepped before wrapping): kept, sliced like its parameter below
+        held = [(opt, n, opt.state.pop(params[n])) for opt in self.optimizers
+                for n in sorted(names) if opt.state.get(params[n])]
         mesh = DeviceMesh.from_group(self.group, "cpu" if self.plan.device == "cpu"
                                      else torch.device(self.plan.device).type)
         modules = dict(module.named_modules())
@@ -124,6 +121,8 @@ class ShardEngine:
                 g["params"] = [swap.get(id(p), p) for p in g["params"]]
         self.sharded_params = {n: new[n] for n in names}
         self._root = module
+        for opt, n, state in held:
+            opt.state[new[n]] = shard_entry(state, new[n], self.rank, self.world_size)
 
     def set_requires_gradient_sync(self, on: bool) -> None:
         if self.shards.units:
