@@ -339,8 +339,9 @@ class AutoDist:
             options = replace(options, servers=False)
         if (options.servers and self.adaptive is not None
                 and self.adaptive.needs_gradient_statistics):
-            self.log("Auto: all-reduce strategies only (the adaptive batch size reads the "
-                     "gradient noise scale from all-reduced gradients)")
+            self.log("Auto: no parameter servers (the adaptive batch size reads the "
+                     "gradient noise scale from the workers' gradients: all-reduced or "
+                     "sharded, not the servers')")
             options = replace(options, servers=False)
         if self.cluster is not None and sample_input is not None:
             self.log("Auto: dedicated parameter servers plan from the profile (no "

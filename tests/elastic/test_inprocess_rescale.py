@@ -116,6 +116,24 @@ def test_sharded_jobs_stay_sharded(run: Path) -> None:
             assert min(held) > 0 and max(held) < sum(held), held
 
 
+def test_stage3_is_refused_at_distribute_with_the_fix(tmp_path: Path) -> None:
+    """An in-process elastic job cannot reshard FSDP2 units: refused before training,
+    naming stages 1/2 and checkpoint-restart as the ways out."""
+    port = free_port()
+    store = host_store("127.0.0.1", port)
+    proc = start(tmp_path, port, 1, "--zero", "3")
+    try:
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        del store
+    text = logs(tmp_path)
+    assert code != 0 and "cannot reshard stage-3" in text, text
+    assert "ZeRO(stage=1)" in text and "checkpoint-restart" in text, text
+    assert not list(tmp_path.glob("ids-*.jsonl"))  # no step ran
+
+
 def test_every_sample_exactly_once_per_epoch(run: Path) -> None:
     seen: dict[int, list[int]] = {e: [] for e in range(EPOCHS)}
     for recs in records(run).values():
