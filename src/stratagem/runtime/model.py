@@ -501,7 +501,7 @@ class DistributedModel(nn.Module):
         do not see them; :meth:`gradient_squares` does (empty without sharding)."""
         if self._shard is None:
             return {}
-        out = {id(self._shard._params[o.param]): o.param for o in self.plan.shards.owned
+        out = {id(self._shard.owned_param(o.param)): o.param for o in self.plan.shards.owned
                if o.stage == 2}
         out.update({id(p): n for n, p in self._shard.sharded_params.items()})
         return out

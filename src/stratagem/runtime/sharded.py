@@ -124,6 +124,10 @@ class ShardEngine:
         for opt, n, state in held:
             opt.state[new[n]] = shard_entry(state, new[n], self.rank, self.world_size)
 
+    def owned_param(self, name: str) -> nn.Parameter:
+        """The stage-1/2 parameter ``name`` (as the engine holds it)."""
+        return self._params[name]
+
     def set_requires_gradient_sync(self, on: bool) -> None:
         if self.shards.units:
             self._root.set_requires_gradient_sync(on)
