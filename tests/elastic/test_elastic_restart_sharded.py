@@ -1,8 +1,9 @@
 """Checkpoint-restart of a sharded (ZeRO) job onto other world sizes (issue 45 item 3).
 
-One job, three torchrun launches: 4 workers with ZeRO-3 (FSDP2; stopped by SIGTERM inside
-step 5: every rank writes its pieces of the model and optimizer state), 2 workers with
-ZeRO-2 (stopped inside step 8), 1 process to the end. Every sample is trained once in the
+One job, two torchrun launches: 4 workers with ZeRO-3 (FSDP2; stopped by SIGTERM inside
+step 5: every rank writes its pieces of the model and optimizer state), then 2 workers with
+ZeRO-2 to the end (restored by joining the pieces; one process restoring from pieces is
+tested in tests/runtime/test_sharded_checkpoint.py). Every sample is trained once in the
 reference's global batches, and the final model and optimizer equal an uninterrupted
 single-process run.
 """
@@ -27,16 +28,14 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list]:
     ckpt = out / "ckpt"
     runs = [torchrun(4, out, ckpt, stop_at=5, args=("--zero", "3"))]
     first = checkpoint.CheckpointDir(ckpt).checkpoints()
-    runs.append(torchrun(2, out, ckpt, stop_at=8, args=("--zero", "2")))
-    runs.append(torchrun(1, out, ckpt, args=("--zero", "3")))
+    runs.append(torchrun(2, out, ckpt, args=("--zero", "2")))
     return out, first[-1] if first else ckpt, runs
 
 
 def test_runs_saved_sharded_and_completed(chain: tuple[Path, Path, list]) -> None:
     out, first, runs = chain
-    for run in runs[:2]:
-        assert "job state saved to" in run.log, run.log[-3000:]
-    assert runs[2].returncode == 0, runs[2].log[-3000:]
+    assert "job state saved to" in runs[0].log, runs[0].log[-3000:]
+    assert runs[1].returncode == 0, runs[1].log[-3000:]
     meta = checkpoint.read_meta(first)  # the 4-worker ZeRO-3 save: pieces from each rank
     assert meta["states"]["model"]["shards"] == 4
     assert meta["states"]["optimizer"]["shards"] == 4
@@ -50,7 +49,7 @@ def test_steps_follow_the_worlds_once_each(chain: tuple[Path, Path, list]) -> No
     batches = reference_batches()
     assert sorted(steps) == list(range(1, len(batches) + 1)), "a step was lost or repeated"
     worlds = [steps[s][0]["world"] for s in sorted(steps)]
-    assert worlds == [4] * 5 + [2] * 3 + [1] * (len(batches) - 8), worlds
+    assert worlds == [4] * 5 + [2] * (len(batches) - 5), worlds
     for step, recs in steps.items():
         assert all(r["sharded"] == (r["world"] > 1) for r in recs)
         ids = sum((r["ids"] for r in sorted(recs, key=lambda r: r["rank"])), [])
