@@ -339,8 +339,9 @@ class AutoDist:
             options = replace(options, servers=False)
         if (options.servers and self.adaptive is not None
                 and self.adaptive.needs_gradient_statistics):
-            self.log("Auto: all-reduce strategies only (the adaptive batch size reads the "
-                     "gradient noise scale from all-reduced gradients)")
+            self.log("Auto: no parameter servers (the adaptive batch size reads the "
+                     "gradient noise scale from the workers' gradients: all-reduced or "
+                     "sharded, not the servers')")
             options = replace(options, servers=False)
         if self.cluster is not None and sample_input is not None:
             self.log("Auto: dedicated parameter servers plan from the profile (no "
@@ -437,6 +438,14 @@ class AutoDist:
                             servers=self._servers_for(self.strategy))
         if self.role == "server":
             self._serve(model, optimizer, plan)  # exits the process
+        if self.elastic_group is not None and plan.shards is not None and plan.shards.units:
+            raise StratagemError(
+                "an in-process elastic job cannot reshard stage-3 (FSDP2) units when "
+                "workers join or leave", where=f"strategy {self.strategy.id}",
+                fix="use ZeRO(stage=1) or ZeRO(stage=2) (in-process rescale reshards those), "
+                    "or run the stage-3 job with checkpoint-restart (stratagem run "
+                    "--nnodes MIN:MAX without STRATAGEM_RESCALE_STORE): its checkpoints "
+                    "restore onto any number of workers")
         self.model = DistributedModel(model, plan, optimizer=optimizer, cluster=self.cluster)
         if self._plan_pending:
             self.model.on_first_training_forward(
@@ -668,8 +677,11 @@ class AutoDist:
 
     # -- the job lifecycle (stratagem.elastic.Participant) ----------------------------------
     def before_membership_change(self) -> None:
-        """Nothing to flush before an in-process rescale (the model's state is its tensors,
-        broadcast afterwards)."""
+        """Before an in-process rescale, in the old group: a sharded model's ranks take
+        the optimizer state other ranks own (they may leave); parameters are whole on
+        every rank and broadcast afterwards."""
+        if self.model is not None:
+            self.model.before_regroup()
 
     def on_membership_change(self, change: elastic.MembershipChange) -> None:
         """An in-process rescale formed a new group of ``world_size`` workers (on this

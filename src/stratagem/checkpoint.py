@@ -1,7 +1,11 @@
 """Checkpoints a single process can load: one directory, plain state dicts, checksums.
 
 Layout of ``path/``: ``model.pt`` and ``optimizer.pt`` (rank 0's replicated state),
-``sync-rank{r}.pt`` (per-rank synchronizer state such as PowerSGD error feedback),
+or, for a sharded model (ZeRO), ``model-shard{r}.pt`` and ``optimizer-shard{r}.pt``
+written by every rank in parallel (pieces that :func:`assemble_pieces` joins into the
+whole state for any world size or a plain process; :func:`consolidate` writes them as
+``model.pt``/``optimizer.pt``), ``sync-rank{r}.pt`` (per-rank synchronizer state such as
+PowerSGD error feedback),
 ``meta.json`` (world size, strategy id, user metadata, SHA-256 of every file). The directory
 is written under a temporary name, every file and the directory are fsynced, and only then
 is it renamed, so a crash never leaves a half-written checkpoint under the real name.
@@ -166,7 +170,8 @@ def commit(tmp: Path, final: Path, meta: dict[str, Any], world: int, sums: dict[
 
 def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, *,
          strategy_id: str | None = None, metadata: dict[str, Any] | None = None,
-         scaler: Any = None, strategy: dict[str, Any] | None = None) -> Path:
+         scaler: Any = None, strategy: dict[str, Any] | None = None,
+         full: bool = False) -> Path:
     """Save ``model`` (plain or distributed) and ``optimizer`` to ``path``, from any single
     rank or from every rank.
 
@@ -182,12 +187,22 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, 
     the one attached to ``model``) goes to ``scaler.pt``. ``strategy`` (a strategy's
     ``to_dict()``) goes to ``strategy.json``, so ``--strategy CKPT/strategy.json`` reruns
     the job with the strategy it was trained with (Auto's choice included).
+
+    A sharded model (``model.is_sharded``: ZeRO stages on several workers) makes it
+    collective: every rank writes its own pieces of the model and optimizer state
+    (``model-shard{r}.pt``, ``optimizer-shard{r}.pt``), in parallel; :func:`load` reads
+    them into any world size or a plain process. ``full=True`` instead gathers the whole
+    state (collective) and writes plain ``model.pt``/``optimizer.pt`` from rank 0.
     """
     final = Path(path)
     rank, _ = _rank_world()
     if scaler is None:
         scaler = getattr(model, "scaler", None)
     meta = {"strategy_id": strategy_id, "metadata": metadata or {}}
+    if getattr(model, "is_sharded", False):
+        if full:
+            return _save_full(final, model, optimizer, meta, scaler, strategy)
+        return _save_sharded(final, model, optimizer, meta, scaler, strategy)
     sync_state = getattr(model, "synchronizer_state_dict", None)
     per_rank = sync_state() if sync_state is not None else {}
 
@@ -212,6 +227,169 @@ def save(path: str | os.PathLike[str], model: nn.Module, optimizer: Any = None, 
                                   replace=True)
     _write_once(final, lambda: write_alone(final, lambda tmp: write(tmp, True), meta))
     return final
+
+
+def _save_sharded(final: Path, model: Any, optimizer: Any, meta: dict[str, Any],
+                  scaler: Any, strategy: dict[str, Any] | None) -> Path:
+    """Every rank writes its pieces (collective; see :func:`save`)."""
+    rank, world = _rank_world()
+    model_part = model.sharded_model_state()
+    optim_part = model.sharded_optimizer_state(optimizer) if optimizer is not None else None
+    per_rank = model.synchronizer_state_dict()
+
+    def write(tmp: Path) -> None:
+        _save_file(model_part, tmp / f"model-shard{rank}.pt")
+        if optim_part is not None:
+            _save_file(optim_part, tmp / f"optimizer-shard{rank}.pt")
+        if per_rank:
+            _save_file(per_rank, tmp / f"sync-rank{rank}.pt")
+        if rank == 0 and scaler is not None:
+            _save_file(scaler.state_dict(), tmp / "scaler.pt")
+        if rank == 0 and strategy is not None:
+            _save_json(strategy, tmp / STRATEGY)
+
+    return write_collectively(final, write, {**meta, "shards": world}, replace=True)
+
+
+def _save_full(final: Path, model: Any, optimizer: Any, meta: dict[str, Any], scaler: Any,
+               strategy: dict[str, Any] | None) -> Path:
+    """The whole state gathered (collective), written by rank 0 as a plain checkpoint."""
+    rank, _ = _rank_world()
+    state = model.full_state_dict()
+    optim = model.full_optimizer_state_dict(optimizer) if optimizer is not None else None
+
+    def write(tmp: Path) -> None:
+        if rank != 0:
+            return
+        _save_file(state, tmp / "model.pt")
+        if optim is not None:
+            _save_file(optim, tmp / "optimizer.pt")
+        if scaler is not None:
+            _save_file(scaler.state_dict(), tmp / "scaler.pt")
+        if strategy is not None:
+            _save_json(strategy, tmp / STRATEGY)
+
+    return write_collectively(final, write, meta, replace=True)
+
+
+def assemble_pieces(files: list[Any], where: str) -> tuple[dict[str, torch.Tensor],
+                                                            dict[str, Any], Any]:
+    """Join piece files (one per rank of a sharded save, see
+    :mod:`stratagem.runtime.shard_state`) into whole tensors: returns ``(tensors,
+    non-tensor values, skeleton)``. Every tensor's dim-0 rows must be covered exactly
+    once, else a CheckpointError names it."""
+    fix = "the checkpoint is incomplete or damaged; use an earlier one"
+    tensors: dict[str, torch.Tensor] = {}
+    covered: dict[str, int] = {}
+    values: dict[str, Any] = {}
+    skeleton = None
+    for f in files:
+        if not (isinstance(f, dict) and isinstance(f.get("pieces"), dict)):
+            raise CheckpointError("a shard file holds no pieces", where=where, fix=fix)
+        values.update(f.get("values") or {})
+        if f.get("skeleton") is not None:
+            skeleton = f["skeleton"]
+        for key, piece in f["pieces"].items():
+            data, offset, shape = piece.get("data"), piece.get("offset"), piece.get("shape")
+            if not (torch.is_tensor(data) and isinstance(offset, int)
+                    and isinstance(shape, list)):
+                raise CheckpointError(f"bad piece {key!r}", where=where, fix=fix)
+            if key not in tensors:
+                tensors[key] = torch.empty(shape, dtype=data.dtype, device=data.device)
+                covered[key] = 0
+            whole = tensors[key]
+            if list(whole.shape) != shape or (whole.dim() == 0 and offset != 0):
+                raise CheckpointError(f"pieces of {key!r} disagree on its shape",
+                                      where=where, fix=fix)
+            if whole.dim() == 0:
+                whole.copy_(data)
+                covered[key] += 1
+                continue
+            rows = data.shape[0] if data.dim() else 0
+            if offset < 0 or offset + rows > whole.shape[0] or \
+                    list(data.shape[1:]) != shape[1:]:
+                raise CheckpointError(f"a piece of {key!r} lies outside it", where=where,
+                                      fix=fix)
+            whole[offset:offset + rows].copy_(data)
+            covered[key] += rows
+    for key, whole in tensors.items():
+        want = 1 if whole.dim() == 0 else whole.shape[0]
+        if covered[key] != want:
+            raise CheckpointError(f"the pieces of {key!r} cover {covered[key]} of its "
+                                  f"{want} rows", where=where, fix=fix)
+    return tensors, values, skeleton
+
+
+def optimizer_state_from_pieces(tensors: dict[str, torch.Tensor], values: dict[str, Any],
+                                skeleton: Any, where: str) -> dict[str, Any]:
+    """A whole (single-process) ``optimizer.state_dict()`` from assembled optimizer
+    pieces (keys ``"<index>/<name>"``, param groups in the skeleton)."""
+    if not (isinstance(skeleton, dict) and isinstance(skeleton.get("param_groups"), list)):
+        raise CheckpointError("the optimizer's shard files hold no param groups",
+                              where=where, fix="use an earlier checkpoint")
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in [*tensors.items(), *values.items()]:
+        index, _, name = key.partition("/")
+        if not index.isdigit() or not name:
+            raise CheckpointError(f"bad optimizer piece {key!r}", where=where,
+                                  fix="use an earlier checkpoint")
+        state.setdefault(int(index), {})[name] = value
+    return {"state": dict(sorted(state.items())), "param_groups": skeleton["param_groups"]}
+
+
+def _read_pieces(p: Path, stem: str, shards: int, map_location: Any) -> list[Any]:
+    return [load_file(p, f"{stem}-shard{r}.pt", map_location) for r in range(shards)]
+
+
+def read_model_state(path: str | os.PathLike[str], map_location: Any = "cpu"
+                     ) -> dict[str, torch.Tensor]:
+    """The whole model state dict of checkpoint ``path``, sharded or not (checksummed,
+    ``weights_only``): what a plain single-process model loads."""
+    p = Path(path)
+    meta = verify(p)
+    shards = meta.get("shards")
+    if isinstance(shards, int) and shards > 0:
+        tensors, _, _ = assemble_pieces(_read_pieces(p, "model", shards, map_location), str(p))
+        return tensors
+    return load_file(p, "model.pt", map_location)
+
+
+def read_optimizer_state(path: str | os.PathLike[str], map_location: Any = "cpu"
+                         ) -> dict[str, Any] | None:
+    """The whole ``optimizer.state_dict()`` of checkpoint ``path`` (None: none saved)."""
+    p = Path(path)
+    meta = verify(p)
+    shards = meta.get("shards")
+    if isinstance(shards, int) and shards > 0:
+        if not (p / "optimizer-shard0.pt").is_file():
+            return None
+        tensors, values, skeleton = assemble_pieces(
+            _read_pieces(p, "optimizer", shards, map_location), str(p))
+        return optimizer_state_from_pieces(tensors, values, skeleton, str(p))
+    if not (p / "optimizer.pt").is_file():
+        return None
+    return load_file(p, "optimizer.pt", map_location)
+
+
+def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write sharded checkpoint ``path`` as a plain one at ``out`` (one process): whole
+    ``model.pt`` and ``optimizer.pt`` that ``torch.load(weights_only=True)`` and plain
+    torch's ``load_state_dict`` take."""
+    p, final = Path(path), Path(out)
+    meta = read_meta(p)
+    model_state = read_model_state(p)
+    optim = read_optimizer_state(p)
+
+    def write(tmp: Path) -> None:
+        _save_file(model_state, tmp / "model.pt")
+        if optim is not None:
+            _save_file(optim, tmp / "optimizer.pt")
+        for name in ("scaler.pt", STRATEGY):
+            if (p / name).is_file():
+                (tmp / name).write_bytes(read_verified(p, name).getvalue())
+
+    keep = {k: meta[k] for k in ("strategy_id", "metadata") if k in meta}
+    return write_alone(final, write, keep)
 
 
 def write_alone(final: Path, write: Callable[[Path], None], meta: dict[str, Any]) -> Path:
@@ -433,16 +611,22 @@ def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer
     """Restore ``model``/``optimizer`` (and ``scaler``, default the one attached to
     ``model``, when the checkpoint has one) from ``path``; returns the metadata.
 
-    Works in a single process and in any world size. Per-rank synchronizer state is
-    restored only when the world size matches; otherwise it restarts fresh (warned).
+    Works in a single process and in any world size, from plain and sharded checkpoints
+    alike (a sharded model loads the whole state into its shards). Per-rank synchronizer
+    state is restored only when the world size matches; otherwise it restarts fresh
+    (warned).
     """
     p = Path(path)
     meta = verify(p)
     if model is not None:
-        state = load_file(p, "model.pt", map_location)
+        state = read_model_state(p, map_location)
         check_model_state(state, _inner(model), str(p))
+        load_full = getattr(model, "load_full_state_dict", None)
         try:
-            _inner(model).load_state_dict(state)
+            if load_full is not None:  # a sharded model takes its shards of it
+                load_full(state)
+            else:
+                _inner(model).load_state_dict(state)
         except RuntimeError as exc:
             raise CheckpointError(f"model does not match: {exc}", where=str(p),
                                   fix="build the same model architecture before loading"
@@ -457,10 +641,14 @@ def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer
                 warnings.warn(f"checkpoint was written by {meta['world_size']} replicas, now "
                               f"{world}: synchronizer state (e.g. PowerSGD) restarts fresh",
                               stacklevel=2)
-    if optimizer is not None and (p / "optimizer.pt").is_file():
-        state = load_file(p, "optimizer.pt", map_location)
+    state = read_optimizer_state(p, map_location) if optimizer is not None else None
+    if state is not None:
+        load_opt = getattr(model, "load_full_optimizer_state_dict", None)
         try:  # torch says ValueError (group sizes) or KeyError (missing fields)
-            optimizer.load_state_dict(state)
+            if load_opt is not None:  # a sharded model's optimizer takes its share
+                load_opt(optimizer, state)
+            else:
+                optimizer.load_state_dict(state)
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"optimizer does not match: {exc!r}"[:500], where=str(p),
                                   fix="build the optimizer over the same parameters (and "

@@ -27,8 +27,11 @@ def regression_data(n: int = 1024, noise: float = 1.0, seed: int = 0
     return torch.utils.data.TensorDataset(x, y)
 
 
-def make_model(seed: int = 0) -> nn.Module:
+def make_model(seed: int = 0, hidden: int = 0) -> nn.Module:
+    """The linear model; ``hidden``: a two-layer MLP with that width instead."""
     torch.manual_seed(seed)
+    if hidden:
+        return nn.Sequential(nn.Linear(DIM, hidden), nn.Tanh(), nn.Linear(hidden, 1))
     return nn.Linear(DIM, 1)
 
 
@@ -47,16 +50,18 @@ def train(steps: int | None, *, batch_size: int = 32, accum_steps: int = 0, lr: 
           optimizer: str = "sgd", data: Any = None, autoscale: dict | None = None,
           collect_stats: bool = False, epochs: int = 1, shuffle: bool = True,
           seed: int = 0, options: dict | None = None, engine: str = "",
-          decide: Any = None) -> dict[str, Any]:
+          decide: Any = None, zero: int = 0, hidden: int = 0) -> dict[str, Any]:
     """A user script through AutoDist; returns the final parameters and adaptive state.
     ``engine``: AllReduce on that engine instead of AutoDist's default strategy.
-    ``decide(gns, world)``: called after every step, its results returned (``decisions``)."""
+    ``decide(gns, world)``: called after every step, its results returned (``decisions``).
+    ``zero``: shard with ZeRO at that stage; ``hidden``: train an MLP (make_model)."""
     import stratagem as sg
+    from stratagem.strategy.builders import ZeRO
 
     data = data if data is not None else regression_data()
-    ad = sg.AutoDist(strategy_builder=sg.strategy.AllReduce(engine=engine) if engine else None,
-                     verbose=False)
-    model = make_model(seed)
+    builder = sg.strategy.AllReduce(engine=engine) if engine else None
+    ad = sg.AutoDist(strategy_builder=ZeRO(stage=zero) if zero else builder, verbose=False)
+    model = make_model(seed, hidden)
     opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
            else torch.optim.Adam(model.parameters(), lr=lr))
     model, opt = ad.distribute(model, opt)
@@ -85,7 +90,8 @@ def train(steps: int | None, *, batch_size: int = 32, accum_steps: int = 0, lr: 
             "biased": gns.biased, "micro_batches": done, "sizes": sizes,
             "progress": ad.adaptive.tracker.progress, "steps": ad.adaptive.steps,
             "batch_size": loader.batch_size, "accum_steps": loader.accum_steps,
-            "decisions": decisions, "engine": getattr(model, "plan", None) and model.plan.engine}
+            "decisions": decisions, "engine": getattr(model, "plan", None) and model.plan.engine,
+            "sharded": bool(getattr(model, "is_sharded", False))}
 
 
 def reference_big_batch(micro_batches: int, batch_size: int, *, lr: float = 0.05,

@@ -211,3 +211,32 @@ def split_statistics(rank: int, world: int, ckpt: str) -> dict[str, Any]:
             break
     return {"samples": got, "sqr": dmodel.gns.raw_sqr_avg.tolist(),
             "var": dmodel.gns.raw_var_avg.tolist()}
+
+
+def statistics_trace(rank: int, world: int, ckpt: str, strategy: str) -> dict[str, Any]:
+    """An AdaptDL script (AdaptiveDataParallel, AdaptiveDataLoader, Adam) on the job's
+    strategy ``strategy`` (``stratagem run --strategy``; "" the default): the gradient
+    statistics AdaptDL's API reports after every step, and the final parameters."""
+    from torch import nn
+
+    if strategy:
+        os.environ["STRATAGEM_STRATEGY"] = strategy
+    adl = _setup(ckpt)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    adp = adl.AdaptiveDataParallel(model, opt)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 6, generator=g)
+    y = x.sum(1, keepdim=True) + 3 * torch.randn(256, 1, generator=g)
+    loader = adl.AdaptiveDataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+    trace = []
+    for _ in adl.remaining_epochs_until(2):
+        for xb, yb in loader:
+            opt.zero_grad()
+            nn.functional.mse_loss(adp(xb), yb).backward()
+            opt.step()
+            trace.append(list(adp._gns()))
+    dist_model = adp._dist
+    return {"trace": trace, "sharded": dist_model.is_sharded,
+            "params": dist_model.full_state_dict()}

@@ -73,9 +73,16 @@ def _wait_for_sigterm(out: Path, rank: int, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-def train(out: Path, stop_at: int | None = None, on_step: Any = None) -> dict[str, Any]:
-    """The training script; returns the final model and optimizer state dicts."""
-    ad = sg.AutoDist(verbose=False)
+def train(out: Path, stop_at: int | None = None, on_step: Any = None,
+          zero: int = 0) -> dict[str, Any]:
+    """The training script; returns the final model and optimizer state dicts. ``zero``:
+    shard with ZeRO at that stage (default: AutoDist's default builder)."""
+    builder = None
+    if zero:
+        from stratagem.strategy.builders import ZeRO
+
+        builder = ZeRO(stage=zero)
+    ad = sg.AutoDist(strategy_builder=builder, verbose=False)
     plain = make_model()
     model, opt = ad.distribute(plain, make_optimizer(plain))
     loader = ad.data_loader(dataset(), batch_size=BATCH, shuffle=True, seed=SEED)
@@ -87,7 +94,8 @@ def train(out: Path, stop_at: int | None = None, on_step: Any = None) -> dict[st
         for ids, x, y in loader:
             counter.step += 1
             log.write(json.dumps({"step": counter.step, "epoch": epoch, "rank": ad.rank,
-                                  "world": ad.world_size, "ids": ids.tolist()}) + "\n")
+                                  "world": ad.world_size, "ids": ids.tolist(),
+                                  "sharded": model.is_sharded}) + "\n")
             log.flush()
             if counter.step == RESIZE_AT:
                 loader.batch_size = NEW_BATCH  # from the next batch on, mid-epoch
@@ -101,10 +109,12 @@ def train(out: Path, stop_at: int | None = None, on_step: Any = None) -> dict[st
             if first and ad.rank == 0:
                 (out / f"run-{os.getpid()}.json").write_text(json.dumps(
                     {"world": ad.world_size, "strategy": ad.strategy.id,
-                     "planned": ad.choice is not None, "explain": ad.explain()}))
+                     "planned": ad.choice is not None,
+                     "explain": ad.explain() if builder is None else ""}))
             first = False
     log.close()
-    final = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    # whole state on every rank (collective when the model is sharded)
+    final = {"model": model.full_state_dict(), "optimizer": model.full_optimizer_state_dict(opt)}
     if ad.rank == 0:
         torch.save(final, out / "final.pt")
     return final
@@ -149,5 +159,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     args = parser.parse_args()
-    train(args.out, args.stop_at)
+    train(args.out, args.stop_at, zero=args.zero)

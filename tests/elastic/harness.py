@@ -28,7 +28,8 @@ class Run:
 
 
 def torchrun(nproc: int, out: Path, ckpt: Path, *, stop_at: int | None = None,
-             elastic_nnodes: bool = False, timeout: float = 90.0) -> Run:
+             elastic_nnodes: bool = False, timeout: float = 90.0,
+             args: tuple[str, ...] = ()) -> Run:
     """Run the job with ``nproc`` workers. With ``stop_at``, wait until every rank signals
     (file ``ready-<rank>``) that it is inside that step, then SIGTERM torchrun itself.
     ``elastic_nnodes`` launches as an elastic job (``--nnodes 1:2``, c10d rendezvous)."""
@@ -45,6 +46,7 @@ def torchrun(nproc: int, out: Path, ckpt: Path, *, stop_at: int | None = None,
            "--out", str(out)]
     if stop_at is not None:
         cmd += ["--stop-at", str(stop_at)]
+    cmd += list(args)
     env = {**os.environ, "STRATAGEM_CHECKPOINT_DIR": str(ckpt), "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -56,9 +56,13 @@ def wait_for_generation(number: int) -> None:
 
 def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: int = 0,
           width: int = 16, epochs: int = EPOCHS, step_sleep: float = 0.0,
-          autoscale: bool = False, engine: str = "") -> None:
+          autoscale: bool = False, engine: str = "", zero: int = 0) -> None:
     # engine: "" AutoDist's default builder; "stratagem"/"ddp" AllReduce on that engine
     builder = sg.strategy.AllReduce(engine=engine) if engine else None
+    if zero:  # sharded: ZeRO at that stage (optimizer state split over the workers)
+        from stratagem.strategy.builders import ZeRO
+
+        builder = ZeRO(stage=zero)
     ad = sg.AutoDist(strategy_builder=builder, verbose=False)
     plain = make_model(width)
     model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.01))
@@ -75,6 +79,8 @@ def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: in
                 log.write(json.dumps({"step": step, "epoch": epoch, "rank": ad.rank,
                                       "world": ad.world_size, "ids": ids.tolist(),
                                 "engine": model.plan.engine,
+                                      "sharded": model.is_sharded,
+                                      "state_numel": _state_numel(opt),
                                       "time": time.time()}) + "\n")
                 log.flush()
                 opt.zero_grad()
@@ -89,9 +95,16 @@ def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: in
                     time.sleep(step_sleep)
     changes = [asdict(c) for c in group.history] if group is not None else []
     (out / f"changes-{os.getpid()}.json").write_text(json.dumps(changes))
+    optimizer = model.full_optimizer_state_dict(opt)  # (collective when sharded)
     if ad.rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+        torch.save({"model": model.full_state_dict(), "optimizer": optimizer},
                    out / "final.pt")
+
+
+def _state_numel(opt: torch.optim.Optimizer) -> int:
+    """Elements of optimizer state this worker holds (a sharded job: its share)."""
+    return sum(v.numel() for st in opt.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0)
 
 
 def reference(epochs: int = EPOCHS) -> dict[str, Any]:
@@ -121,8 +134,9 @@ if __name__ == "__main__":
     parser.add_argument("--join-after-gen", type=int, default=0)
     parser.add_argument("--autoscale", action="store_true")
     parser.add_argument("--engine", default="", choices=["", "stratagem", "ddp"])
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     a = parser.parse_args()
     if a.join_after_gen:
         wait_for_generation(a.join_after_gen)
     train(a.out, a.leave_at, a.leave_rank, a.wait_joiner_at, a.width, a.epochs, a.step_sleep,
-          a.autoscale, a.engine)
+          a.autoscale, a.engine, a.zero)

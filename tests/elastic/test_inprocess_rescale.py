@@ -49,16 +49,20 @@ def logs(out: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("worker-*.log")))
 
 
-@pytest.fixture(scope="module", params=["default", "ddp"])
+@pytest.fixture(scope="module", params=["default", "ddp", "zero2"])
 def run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
-    """The job on AutoDist's default strategy, and on AllReduce run by torch's DDP reducer
-    (rebuilt on each membership change; one process runs without it)."""
+    """The job on AutoDist's default strategy, on AllReduce run by torch's DDP reducer
+    (rebuilt on each membership change; one process runs without it), and sharded by
+    ZeRO stage 2 (the optimizer state is resharded over each new world; stage 1 takes the
+    same path and passed it too when run by hand: ``--zero 1``)."""
     out = tmp_path_factory.mktemp("rescale")
     port = free_port()
     store = host_store("127.0.0.1", port)
     args = ["--leave-at", "8", "--leave-rank", "1", "--wait-joiner-at", "10"]
     if request.param == "ddp":
         args += ["--engine", "ddp"]
+    if request.param.startswith("zero"):
+        args += ["--zero", request.param[-1]]
     (out / "engine").write_text(request.param)
     procs = [start(out, port, 2, *args) for _ in range(2)]
     procs.append(start(out, port, 2, *args, "--join-after-gen", "1"))  # C: after B left
@@ -97,6 +101,37 @@ def test_the_engine_asked_for_runs_every_world(run: Path) -> None:
         assert engines == {"ddp"}
     else:  # AutoDist's default plans on the first batch: either engine, its choice
         assert engines <= {"ddp", "stratagem"}
+
+
+def test_sharded_jobs_stay_sharded(run: Path) -> None:
+    """ZeRO: sharded at two workers, each holding part of the optimizer state, and
+    whole on the one worker in between."""
+    if not (run / "engine").read_text().startswith("zero"):
+        return
+    for recs in records(run).values():
+        world = recs[0]["world"]
+        assert all(r["sharded"] == (world > 1) for r in recs), recs
+        if world > 1 and recs[0]["step"] > 1:  # (Adam's state exists after step 1)
+            held = [r["state_numel"] for r in recs]
+            assert min(held) > 0 and max(held) < sum(held), held
+
+
+def test_stage3_is_refused_at_distribute_with_the_fix(tmp_path: Path) -> None:
+    """An in-process elastic job cannot reshard FSDP2 units: refused before training,
+    naming stages 1/2 and checkpoint-restart as the ways out."""
+    port = free_port()
+    store = host_store("127.0.0.1", port)
+    proc = start(tmp_path, port, 1, "--zero", "3")
+    try:
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        del store
+    text = logs(tmp_path)
+    assert code != 0 and "cannot reshard stage-3" in text, text
+    assert "ZeRO(stage=1)" in text and "checkpoint-restart" in text, text
+    assert not list(tmp_path.glob("ids-*.jsonl"))  # no step ran
 
 
 def test_every_sample_exactly_once_per_epoch(run: Path) -> None:

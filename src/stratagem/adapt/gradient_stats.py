@@ -14,6 +14,16 @@ Per optimizer step :class:`GradStats` feeds one update into a
 * one replica without accumulation, or gradients that no observer sees (parameter-server
   synchronisation): two consecutive steps' gradients (``ConsecutiveGradients``, biased).
 
+Sharded parameters (ZeRO, docs/concepts/sharding.md): a stage-1 gradient is all-reduced
+and observed like any other, but only its owner holds the optimizer state, so the owners
+send the Adam divisors when they are refreshed. Stage-2 and stage-3 gradients are never
+whole and averaged on every rank: on a sampled step the runtime also sums each squared
+local gradient over the ranks onto the rank that holds that gradient's average (as
+backward produces it: the owner of a stage-2 parameter, FSDP2's row slice of a stage-3
+one), and each rank adds its rows' terms of both norms; the one all-reduce of the queued
+statistics then sums them over the ranks. With gradient accumulation, sharded steps are
+not sampled (the first micro-batch's local gradient of a stage-2/3 parameter is not kept).
+
 Statistics are kept per optimizer param group. For Adam-type optimizers they are of the
 preconditioned gradient ``g / (sqrt(v_hat) + eps)``; the divisors change slowly, so they are
 refreshed every ``precond_every`` steps rather than rebuilt at every step.
@@ -158,6 +168,11 @@ def _avg(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
 # -- statistics from the runtime's gradient traffic -------------------------------------------
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local slice (stage 3), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _sqr(t: torch.Tensor) -> torch.Tensor:
     if t.dtype in (torch.float32, torch.float64):
         return torch.dot(t, t)
@@ -225,6 +240,8 @@ class GradStats:
     @torch.no_grad()
     def _refresh_preconditioner(self) -> None:
         self._divisors = adam_preconditioner(self.optimizer)
+        if self._divisors is not None and self._sharded():
+            self._divisors = self.model.share_from_owners(self.optimizer, self._divisors)
         self._pinv.clear()
         self._precond_age = 0
 
@@ -282,9 +299,42 @@ class GradStats:
             out.append((gi, _sqr(seg) * inv_scale2))
         self._seconds += time.perf_counter() - t0
 
+    # -- sharded parameters -----------------------------------------------------------------
+    def _sharded(self) -> bool:
+        """Whether the model shards some state over several workers (ZeRO)."""
+        return self.world_size > 1 and bool(getattr(self.model, "is_sharded", False))
+
+    @torch.no_grad()
+    def _shard_terms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per param group, this rank's terms of the stage-2/3 parameters: (sum over ranks
+        of the squared local gradients, squared averaged gradient), preconditioned."""
+        squares = self.model.gradient_squares()
+        if not squares:
+            return None
+        local = torch.zeros(self.groups, dtype=torch.float64)
+        mean = torch.zeros(self.groups, dtype=torch.float64)
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                sq = squares.get(id(p))
+                if sq is None or p.grad is None:
+                    continue
+                g = _local(p.grad).to(torch.float64)
+                sq = _local(sq).to(torch.float64)
+                d = self._divisors[gi][j] if self.preconditioned and self._divisors else None
+                if d is not None:
+                    d2 = _local(d).to(torch.float64).square()
+                    local[gi] += float((sq / d2).sum())
+                    mean[gi] += float((g.square() / d2).sum())
+                else:
+                    local[gi] += float(sq.sum())
+                    mean[gi] += float(g.square().sum())
+        return local, mean
+
     # -- parameter-level norms ------------------------------------------------------------
     def _grads(self) -> list[list[torch.Tensor | None]]:
-        return [[p.grad for p in g["params"]] for g in self.optimizer.param_groups]
+        skip = self.model.sharded_gradient_params() if self._sharded() else {}
+        return [[None if id(p) in skip else p.grad for p in g["params"]]
+                for g in self.optimizer.param_groups]
 
     @torch.no_grad()
     def _param_sqr_norms(self) -> torch.Tensor:
@@ -317,10 +367,15 @@ class GradStats:
                             for t in out]).double()
 
     # -- the step ------------------------------------------------------------------------
-    def begin_step(self, collect: bool) -> None:
-        """Start a step; ``collect=False`` (nothing needs the statistics) costs nothing."""
+    def begin_step(self, collect: bool, micros: int = 1) -> None:
+        """Start a step; ``collect=False`` (nothing needs the statistics) costs nothing.
+        ``micros``: the step's micro-batches (a sharded model samples only steps of one)."""
         self._reset()
         self.active = bool(collect) and self._ready()
+        if self._sharded():
+            if micros > 1:
+                self.active = False
+            self.model.collect_gradient_squares(self.active)
 
     def first_micro(self) -> None:
         """After the backward of the first of several micro-batches (local gradient)."""
@@ -356,11 +411,16 @@ class GradStats:
             n = replicas * micros
             if total % n == 0:  # equal micro-batches (else: skip this step)
                 self._queue.append(("pair", self._first, self._reduced_or_param(), n,
-                                    total // n, replicas))
-        elif replicas > 1 and self._local:
+                                    total // n, replicas, None))
+        elif replicas > 1 and (self._local or self._sharded()):
             self._consecutive.reset()
-            self._queue.append(("pair", self._sum(self._local), self._reduced_or_param(),
-                                replicas, sizes, replicas))
+            terms = self._shard_terms() if self._sharded() else None
+            local = (self._sum(self._local) if self._local
+                     else torch.zeros(self.groups, dtype=torch.float64))
+            if terms is not None:
+                local = local + terms[0].to(local.device)
+            self._queue.append(("pair", local, self._reduced_or_param(), replicas, sizes,
+                                replicas, terms[1] if terms is not None else None))
         else:  # one gradient per step: pair it with the previous step's (biased)
             divs = self._divisors if self.preconditioned else None
             pair = self._consecutive.push(self._grads(), divs)
@@ -395,9 +455,16 @@ class GradStats:
         queue, self._queue = self._queue, []
         self._since_flush = 0
         pairs = [e for e in queue if e[0] == "pair"]
+        # sharded steps: each rank's terms of the averaged gradient's norm are summed too
+        partial = any(e[6] is not None for e in pairs)
         if pairs and self.world_size > 1:
             # float32: NCCL builds may lack float64; one tensor for all queued steps
-            local = torch.stack([e[1].float() for e in pairs])
+            rows = [e[1].float() for e in pairs]
+            if partial:
+                rows = [torch.stack([r, (e[6] if e[6] is not None else torch.zeros_like(r))
+                                     .float().to(r.device)]) for r, e in zip(rows, pairs,
+                                                                             strict=True)]
+            local = torch.stack(rows)
             dist.all_reduce(local, group=self.process_group)
             summed = iter(local.double().cpu().numpy())
         else:
@@ -405,9 +472,13 @@ class GradStats:
         applied = 0
         for entry in queue:
             if entry[0] == "pair":
-                _, _, mean, n, size, replicas = entry
-                s_mean = next(summed) / replicas
-                applied += self.gns.update(np.tile(s_mean, (n, 1)), mean.cpu().numpy(), size)
+                _, _, mean, n, size, replicas, _ = entry
+                total = next(summed)
+                mean = mean.double().cpu().numpy()
+                if partial:
+                    total, mean = total[0], mean + total[1]
+                s_mean = total / replicas
+                applied += self.gns.update(np.tile(s_mean, (n, 1)), mean, size)
             else:
                 _, (local_norms, mean_norm), sizes = entry
                 applied += self.gns.update(local_norms, mean_norm, sizes, biased=True)

@@ -32,7 +32,8 @@ Membership moves in *generations*:
 When every member leaves at once (the whole job is stopped), the checkpoint path of
 :func:`stratagem.elastic.exit_point` saves the job state and exits as usual (without a
 checkpoint directory the workers just exit).
-All-reduce strategies only (parameter-server strategies are refused); single-node resource
+All-reduce and ZeRO stage-1/2 strategies (parameter-server strategies are refused at the
+first rescale, ZeRO stage 3 at ``distribute()``); single-node resource
 specs (the world is rebuilt as this machine's workers).
 """
 

@@ -51,6 +51,9 @@ class State:
 
     ``per_rank = True``: every rank saves its own copy, restored only at the same world size.
     ``format = "json"``: stored as JSON instead of a ``torch.save`` file.
+    A state whose :meth:`sharded` says so at save time (a sharded model's, its optimizer's)
+    is written by every rank as its :meth:`pieces`; restoring joins the pieces of every
+    rank (any world size) into the whole state and hands that to ``load_state_dict``.
     """
 
     per_rank: ClassVar[bool] = False
@@ -68,6 +71,14 @@ class State:
 
     def sync(self) -> None:
         """Called on every rank before saving (collective hook; default: nothing)."""
+
+    def sharded(self) -> bool:
+        """Whether this save writes every rank's :meth:`pieces` (default: no)."""
+        return False
+
+    def pieces(self) -> Any:
+        """This rank's piece file (see :func:`stratagem.checkpoint.assemble_pieces`)."""
+        raise NotImplementedError
 
     def save(self, f: BinaryIO) -> None:
         if self.format == "json":
@@ -92,8 +103,11 @@ class ObjectState(State):
     """A State backed by two callables, e.g. an object's ``state_dict``/``load_state_dict``."""
 
     def __init__(self, name: str, get: Callable[[], Any], put: Callable[[Any], None], *,
-                 per_rank: bool = False, format: Literal["pt", "json"] = "pt") -> None:
+                 per_rank: bool = False, format: Literal["pt", "json"] = "pt",
+                 sharded: Callable[[], bool] | None = None,
+                 pieces: Callable[[], Any] | None = None) -> None:
         self._get, self._put = get, put
+        self._sharded, self._pieces = sharded, pieces
         self.per_rank = per_rank  # type: ignore[misc]
         self.format = format  # type: ignore[misc]
         super().__init__(name)
@@ -104,9 +118,19 @@ class ObjectState(State):
     def load_state_dict(self, state: Any) -> None:
         self._put(state)
 
+    def sharded(self) -> bool:
+        return self._sharded is not None and self._pieces is not None and self._sharded()
 
-def state_filename(name: str, fmt: str, per_rank: bool, rank: int) -> str:
+    def pieces(self) -> Any:
+        assert self._pieces is not None
+        return self._pieces()
+
+
+def state_filename(name: str, fmt: str, per_rank: bool, rank: int,
+                   sharded: bool = False) -> str:
     """The file a state is saved in, within a checkpoint directory."""
+    if sharded:
+        return f"{name}-shard{rank}.pt"
     ext = "json" if fmt == "json" else "pt"
     return f"{name}-rank{rank}.{ext}" if per_rank else f"{name}.{ext}"
 
@@ -151,7 +175,13 @@ def track_model(model: Any, optimizer: Any = None) -> bool:
     second model); returns whether the model was restored."""
     name = unique_name("model")
     suffix = name[len("model"):]
-    model_state = ObjectState(name, model.state_dict, model.load_state_dict)
+    is_sharded = (lambda: bool(getattr(model, "is_sharded", False)))
+    # a sharded model (ZeRO on several workers) saves every rank's pieces and loads the
+    # whole state into its shards, whatever the world size that saved it
+    model_state = ObjectState(name, model.state_dict,
+                              getattr(model, "load_full_state_dict", model.load_state_dict),
+                              sharded=is_sharded,
+                              pieces=getattr(model, "sharded_model_state", None))
     prepare = getattr(model, "before_checkpoint", None)
     if prepare is not None:  # before saving (e.g. fetch stale parameter-server rows)
         model_state.sync = prepare  # type: ignore[method-assign]
@@ -161,8 +191,13 @@ def track_model(model: Any, optimizer: Any = None) -> bool:
         load_state(ObjectState(f"sync{suffix}", sync_get, model.load_synchronizer_state_dict,
                                per_rank=True))
     if optimizer is not None:
-        load_state(ObjectState(f"optimizer{suffix}", optimizer.state_dict,
-                               optimizer.load_state_dict))
+        load_opt = getattr(model, "load_full_optimizer_state_dict", None)
+        opt_pieces = getattr(model, "sharded_optimizer_state", None)
+        load_state(ObjectState(
+            f"optimizer{suffix}", optimizer.state_dict,
+            (lambda s: load_opt(optimizer, s)) if load_opt else optimizer.load_state_dict,
+            sharded=is_sharded,
+            pieces=(lambda: opt_pieces(optimizer)) if opt_pieces else None))
     finish = getattr(model, "after_restore", None)
     if finish is not None and restore_point() is not None:
         finish()  # collective (e.g. hand parameter-server shards to their owners)
@@ -217,9 +252,12 @@ def _write_state(state: State, path: Path) -> None:
     ckpt.write_durably(path, _saved_bytes(state))
 
 
-def _snapshot(state: State) -> Any:
+def _snapshot(state: State, sharded: bool = False) -> Any:
     """What ``state`` writes, copied now: bytes (JSON and custom-file states, serialized
-    here) or its state dict with every tensor copied to CPU memory."""
+    here) or its state dict (``sharded``: its pieces) with every tensor copied to CPU
+    memory."""
+    if sharded:
+        return background_save.cpu_copy(state.pieces())
     if state.format == "json" or _custom_file(state):
         return _saved_bytes(state)
     return background_save.cpu_copy(state.state_dict())
@@ -251,11 +289,14 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
     if sync:
         for state in states:
             state.sync()
-    layout = {s.name: {"format": s.format, "per_rank": s.per_rank} for s in states}
+    shards = {s.name for s in states if s.sharded()}
+    layout = {s.name: {"format": s.format, "per_rank": s.per_rank,
+                       **({"shards": world} if s.name in shards else {})} for s in states}
     meta: dict[str, Any] = {"states": layout, "metadata": {}, "strategy_id": None,
                             "save_started": started}
     if background and only is None and background_save.can_write_in_background():
-        files = {s.filename(rank): _snapshot(s) for s in states if s.per_rank or rank == 0}
+        files = {_filename(s, rank, s.name in shards): _snapshot(s, s.name in shards)
+                 for s in states if s.per_rank or s.name in shards or rank == 0}
         path = background_save.start(ckpt.CheckpointDir(root_path, keep=KEEP), files, meta)
         ctx.steps_since_save, ctx.last_save = 0, None
         return path
@@ -268,13 +309,19 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
             if name in layout or (entry["per_rank"] and meta["world_size"] != world):
                 continue
             layout[name] = entry
-            files = {state_filename(name, entry["format"], entry["per_rank"], r)
-                     for r in range(world)}
+            count = entry.get("shards")
+            files = ({state_filename(name, "pt", False, r, sharded=True)
+                      for r in range(count)} if isinstance(count, int) else
+                     {state_filename(name, entry["format"], entry["per_rank"], r)
+                      for r in range(world)})
             kept += [previous / f for f in sorted(files) if f in meta["sha256"]]
 
     def write(tmp: Path) -> None:
         for state in states:
-            if state.per_rank or rank == 0:
+            if state.name in shards:
+                ckpt.write_durably(tmp / _filename(state, rank, True),
+                                   _torch_bytes(state.pieces()))
+            elif state.per_rank or rank == 0:
                 _write_state(state, tmp / state.filename(rank))
         if rank == 0:
             for path in kept:
@@ -284,6 +331,33 @@ def save_all_states(root: str | os.PathLike[str] | None = None, *,
     if only is None:  # a full save: the periodic-checkpoint counters start over
         ctx.steps_since_save, ctx.last_save = 0, None  # the clock restarts at the next step
     return path
+
+
+def _filename(state: State, rank: int, sharded: bool) -> str:
+    return (state_filename(state.name, "pt", False, rank, sharded=True) if sharded
+            else state.filename(rank))
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _load_sharded(state: State, path: Path, count: int) -> None:
+    """Join the pieces every rank of the saving job wrote into the whole state (a model
+    state dict, or an optimizer's when the pieces carry param groups) and load it."""
+    parts = [ckpt.load_file(path, state_filename(state.name, "pt", False, r, sharded=True))
+             for r in range(count)]
+    tensors, values, skeleton = ckpt.assemble_pieces(parts, str(path))
+    whole: Any = tensors if skeleton is None else ckpt.optimizer_state_from_pieces(
+        tensors, values, skeleton, str(path))
+    try:
+        state.load_state_dict(whole)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot restore state {state.name!r} from its shards: {exc}",
+                              where=str(path),
+                              fix="build the same objects as the job that saved it") from None
 
 
 def restore_point() -> Path | None:
@@ -328,6 +402,14 @@ def load_state(state: State) -> bool:
             and entry.get("format") in ("pt", "json")):
         raise CheckpointError(f"meta.json is corrupt: bad entry for state {state.name!r}",
                               where=str(path), fix="use an earlier checkpoint")
+    count = entry.get("shards")
+    if count is not None:
+        if not (isinstance(count, int) and not isinstance(count, bool) and 0 < count <= 1 << 20):
+            raise CheckpointError(f"meta.json is corrupt: bad shard count for state "
+                                  f"{state.name!r}", where=str(path),
+                                  fix="use an earlier checkpoint")
+        _load_sharded(state, path, count)
+        return True
     rank, world = rank_world()
     if entry["per_rank"] and meta["world_size"] != world:
         if not _is_empty(path / state_filename(state.name, entry["format"], True, 0)):

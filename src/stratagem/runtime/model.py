@@ -62,6 +62,7 @@ class DistributedModel(nn.Module):
                                  fix="run it with stratagem.runtime.ps.run_server")
         self._process_group = process_group
         self._shard = None
+        self._optimizer = optimizer  # sharding needs it again after a regroup
         built = self._materialize(optimizer, materialize)
         params = check_params(plan, module)
         self._ps = None
@@ -150,10 +151,14 @@ class DistributedModel(nn.Module):
         shards the values every rank then holds."""
         if self.plan.shards is None or self.plan.world_size == 1:
             return
-        from stratagem.runtime.sharded import ShardEngine
+        from stratagem.runtime.shard_state import drop_foreign_state
+        from stratagem.runtime.sharded import ShardEngine, optimizers_of
 
         self._shard = ShardEngine(self.plan, self.module, params, optimizer,
                                   self._process_group)
+        layout = self._layout()
+        for opt in optimizers_of(optimizer):  # (state a regroup or replan brought along)
+            drop_foreign_state(opt, layout.owners, layout.names, layout.rank)
 
     def regroup(self, plan: Plan, process_group: dist.ProcessGroup | None = None, *,
                 broadcast: bool = True) -> None:
@@ -165,20 +170,37 @@ class DistributedModel(nn.Module):
         state (PowerSGD error feedback) starts fresh.
 
         Collective over ``process_group`` (default: the default group) when
-        ``plan.world_size > 1``. All-reduce strategies only: raises StratagemError with
-        parameter-server synchronizers (old or new plan)."""
-        if self._ps is not None or plan.ps is not None or self._shard is not None \
-                or plan.shards is not None:
-            raise StratagemError("in-process rescale supports all-reduce strategies only",
-                                 where="DistributedModel.regroup",
+        ``plan.world_size > 1``. All-reduce and ZeRO stage-1/2 strategies: with
+        stage-1/2 sharding, call :meth:`before_regroup` in the old group first (every
+        rank then holds the whole optimizer state, and the new owners keep their share).
+        Raises StratagemError with parameter-server synchronizers or stage-3 units (old or
+        new plan)."""
+        if self._ps is not None or plan.ps is not None:
+            raise StratagemError("in-process rescale supports all-reduce and ZeRO stage-1/2 "
+                                 "strategies only", where="DistributedModel.regroup",
                                  fix="use checkpoint-restart (SIGTERM and relaunch) for jobs "
                                      "with parameter-server synchronizers")
+        _refuse_stage3_regroup(self.plan, plan)
         params = check_params(plan, self.module)
         old = self._reducer
         old.remove_hooks()
+        if self._shard is not None:
+            self._shard.remove_hooks()
+            self._shard = None
         self.plan = plan
         self._install_synchronizers(params, process_group, broadcast=broadcast)
+        self._process_group = process_group
+        self._install_sharding(params, self._optimizer)
         self._carry_over(old, settings=False)
+
+    def before_regroup(self) -> None:
+        """Collective over the current group, before an in-process rescale replaces it:
+        every rank's optimizer takes the state of the stage-1/2 parameters other ranks own
+        (those may leave), so that any survivor can hand the whole state on."""
+        _refuse_stage3_regroup(self.plan, None)
+        if self._shard is not None:
+            for opt in self._shard.optimizers:
+                self._gather_owned_state(opt)
 
     def replan(self, make_plan: Callable[[], Plan], *,
                optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
@@ -448,6 +470,127 @@ class DistributedModel(nn.Module):
             return
         self._shard.load_full_state_dict(self.module, dict(state_dict))
 
+    # -- sharded state (runtime/shard_state.py) -----------------------------------------
+    @property
+    def is_sharded(self) -> bool:
+        """Whether some state is held by one worker or in slices (a sharded strategy on
+        several workers): ``state_dict()`` and ``optimizer.state_dict()`` are then this
+        rank's share, and checkpoints are written by every rank."""
+        return self._shard is not None
+
+    def _layout(self) -> Any:
+        from stratagem.runtime.shard_state import ShardLayout
+
+        owners = {o.param: o.owner for o in self.plan.shards.owned} \
+            if self._shard is not None else {}
+        return ShardLayout(self.module, owners, self.plan.rank if self._shard else 0,
+                           self.plan.world_size if self._shard else 1)
+
+    def sharded_model_state(self) -> dict[str, Any]:
+        """This rank's pieces of the model state (each tensor written once over the ranks;
+        ``stratagem.checkpoint.assemble_pieces`` joins them for any world size)."""
+        from stratagem.runtime.shard_state import model_pieces
+
+        return model_pieces(self.module, self._layout())
+
+    def sharded_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's pieces of ``optimizer``'s state (see :meth:`sharded_model_state`)."""
+        from stratagem.runtime.shard_state import optimizer_pieces
+
+        return optimizer_pieces(optimizer, self._layout())
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Collective with a sharded strategy: ``optimizer``'s whole state dict, as one
+        process's optimizer would save it (owners' state and stage-3 slices gathered);
+        plain torch optimizers load it."""
+        from stratagem.runtime.shard_state import drop_foreign_state
+
+        if self._shard is None:
+            return optimizer.state_dict()
+        self._gather_owned_state(optimizer)
+        try:
+            state = optimizer.state_dict()
+            for entry in state["state"].values():
+                for k, v in entry.items():
+                    if hasattr(v, "full_tensor"):
+                        entry[k] = v.full_tensor().detach().clone()
+                    elif torch.is_tensor(v):
+                        entry[k] = v.detach().clone()
+        finally:
+            layout = self._layout()
+            drop_foreign_state(optimizer, layout.owners, layout.names, layout.rank)
+        return state
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                       state: Mapping[str, Any]) -> None:
+        """Load a whole optimizer state dict (a plain process's, or
+        :meth:`full_optimizer_state_dict` of any world size) into this rank's share."""
+        from stratagem.runtime.shard_state import local_optimizer_state
+
+        if self._shard is None:
+            optimizer.load_state_dict(dict(state))
+            return
+        layout = self._layout()
+        optimizer.load_state_dict(local_optimizer_state(
+            optimizer, dict(state), layout.owners, layout.names, layout.rank, layout.world))
+
+    # -- gradient statistics of sharded parameters (stratagem.adapt.gradient_stats) ------
+    def sharded_gradient_params(self) -> dict[int, str]:
+        """``id(param) -> name`` of the optimizer's stage-2 and stage-3 parameters: their
+        gradients are never whole and averaged on every rank, so the gradient observers
+        do not see them; :meth:`gradient_squares` does (empty without sharding)."""
+        if self._shard is None:
+            return {}
+        out = {id(self._shard.owned_param(o.param)): o.param for o in self.plan.shards.owned
+               if o.stage == 2}
+        out.update({id(p): n for n, p in self._shard.sharded_params.items()})
+        return out
+
+    def collect_gradient_squares(self, on: bool) -> None:
+        """Collective: in the next synced backward, sum every stage-2/3 parameter's
+        squared local gradient over the ranks onto the rank that holds its (averaged)
+        gradient -- one extra reduce per parameter, as backward produces it."""
+        if self._shard is not None:
+            self._shard.collect_squares(on)
+
+    def gradient_squares(self) -> dict[int, torch.Tensor]:
+        """After such a backward: ``id(param) -> sum over ranks of grad**2``, for the
+        rows of each stage-2/3 gradient this rank holds (a stage-3 slice, an owned stage-2
+        parameter)."""
+        if self._shard is None or self._shard.squares is None:
+            return {}
+        names = {n: i for i, n in self.sharded_gradient_params().items()}
+        return {names[n]: t for n, t in self._shard.squares.items() if n in names}
+
+    def share_from_owners(self, optimizer: torch.optim.Optimizer,
+                          values: list[list[torch.Tensor | None]]
+                          ) -> list[list[torch.Tensor | None]]:
+        """Collective: ``values`` (one per parameter, grouped like
+        ``optimizer.param_groups``) with each stage-1 parameter's entry taken from its
+        owner, the only rank holding its optimizer state (e.g. Adam's divisors)."""
+        if self._shard is None:
+            return values
+        layout = self._layout()
+        by_name = {}
+        for gi, g in enumerate(optimizer.param_groups):
+            for j, p in enumerate(g["params"]):
+                by_name[layout.names.get(id(p), "")] = (gi, j)
+        shared = self._shard.share_owned({n: values[gi][j] for n, (gi, j) in by_name.items()})
+        out = [list(row) for row in values]
+        for n, t in shared.items():
+            if n in by_name:
+                gi, j = by_name[n]
+                out[gi][j] = t
+        return out
+
+    def _gather_owned_state(self, optimizer: torch.optim.Optimizer) -> None:
+        from stratagem.runtime.shard_state import gather_owned_state
+
+        layout = self._layout()
+        if layout.owners:
+            gather_owned_state(optimizer, layout.owners, layout.names, layout.rank,
+                               self._shard.group, self._shard.global_ranks)
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         if assign:
@@ -467,6 +610,18 @@ class DistributedModel(nn.Module):
     def extra_repr(self) -> str:
         return (f"rank={self.plan.rank}, world_size={self.plan.world_size}, "
                 f"groups={len(self.plan.groups)}, engine={self.plan.engine}")
+
+
+def _refuse_stage3_regroup(old: Plan, new: Plan | None) -> None:
+    for plan in (old, new):
+        if plan is not None and plan.shards is not None and plan.shards.units \
+                and plan.world_size > 1:
+            raise StratagemError(
+                "in-process rescale cannot reshard stage-3 (FSDP2) units",
+                where="DistributedModel.regroup",
+                fix="use ZeRO stage 1 or 2 for in-process elastic jobs, or checkpoint-restart "
+                    "(SIGTERM and relaunch): a checkpoint of a stage-3 job restores onto any "
+                    "number of workers")
 
 
 class _ObserverHandle:

@@ -28,6 +28,7 @@ from torch import nn
 from stratagem.errors import StratagemError
 from stratagem.runtime.materialize import MetaInit, materialize, rebind
 from stratagem.runtime.plan import Owned, Plan
+from stratagem.runtime.shard_state import shard_entry
 
 
 def optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -126,14 +127,10 @@ class ShardEngine:
         from torch.distributed.fsdp import fully_shard
 
         names = self.shards.unit_params
-        for opt in self.optimizers:
-            for n in names:
-                if opt.state.get(params[n]):
-                    raise StratagemError(
-                        f"the optimizer already holds state for {n!r}, which stage 3 shards",
-                        where="DistributedModel",
-                        fix="wrap the model before the first step; load a checkpoint after "
-                            "wrapping")
+        # state the optimizer already holds (a restored job that Auto re-plans to stage
+        # 3; an optimizer stepped before wrapping): kept, sliced like its parameter below
+        held = [(opt, n, opt.state.pop(params[n])) for opt in self.optimizers
+                for n in sorted(names) if opt.state.get(params[n])]
         mesh = self._mesh()
         modules = dict(module.named_modules())
         wrapped = []
@@ -157,6 +154,12 @@ class ShardEngine:
                 g["params"] = [swap.get(id(p), p) for p in g["params"]]
         self.sharded_params = {n: new[n] for n in names}
         self._root = module
+        for opt, n, state in held:
+            opt.state[new[n]] = shard_entry(state, new[n], self.rank, self.world_size)
+
+    def owned_param(self, name: str) -> nn.Parameter:
+        """The stage-1/2 parameter ``name`` (as the engine holds it)."""
+        return self._params[name]
 
     def set_requires_gradient_sync(self, on: bool) -> None:
         if self.shards.units:
@@ -179,6 +182,8 @@ class ShardEngine:
         p = self._params[o.param]
         if p.grad is None:  # unused in this backward: a zero gradient, as all-reduce gives
             p.grad = torch.zeros_like(p)
+        if self.squares is not None:  # gradient statistics: sum of squares onto the owner
+            self._reduce_squares(o.param, p.grad, o.owner)
         p.grad.mul_(self.grad_weight / self.world_size)
         work = dist.reduce(p.grad, dst=self.global_ranks[o.owner], group=self.group,
                            async_op=True)
@@ -267,6 +272,95 @@ class ShardEngine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    # -- gradient statistics (adaptive batch size; see stratagem.adapt.gradient_stats) --
+    squares: dict[str, torch.Tensor] | None = None
+    """While statistics are collected: per stage-2/3 parameter held here, the sum over
+    ranks of the squared local gradients (this rank's rows: a stage-3 slice, a stage-2
+    parameter on its owner), reduced as backward produces the local gradients."""
+    _stats_group: Any = None
+
+    def collect_squares(self, on: bool) -> None:
+        """Reduce the squared local gradients of the next synced backward onto the shard
+        holders (collective: every rank the same calls; the first one makes the group and
+        the stage-3 hooks)."""
+        if on and self._stats_group is None:
+            self._stats_group = dist.new_group(self.global_ranks, backend="gloo")
+            self._hook_units()
+        self.squares = {} if on else None
+
+    def _hook_units(self) -> None:
+        """FSDP2 gathers each unit's parameters into the same unsharded tensors every
+        step; a forward pre-hook after its own (which gathers them) finds them and hooks
+        their gradient accumulation, which runs before FSDP2 reduce-scatters the unit."""
+        modules = dict(self._root.named_modules()) if self.shards.units else {}
+        self._unsharded: dict[int, str] = {}
+        ref = weakref.ref(self)
+        for u in self.shards.units:
+            prefix = f"{u.module}." if u.module else ""
+            rel = {n[len(prefix):]: n for n in u.params}
+
+            def pre(module: nn.Module, _args: Any, rel: dict = rel,
+                    ref: weakref.ref = ref) -> None:
+                engine = ref()
+                if engine is not None:
+                    engine._hook_unsharded(module, rel)
+
+            self._handles.append(modules[u.module].register_forward_pre_hook(pre))
+
+    def _hook_unsharded(self, module: nn.Module, rel: dict[str, str]) -> None:
+        ref = weakref.ref(self)
+        for short, name in rel.items():
+            p = module.get_parameter(short)
+            if id(p) in self._unsharded or not p.requires_grad:
+                continue
+            self._unsharded[id(p)] = name
+
+            def hook(param: torch.Tensor, name: str = name, ref: weakref.ref = ref) -> None:
+                engine = ref()
+                if engine is not None and engine.squares is not None and engine.require_sync:
+                    engine._reduce_squares(name, param.grad, None)
+
+            self._handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    @torch.no_grad()
+    def _reduce_squares(self, name: str, grad: torch.Tensor, owner: int | None) -> None:
+        """Sum ``grad**2`` over the ranks: onto ``owner`` (stage 2), or scattered by
+        dim-0 rows as FSDP2 shards (stage 3, ``owner`` None)."""
+        sq = grad.detach().pow(2)
+        assert self.squares is not None
+        if owner is not None:
+            dist.reduce(sq, dst=self.global_ranks[owner], group=self._stats_group)
+            if owner == self.rank:
+                self.squares[name] = sq
+            return
+        n0, world = sq.shape[0], self.world_size
+        chunk = -(-n0 // world)
+        padded = sq.new_zeros((chunk * world, *sq.shape[1:]))
+        padded[:n0].copy_(sq)
+        out = sq.new_empty((chunk, *sq.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, group=self._stats_group)
+        start = min(self.rank * chunk, n0)
+        self.squares[name] = out[:max(0, min(n0, start + chunk) - start)]
+
+    @torch.no_grad()
+    def share_owned(self, values: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """Each stage-1 parameter's tensor in ``values`` (e.g. an Adam divisor, which
+        only the owner can compute) from its owner to every rank (collective)."""
+        out = {}
+        for o in self.shards.owned:
+            if o.stage != 1:
+                continue
+            p = self._params[o.param]
+            if o.owner == self.rank:  # (no value, e.g. no gradient: ones, i.e. none)
+                t = values.get(o.param)
+                buf = (t.detach().to(p.dtype).contiguous() if t is not None
+                       else torch.ones_like(p, memory_format=torch.contiguous_format))
+            else:
+                buf = torch.empty_like(p, memory_format=torch.contiguous_format)
+            dist.broadcast(buf, src=self.global_ranks[o.owner], group=self.group)
+            out[o.param] = buf
+        return out
 
 
 def _reverse(owned: tuple[Owned, ...], order: tuple[str, ...]) -> list[Owned]:

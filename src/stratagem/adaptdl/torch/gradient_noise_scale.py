@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from stratagem.adapt.noise_scale import unbiased_estimates
+from stratagem.errors import StratagemError
 
 LOG = logging.getLogger(__name__)
 
@@ -48,6 +49,13 @@ class GradientNoiseScale:
 
     def __init__(self, adp: Any, optimizer: torch.optim.Optimizer, mp_scaler: Any = None,
                  num_replicas: int | None = None, accum_scale: float | None = None) -> None:
+        if getattr(adp, "sharded", False) is True:  # (a stand-in adp may answer anything)
+            raise StratagemError(
+                "GradientNoiseScale reads whole averaged gradients, but the job's strategy "
+                "shards them (ZeRO)", where="adaptdl GradientNoiseScale",
+                fix="read AdaptiveDataParallel's own statistics (model.gns, measured by "
+                    "Stratagem's adaptive loop, sharded gradients included), or run with an "
+                    "all-reduce strategy")
         self._adp = adp
         self._optimizer = optimizer
         self._orig_optimizer_zero_grad = optimizer.zero_grad

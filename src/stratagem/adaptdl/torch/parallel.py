@@ -130,6 +130,12 @@ class AdaptiveDataParallel(nn.Module):
     runs_scaling_rule = True
 
     @property
+    def sharded(self) -> bool:
+        """Whether the job's strategy shards gradients or state (ZeRO): the gradients the
+        optimizer sees are then this rank's share, not the whole average."""
+        return bool(getattr(self._dist, "is_sharded", False))
+
+    @property
     def require_backward_grad_sync(self) -> bool:
         """False inside :meth:`no_sync` (the backward only accumulates)."""
         return self._syncing
