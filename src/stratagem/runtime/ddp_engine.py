@@ -8,7 +8,8 @@ synchronizers say ``engine: ddp`` is executed by DDP instead:
   (parameter-server pieces) are on DDP's ignore list and stay with their engine;
 * DDP's buckets are cut at the groups' boundaries, in the plan's launch order: one
   per-bucket size limit per group (``bucket_cap_mb_list``), DDP filling its buckets with
-  the parameters in reverse registration order as the plan does;
+  the parameters in reverse registration order as the plan does; the first group's
+  first 1 MiB is a bucket of its own, as in plain DDP (:func:`bucket_caps`);
 * compression is torch's own communication hooks (``allreduce_hook``,
   ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``), called from one hook
   of this runtime that first applies ``grad_weight`` and shows the bucket to the gradient
@@ -44,7 +45,37 @@ POWERSGD_START = 2
 """torch's PowerSGD runs plain all-reduce before this step (2 is the least it allows with
 error feedback); after it, every step is compressed, like Stratagem's own PowerSGD."""
 
+FIRST_BUCKET_BYTES = 2**20
+"""The first bucket's size limit, as DDP's own default (1 MiB): the first gradients of
+backward start their all-reduce while backward goes on, instead of waiting for a whole
+group (the AllReduce builder's default group on the CNN of bench/auto_strategy.py is all of
+its 2.9 MiB, which plain DDP sends as 1 MiB + the rest)."""
+
 _BUCKET_IDS = 1_000_000  # observer group ids of DDP buckets start here (a layout each)
+
+
+def bucket_caps(plan: Plan, first_bytes: int | None = None) -> list[int]:
+    """Bucket size limits in bytes, in launch order, for DDP's ``bucket_cap_mb_list``.
+
+    DDP fills its buckets with the parameters in reverse registration order and closes one
+    once it holds at least its limit. Each group is one bucket, except the first group in
+    launch order where it holds more than ``first_bytes`` (default
+    :data:`FIRST_BUCKET_BYTES`): its last-registered parameters up to that size form a
+    bucket of their own (the limit is their exact size, so the cut falls between
+    parameters), the rest of the group the next one. The groups' boundaries stay bucket
+    boundaries."""
+    first_bytes = FIRST_BUCKET_BYTES if first_bytes is None else first_bytes
+    caps = [max(g.nbytes, 1) for g in plan.groups]
+    if not plan.groups or caps[0] <= first_bytes:
+        return caps
+    g = plan.groups[0]
+    size = torch.empty((), dtype=getattr(torch, g.dtype)).element_size()
+    head = 0
+    for m in sorted(g.members, key=lambda m: m.index, reverse=True):
+        head += m.numel * size
+        if head >= first_bytes:
+            break
+    return caps if head >= caps[0] else [head, caps[0] - head, *caps[1:]]
 
 
 def _queue_callback(fn: Any) -> None:
@@ -78,9 +109,9 @@ class DDPReducer:
         if plan.ps is not None:  # the PS engine's traffic on the default group stays apart
             group = dist.new_group(ranks=dist.get_process_group_ranks(group))
         self.group = group
-        # One size limit per group, in launch order: DDP closes a bucket once it holds that
-        # many bytes, so each bucket is one group (MiB as floats: torch takes bytes * MiB).
-        caps = [max(g.nbytes, 1) / 2**20 for g in plan.groups]
+        # Size limits in launch order: each group one bucket, except that the first
+        # group's first FIRST_BUCKET_BYTES go in a bucket of their own (bucket_caps).
+        caps = [c / 2**20 for c in bucket_caps(plan)]  # (MiB as floats: torch takes MiB)
         self.ddp: DistributedDataParallel | None = DistributedDataParallel(
             module, process_group=group, init_sync=False, forward_sync_buffers=False,
             bucket_cap_mb_list=caps, **asdict(DDP_OPTIONS))
