@@ -99,7 +99,7 @@ def test_bucket_caps_cut_only_the_first_group() -> None:
     """Caps in bytes: the first group split at whole parameters from its last-registered
     one, at the first size reaching the limit; other groups, and a first group within the
     limit, unchanged."""
-    from stratagem.runtime.ddp_engine import bucket_caps
+    from stratagem.runtime.ddp_engine import bucket_caps, bucket_groups
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
     profile = analyze(model)
@@ -117,6 +117,12 @@ def test_bucket_caps_cut_only_the_first_group() -> None:
     assert bucket_caps(two, first_bytes=10**9) == sizes
     assert sum(bucket_caps(two, first_bytes=1)) == sum(sizes)
     assert len(bucket_caps(two, first_bytes=1)) == len(sizes) + 1
+    # the buckets as groups (what the cost model prices): the first group split, packed
+    split = bucket_groups(one, first_bytes=100)
+    assert [b.params for b in split] == [("2.weight", "2.bias"),
+                                         ("0.weight", "0.bias", "1.weight", "1.bias")]
+    assert [m.offset for m in split[1].members] == [0, 64, 72, 136]
+    assert split[1].id not in {g.id for g in one.groups}
 
 
 def test_a_parameter_without_gradient_is_refused_with_the_fix(w2: list[dict]) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -54,28 +54,46 @@ its 2.9 MiB, which plain DDP sends as 1 MiB + the rest)."""
 _BUCKET_IDS = 1_000_000  # observer group ids of DDP buckets start here (a layout each)
 
 
-def bucket_caps(plan: Plan, first_bytes: int | None = None) -> list[int]:
-    """Bucket size limits in bytes, in launch order, for DDP's ``bucket_cap_mb_list``.
+def bucket_groups(plan: Plan, first_bytes: int | None = None) -> tuple[GroupPlan, ...]:
+    """The plan's groups as DDP's buckets, in launch order (what the cost model prices).
 
     DDP fills its buckets with the parameters in reverse registration order and closes one
     once it holds at least its limit. Each group is one bucket, except the first group in
     launch order where it holds more than ``first_bytes`` (default
     :data:`FIRST_BUCKET_BYTES`): its last-registered parameters up to that size form a
-    bucket of their own (the limit is their exact size, so the cut falls between
-    parameters), the rest of the group the next one. The groups' boundaries stay bucket
-    boundaries."""
+    bucket of their own (the cut falls between parameters), the rest of the group the next
+    one (a new id after the plan's). The groups' boundaries stay bucket boundaries."""
     first_bytes = FIRST_BUCKET_BYTES if first_bytes is None else first_bytes
-    caps = [max(g.nbytes, 1) for g in plan.groups]
-    if not plan.groups or caps[0] <= first_bytes:
-        return caps
-    g = plan.groups[0]
+    groups = plan.groups
+    if not groups or groups[0].nbytes <= first_bytes:
+        return groups
+    g = groups[0]
     size = torch.empty((), dtype=getattr(torch, g.dtype)).element_size()
-    head = 0
+    head: list[Member] = []
+    held = 0
     for m in sorted(g.members, key=lambda m: m.index, reverse=True):
-        head += m.numel * size
-        if head >= first_bytes:
+        head.append(m)
+        held += m.numel * size
+        if held >= first_bytes:
             break
-    return caps if head >= caps[0] else [head, caps[0] - head, *caps[1:]]
+    if len(head) == len(g.members):
+        return groups
+    tail = [m for m in g.members if m not in head]
+
+    def packed(members: list[Member], group_id: int) -> GroupPlan:
+        out, offset = [], 0
+        for m in sorted(members, key=lambda m: m.offset):
+            out.append(replace(m, offset=offset))
+            offset += m.numel
+        return replace(g, id=group_id, members=tuple(out))
+
+    return (packed(head, g.id), packed(tail, max(x.id for x in groups) + 1), *groups[1:])
+
+
+def bucket_caps(plan: Plan, first_bytes: int | None = None) -> list[int]:
+    """Bucket size limits in bytes, in launch order, for DDP's ``bucket_cap_mb_list``: the
+    exact sizes of :func:`bucket_groups` (DDP closes a bucket once it reaches its limit)."""
+    return [max(b.nbytes, 1) for b in bucket_groups(plan, first_bytes)]
 
 
 def _queue_callback(fn: Any) -> None:
