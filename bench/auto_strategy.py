@@ -578,9 +578,9 @@ def _engine_why(choice: Any) -> str | None:
 def _chosen_groups(choice: Any) -> list[dict[str, Any]]:
     """The chosen strategy by parameter group, as the explanation shows it (how each group
     is synchronized, its parameters, bytes and owners)."""
-    from stratagem.planner.explain import groups
+    from stratagem.planner.explain import chosen_plan, groups
 
-    return groups(choice.strategy, choice)
+    return groups(chosen_plan(choice))
 
 
 def refined_errors(case: dict[str, Any]) -> list[float]:

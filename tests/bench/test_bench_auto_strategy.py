@@ -276,3 +276,18 @@ def test_run_to_run_compares_strategies_measured_in_both_runs() -> None:
     table = auto_strategy.run_to_run_markdown(rows)
     assert "| 2 nodes 1gbit | 2 | 0.30 | 0.40 | 1 | 0.30 | 0.50 | 1 |" in table
     assert "| all | 2 |" in table
+
+
+def test_planner_record_of_a_real_choice() -> None:
+    """What the workers record of Auto's choice (its groups, its engine and why) is built
+    from a planner Choice without error: an exception there made rank 0 alone drop the
+    Auto variant, and the ranks' variant lists parted (the job died)."""
+    from stratagem.planner.calibrate import estimate
+    from stratagem.planner.search import search
+
+    profile = analyze(TINY["cnn"].make())
+    choice = search(profile, TWO_NODES, estimate(profile, 8))
+    groups = auto_strategy._chosen_groups(choice)
+    covered = {p for g in groups for p in g.get("params", ())}
+    assert covered == {p.name for p in profile.params}
+    assert auto_strategy._engine_why(choice).startswith("engine: ")

@@ -86,6 +86,32 @@ def buckets_case(rank: int, world: int) -> dict:
             "summary": dm.plan.summary()}
 
 
+def first_bucket_case(rank: int, world: int) -> dict:
+    """One group (chunk_size 128) with the first bucket's limit at 100 bytes: DDP reduces
+    the last-registered parameters up to that size apart, then the rest of the group."""
+    from stratagem.runtime import ddp_engine
+
+    saved = ddp_engine.FIRST_BUCKET_BYTES
+    ddp_engine.FIRST_BUCKET_BYTES = 100
+    try:
+        dm = wrap(make_model("mlp", seed=rank), rank, world, AllReduce(engine="ddp"))
+    finally:
+        ddp_engine.FIRST_BUCKET_BYTES = saved
+    o = make_optimizer("sgd", dm.parameters())
+    seen: list[list[str]] = []
+    dm.add_grad_observer(lambda event, g, buf, scale: seen.append(
+        sorted(m.param for m in g.members)) if event == "local" else None)
+    sl = local_slice(rank, world)
+    for step in range(rt_workers.STEPS):
+        x, y = batch("mlp", step)
+        o.zero_grad()
+        seen.clear()
+        loss_fn("mlp", dm(x[sl]), y[sl]).backward()
+        o.step()
+    return {"final": state(dm), "last_step_buckets": list(seen),
+            "groups": [sorted(g.params) for g in dm.plan.groups]}
+
+
 def unused_case(rank: int, world: int) -> str:
     """A parameter without a gradient: refused at the next forward, with the fix."""
     dm = wrap(make_model("gated", seed=rank), rank, world, DDP)
@@ -167,6 +193,7 @@ def suite(rank: int, world: int, ckpt_dir: str) -> dict:
     out: dict[str, Any] = {}
     for name, fn in [("no_sync", no_sync_case), ("grad_weight", grad_weight_case),
                      ("batchnorm", batchnorm_case), ("buckets", buckets_case),
+                     ("first_bucket", first_bucket_case),
                      ("unused", unused_case), ("replan", regroup_case),
                      ("powersgd_roundtrip",
                       lambda r, w: powersgd_roundtrip(r, w, engine="ddp"))]:

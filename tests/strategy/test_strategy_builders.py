@@ -211,3 +211,33 @@ def test_large_prime_dimension_gives_that_many_parts(local3: ResourceSpec) -> No
     s = PartitionedAR().build(profile, local3)
     assert s.config_for("weight").partitioner.num_parts == 31
     assert math.prod(s.config_for("bias").partitioner.splits) == 31
+
+
+def test_allreduce_on_the_ddp_engine_groups_as_ddp_buckets(monkeypatch: Any) -> None:
+    """Without chunk_size, AllReduce on the ddp engine cuts its groups where torch's own
+    bucket assignment (reverse registration order, closed at the size limit) cuts DDP's
+    buckets; on the stratagem engine it keeps 128 parameters a group."""
+    import torch
+    import torch.distributed as dist
+
+    from stratagem.strategy.builders import allreduce
+
+    monkeypatch.setattr(allreduce, "DDP_BUCKET_BYTES", 400)
+    model = nn.Sequential(*[nn.Linear(n, 3) for n in (2, 40, 1, 90, 5, 7, 60)])
+    profile = analyze(model)
+    spec = ResourceSpec.local(2)
+    strategy = AllReduce(engine="ddp").build(profile, spec)
+    groups: dict[int, set[str]] = {}
+    for nc in strategy.node_config:
+        groups.setdefault(nc.synchronizer.group, set()).add(nc.var_name)
+    names = [p.name for p in profile.params]
+    tensors = [torch.empty(p.shape) for p in reversed(profile.params)]
+    want, _ = dist._compute_bucket_assignment_by_size(tensors, [400], [False] * len(names))
+    assert len(want) > 2
+    # torch lists buckets in launch order; group ids count in registration order
+    assert [groups[g] for g in sorted(groups, reverse=True)] == [
+        {names[len(names) - 1 - i] for i in bucket} for bucket in want]
+    plain = AllReduce().build(profile, spec)
+    assert {nc.synchronizer.group for nc in plain.node_config} == {0}
+    assert {nc.synchronizer.group for nc in AllReduce(chunk_size=2, engine="ddp").build(
+        profile, spec).node_config} == set(range(7))

@@ -54,6 +54,7 @@ from stratagem.planner.links import (
 from stratagem.planner.timeline import Slot, exposed, overlapped, schedule
 from stratagem.resource import ResourceSpec
 from stratagem.runtime.allreduce import GATHER_HEADROOM
+from stratagem.runtime.ddp_engine import bucket_groups
 from stratagem.runtime.plan import GroupPlan, Plan, compile_plan
 from stratagem.runtime.ps.pacing import paced_buckets
 from stratagem.runtime.ps.plan import PSPiece
@@ -288,11 +289,13 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     messages = 0
     ar_bytes = 0
     tensors = sum(len(g.members) for g in plan.groups)
+    # torch's DDP reducer (the ddp engine) sends the first group's first MiB apart
+    ar_groups = bucket_groups(plan) if plan.engine == "ddp" else plan.groups
     # a slice of a parameter is copied back into its gradient after the wait (a whole
     # parameter's gradient is a view of its group's buffer)
     sliced_bytes = sum(m.numel * _itemsize(g.dtype) for g in plan.groups for m in g.members
                        if not m.whole)
-    for g in plan.groups:
+    for g in ar_groups:
         if g.gather_rows:
             wire, work, flows, fixed = gather_cost(g, links, replicas, cal, access)
             rows, value_bytes = gathered_rows(g, access, cal.batch_size)
@@ -461,7 +464,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     # Compressor work runs inside the queued transfers (counted there; shown apart).
     # The runtime's own work per tensor (hook, copy in and back) and per group.
     # (a dense PS bucket's machinery -- buffer, posting its sends -- is priced as a group's)
-    groups = len(plan.groups) + (len(ps.buckets) if ps is not None else 0)
+    groups = len(ar_groups) + (len(ps.buckets) if ps is not None else 0)
     write_back_s = sliced_bytes / (cal.update_bps or cal.copy_bps)
     # the busiest owner's work per piece it owns holds back the values every worker pulls
     owner_s = max(owned_pieces, default=0) * cal.piece_s

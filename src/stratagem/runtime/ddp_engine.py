@@ -8,7 +8,8 @@ synchronizers say ``engine: ddp`` is executed by DDP instead:
   (parameter-server pieces) are on DDP's ignore list and stay with their engine;
 * DDP's buckets are cut at the groups' boundaries, in the plan's launch order: one
   per-bucket size limit per group (``bucket_cap_mb_list``), DDP filling its buckets with
-  the parameters in reverse registration order as the plan does;
+  the parameters in reverse registration order as the plan does; the first group's
+  first 1 MiB is a bucket of its own, as in plain DDP (:func:`bucket_caps`);
 * compression is torch's own communication hooks (``allreduce_hook``,
   ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``), called from one hook
   of this runtime that first applies ``grad_weight`` and shows the bucket to the gradient
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -44,7 +45,55 @@ POWERSGD_START = 2
 """torch's PowerSGD runs plain all-reduce before this step (2 is the least it allows with
 error feedback); after it, every step is compressed, like Stratagem's own PowerSGD."""
 
+FIRST_BUCKET_BYTES = 2**20
+"""The first bucket's size limit, as DDP's own default (1 MiB): the first gradients of
+backward start their all-reduce while backward goes on, instead of waiting for a whole
+group (the AllReduce builder's default group on the CNN of bench/auto_strategy.py is all of
+its 2.9 MiB, which plain DDP sends as 1 MiB + the rest)."""
+
 _BUCKET_IDS = 1_000_000  # observer group ids of DDP buckets start here (a layout each)
+
+
+def bucket_groups(plan: Plan, first_bytes: int | None = None) -> tuple[GroupPlan, ...]:
+    """The plan's groups as DDP's buckets, in launch order (what the cost model prices).
+
+    DDP fills its buckets with the parameters in reverse registration order and closes one
+    once it holds at least its limit. Each group is one bucket, except the first group in
+    launch order where it holds more than ``first_bytes`` (default
+    :data:`FIRST_BUCKET_BYTES`): its last-registered parameters up to that size form a
+    bucket of their own (the cut falls between parameters), the rest of the group the next
+    one (a new id after the plan's). The groups' boundaries stay bucket boundaries."""
+    first_bytes = FIRST_BUCKET_BYTES if first_bytes is None else first_bytes
+    groups = plan.groups
+    if not groups or groups[0].nbytes <= first_bytes:
+        return groups
+    g = groups[0]
+    size = torch.empty((), dtype=getattr(torch, g.dtype)).element_size()
+    head: list[Member] = []
+    held = 0
+    for m in sorted(g.members, key=lambda m: m.index, reverse=True):
+        head.append(m)
+        held += m.numel * size
+        if held >= first_bytes:
+            break
+    if len(head) == len(g.members):
+        return groups
+    tail = [m for m in g.members if m not in head]
+
+    def packed(members: list[Member], group_id: int) -> GroupPlan:
+        out, offset = [], 0
+        for m in sorted(members, key=lambda m: m.offset):
+            out.append(replace(m, offset=offset))
+            offset += m.numel
+        return replace(g, id=group_id, members=tuple(out))
+
+    return (packed(head, g.id), packed(tail, max(x.id for x in groups) + 1), *groups[1:])
+
+
+def bucket_caps(plan: Plan, first_bytes: int | None = None) -> list[int]:
+    """Bucket size limits in bytes, in launch order, for DDP's ``bucket_cap_mb_list``: the
+    exact sizes of :func:`bucket_groups` (DDP closes a bucket once it reaches its limit)."""
+    return [max(b.nbytes, 1) for b in bucket_groups(plan, first_bytes)]
 
 
 def _queue_callback(fn: Any) -> None:
@@ -78,9 +127,9 @@ class DDPReducer:
         if plan.ps is not None:  # the PS engine's traffic on the default group stays apart
             group = dist.new_group(ranks=dist.get_process_group_ranks(group))
         self.group = group
-        # One size limit per group, in launch order: DDP closes a bucket once it holds that
-        # many bytes, so each bucket is one group (MiB as floats: torch takes bytes * MiB).
-        caps = [max(g.nbytes, 1) / 2**20 for g in plan.groups]
+        # Size limits in launch order: each group one bucket, except that the first
+        # group's first FIRST_BUCKET_BYTES go in a bucket of their own (bucket_caps).
+        caps = [c / 2**20 for c in bucket_caps(plan)]  # (MiB as floats: torch takes MiB)
         self.ddp: DistributedDataParallel | None = DistributedDataParallel(
             module, process_group=group, init_sync=False, forward_sync_buffers=False,
             bucket_cap_mb_list=caps, **asdict(DDP_OPTIONS))

@@ -363,8 +363,9 @@ class Plan:
                              f"{g.numel:,} values in {len(g.members)} members")
             lines.extend(f"    {m.describe()} @ {m.offset}" for m in g.members)
         if self.engine == "ddp":
-            lines.append(f"  engine: torch DistributedDataParallel, buckets = the groups in "
-                         f"launch order; options {DDP_OPTIONS.describe()}")
+            lines.append("  engine: torch DistributedDataParallel, buckets = the groups in "
+                         "launch order (the first group's first 1 MiB apart); options "
+                         f"{DDP_OPTIONS.describe()}")
         if self.densified:
             lines.append(f"  sparse gradients reduced densely: {', '.join(self.densified)}")
         if self.ps is not None:

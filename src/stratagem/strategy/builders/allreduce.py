@@ -31,33 +31,67 @@ def _check_common(chunk_size: int, compressor: str, spec: str) -> None:
                             fix=f"use one of {', '.join(ALL_REDUCE_SPECS)}")
 
 
+CHUNK_SIZE = 128
+"""Parameters per fused group where ``chunk_size`` is not given (this runtime's engine)."""
+DDP_BUCKET_BYTES = 25 * 2**20
+"""Group size on the ddp engine where ``chunk_size`` is not given: torch DDP's own default
+``bucket_cap_mb`` (25 MiB), so that AllReduce on the ddp engine cuts its buckets as plain
+DDP does (the engine puts the first group's first MiB apart, as DDP's first bucket). By
+parameter count (128 a group) the 482-tensor ``many_small`` model of
+bench/auto_strategy.py had 4 buckets against plain DDP's 2."""
+
+
+def size_groups(profile: ModelProfile, cap_bytes: int) -> list[int]:
+    """Group index per parameter (registration order): parameters in reverse registration
+    order (the order their gradients are ready) fill groups until one holds ``cap_bytes``,
+    as DDP fills its buckets; groups numbered in registration order."""
+    cuts: list[int] = []  # group count from the end, per parameter in reverse order
+    held, count = 0, 0
+    for p in reversed(profile.params):
+        if held >= cap_bytes:
+            count, held = count + 1, 0
+        cuts.append(count)
+        held += p.bytes
+    return [count - c for c in reversed(cuts)]
+
+
 @register("AllReduce")
 @dataclass(frozen=True)
 class AllReduce:
     """Every parameter all-reduced; parameter index // chunk_size gives its fused group.
 
     ``engine``: ``stratagem`` (this runtime's reducer) or ``ddp`` (torch's DDP reducer, one
-    bucket per group; whole dense parameters only)."""
+    bucket per group; whole dense parameters only). ``chunk_size`` not given: 128
+    parameters a group on ``stratagem``; on ``ddp``, groups of DDP's own bucket size
+    (:data:`DDP_BUCKET_BYTES`, filled in reverse registration order as DDP does)."""
 
-    chunk_size: int = 128
+    chunk_size: int | None = None
     all_reduce_spec: str = "auto"
     compressor: str = "none"
     powersgd_rank: int = 1
     engine: str = "stratagem"
 
     def __post_init__(self) -> None:
-        _check_common(self.chunk_size, self.compressor, self.all_reduce_spec)
+        _check_common(CHUNK_SIZE if self.chunk_size is None else self.chunk_size,
+                      self.compressor, self.all_reduce_spec)
         if self.engine not in ENGINES:
             raise StrategyError(f"unknown engine {self.engine!r}",
                                 fix=f"use one of {', '.join(ENGINES)}")
 
-    def sync(self, index: int) -> AllReduceSynchronizer:
+    def sync(self, index: int, group: int | None = None) -> AllReduceSynchronizer:
+        """The synchronizer of parameter ``index`` (group ``index // chunk_size`` unless
+        ``group`` is given)."""
+        if group is None:
+            group = index // (CHUNK_SIZE if self.chunk_size is None else self.chunk_size)
         return AllReduceSynchronizer(spec=self.all_reduce_spec, compressor=self.compressor,
-                                     group=index // self.chunk_size,
-                                     powersgd_rank=self.powersgd_rank, engine=self.engine)
+                                     group=group, powersgd_rank=self.powersgd_rank,
+                                     engine=self.engine)
 
     def build(self, profile: ModelProfile, spec: ResourceSpec) -> Strategy:
-        nodes = tuple(NodeConfig(var_name=p.name, synchronizer=self.sync(i))
+        by_size = self.chunk_size is None and self.engine == "ddp"
+        groups = (size_groups(profile, DDP_BUCKET_BYTES) if by_size
+                  else [None] * len(profile.params))
+        nodes = tuple(NodeConfig(var_name=p.name, synchronizer=self.sync(i, groups[i]))
                       for i, p in enumerate(profile.params))
         return Strategy(node_config=nodes, graph_config=GraphConfig(tuple(spec.replicas)),
                         builder=type(self).__name__)
