@@ -85,6 +85,22 @@ def decision_at_full_load(specs, profiles, options: SimOptions, args) -> dict[st
     return out
 
 
+def alone_reference(specs, profiles) -> dict:
+    """Each job of a workload alone on the cluster under the goodput-aware policy (the
+    cluster is its own, so no policy can give it more): mean JCT with the job's model learned
+    online (equal information) and with the oracle model (uncapped growth). A reference for
+    what contention costs at low load, not a strict bound."""
+    out: dict = {}
+    for oracle in (False, True):
+        key = "oracle" if oracle else "learned"
+        jcts = [simulate([s], profiles, make_policy(OURS),
+                         SimOptions(oracle=oracle, explore_cap=not oracle)).jobs[0].jct
+                for s in specs]
+        out[f"{key}_mean_jct"] = statistics.mean(jcts)
+        out[f"{key}_jobs"] = dict(zip((s.name for s in specs), jcts, strict=True))
+    return out
+
+
 def aggregate(runs: list[dict], names: list[str], loads: list[float]) -> dict:
     per_load: dict[str, dict] = {}
     for load in loads:
@@ -156,6 +172,8 @@ def main() -> int:
     ap.add_argument("--full-load", action="store_true", help="160-job decision timings")
     ap.add_argument("--only-full-load", action="store_true",
                     help="the 160-job decision timings alone (every workload), no simulations")
+    ap.add_argument("--alone", action="store_true",
+                    help="each job alone on the cluster (a low-load reference), no grid")
     ap.add_argument("--out", default=str(RESULTS / "sched_sim.json"))
     args = ap.parse_args()
     data = data_dir(args.data)
@@ -187,6 +205,14 @@ def main() -> int:
 
     workloads = {w: load_workload(data / "workloads-realistic" / f"workload-{w}.csv")
                  for w in args.workloads.split(",")}
+    if args.alone:
+        alone = {}
+        for w, specs in workloads.items():
+            alone[f"workload-{w}"] = alone_reference(specs, profiles)
+            print(w, alone[f"workload-{w}"]["learned_mean_jct"],
+                  alone[f"workload-{w}"]["oracle_mean_jct"], flush=True)
+            Path(args.out).write_text(json.dumps(alone, indent=1) + "\n")
+        return 0
     if args.full_load and OURS in names and BASELINE in names:
         for w, specs in workloads.items():
             opts = SimOptions(oracle=args.oracle)
