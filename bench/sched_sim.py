@@ -2,15 +2,17 @@
 several arrival-rate load factors, on equal information.
 
 For every workload, load factor and policy: mean, median and p99 JCT, makespan, GPU
-utilization, decision time per interval and the wall time of the simulation. By default no job
+utilization, decision time per interval (wall clock, and the process's CPU time, which a
+loaded machine does not inflate) and the wall time of the simulation. By default no job
 knows its throughput model in advance (each learns it from what it runs; ``--oracle`` gives
 every job its application's full-profile model instead). All policies run interleaved in one
-process: workload by workload, load by load. Separately, the decision time of the
+process: load by load (so a cut-short run has every workload at the first loads),
+workload by workload. Separately, the decision time of the
 goodput-aware policy and of the Pollux baseline with all 160 jobs of a workload active (cold:
 a fresh policy; warm: the next decision from that allocation). Optional sweeps of the
 interval, restart delay and fairness exponent (goodput-aware vs Pollux baseline, one workload).
 
-    nice -n 10 python bench/sched_sim.py [--workloads 1,2] [--loads 0.5,1,1.5,2]
+    nice -n 19 python bench/sched_sim.py [--workloads 1,2] [--loads 0.5,1,1.5,2]
                                          [--policies all] [--sweeps] [--oracle]
 
 Data: ``--data``, else ``$STRATAGEM_POLLUX_DATA``, else the copy bundled with the package.
@@ -71,13 +73,31 @@ def decision_at_full_load(specs, profiles, options: SimOptions, args) -> dict[st
     out: dict[str, float] = {"jobs": len(views)}
     for name in (OURS, BASELINE):
         pol = policy(name, args)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         first = pol.allocate(views, cluster, {}, 3600.0)
         out[f"{name}_cold_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        out[f"{name}_cold_cpu_s"] = time.process_time() - c0
+        t0, c0 = time.perf_counter(), time.process_time()
         pol.allocate(views, cluster, first, 3660.0)
         out[f"{name}_warm_s"] = time.perf_counter() - t0
+        out[f"{name}_warm_cpu_s"] = time.process_time() - c0
         out[f"{name}_gpus_used"] = sum(map(len, first.values()))
+    return out
+
+
+def alone_reference(specs, profiles) -> dict:
+    """Each job of a workload alone on the cluster under the goodput-aware policy (the
+    cluster is its own, so no policy can give it more): mean JCT with the job's model learned
+    online (equal information) and with the oracle model (uncapped growth). A reference for
+    what contention costs at low load, not a strict bound."""
+    out: dict = {}
+    for oracle in (False, True):
+        key = "oracle" if oracle else "learned"
+        jcts = [simulate([s], profiles, make_policy(OURS),
+                         SimOptions(oracle=oracle, explore_cap=not oracle)).jobs[0].jct
+                for s in specs]
+        out[f"{key}_mean_jct"] = statistics.mean(jcts)
+        out[f"{key}_jobs"] = dict(zip((s.name for s in specs), jcts, strict=True))
     return out
 
 
@@ -97,6 +117,8 @@ def aggregate(runs: list[dict], names: list[str], loads: list[float]) -> dict:
                 "gpu_utilization": statistics.mean(r["gpu_utilization"] for r in mine),
                 "decision_mean_s": statistics.mean(r["decision_mean_s"] for r in mine),
                 "decision_max_s": max(r["decision_max_s"] for r in mine),
+                "decision_cpu_mean_s": statistics.mean(r["decision_cpu_mean_s"] for r in mine),
+                "decision_cpu_max_s": max(r["decision_cpu_max_s"] for r in mine),
                 "wall_max_s": max(r["wall_seconds"] for r in mine),
                 "completed": sum(r["completed"] for r in mine),
                 "jobs": sum(r["jobs"] for r in mine)}
@@ -150,6 +172,8 @@ def main() -> int:
     ap.add_argument("--full-load", action="store_true", help="160-job decision timings")
     ap.add_argument("--only-full-load", action="store_true",
                     help="the 160-job decision timings alone (every workload), no simulations")
+    ap.add_argument("--alone", action="store_true",
+                    help="each job alone on the cluster (a low-load reference), no grid")
     ap.add_argument("--out", default=str(RESULTS / "sched_sim.json"))
     args = ap.parse_args()
     data = data_dir(args.data)
@@ -179,16 +203,26 @@ def main() -> int:
                "decision_at_full_load": full_load, "sweeps": sweep_rows, "runs": runs}
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
-    for w in args.workloads.split(","):
-        wname = f"workload-{w}"
-        specs = load_workload(data / "workloads-realistic" / f"{wname}.csv")
-        if args.full_load and OURS in names and BASELINE in names:
+    workloads = {w: load_workload(data / "workloads-realistic" / f"workload-{w}.csv")
+                 for w in args.workloads.split(",")}
+    if args.alone:
+        alone = {}
+        for w, specs in workloads.items():
+            alone[f"workload-{w}"] = alone_reference(specs, profiles)
+            print(w, alone[f"workload-{w}"]["learned_mean_jct"],
+                  alone[f"workload-{w}"]["oracle_mean_jct"], flush=True)
+            Path(args.out).write_text(json.dumps(alone, indent=1) + "\n")
+        return 0
+    if args.full_load and OURS in names and BASELINE in names:
+        for w, specs in workloads.items():
             opts = SimOptions(oracle=args.oracle)
-            full_load.append({"workload": wname,
+            full_load.append({"workload": f"workload-{w}",
                               **decision_at_full_load(specs, profiles, opts, args)})
             print(json.dumps(full_load[-1]), flush=True)
             write()
-        for load in loads:
+    for load in loads:  # load-major: a cut-short run has every workload at the first loads
+        for w, specs in workloads.items():
+            wname = f"workload-{w}"
             options = SimOptions(num_nodes=16, gpus_per_node=4, interval=60.0,
                                  oracle=args.oracle, load=load)
             for pname in names:
@@ -199,8 +233,10 @@ def main() -> int:
                     plot_allocation(result, plots / f"allocation_{wname}_{pname}.png")
                 print(f"{wname} x{load} {pname:12s} mean JCT {s['mean_jct']:8.0f} s  p99 "
                       f"{s['p99_jct']:8.0f} s  util {s['gpu_utilization']:.2f}  decide "
-                      f"{1e3 * s['decision_mean_s']:.1f}/{1e3 * s['decision_max_s']:.0f} ms  "
-                      f"wall {s['wall_seconds']:.1f} s", flush=True)
+                      f"{1e3 * s['decision_mean_s']:.1f}/{1e3 * s['decision_max_s']:.0f} ms "
+                      f"(CPU {1e3 * s['decision_cpu_mean_s']:.1f}/"
+                      f"{1e3 * s['decision_cpu_max_s']:.0f})  wall {s['wall_seconds']:.1f} s",
+                      flush=True)
                 write()
     if args.sweeps:
         specs = load_workload(data / "workloads-realistic" / "workload-1.csv")

@@ -245,3 +245,29 @@ def test_bad_policy_options_are_clear_errors():
         PolluxPolicy(restart_cost="free")
     with pytest.raises(StratagemError, match="service_weight"):
         PolluxPolicy(service_weight=-1.0)
+
+
+def test_reserve_growth_moves_the_donor_once_while_a_capped_job_ramps_up():
+    # Linear speedups, one node of 8 GPUs: the fair split of two jobs is 4 + 4. The new job
+    # may double its replicas each decision (cap 1, 2, 4). Without a reserve, the old job
+    # gives up GPUs at every step (8 -> 7 -> 6 -> 4: three restarts); with reserve_growth=4
+    # it goes to 4 at once and the new job grows into the GPUs kept free for it.
+    cluster = ClusterSpec(1, 8)
+    big = JobView("big", 0.0, age=36000.0, max_replicas=8)
+
+    def ramp(policy: PolluxPolicy) -> list[dict[str, int]]:
+        current: dict[str, tuple[int, ...]] = {"big": (0,) * 8}
+        seen = []
+        for step, cap in enumerate((1, 2, 4)):
+            new = JobView("new", 30000.0, age=6000.0, max_replicas=cap,
+                          uncapped_max_replicas=8)
+            alloc = policy.allocate([big, new], cluster, current, 36000.0 + 60 * step)
+            assert check_allocation(alloc, [big, new], cluster, current) == []
+            current = {k: v for k, v in alloc.items() if v}
+            seen.append({k: len(v) for k, v in current.items()})
+        return seen
+
+    assert [s["big"] for s in ramp(PolluxPolicy())] == [7, 6, 4]
+    reserved = ramp(PolluxPolicy(reserve_growth=4))
+    assert [s["big"] for s in reserved] == [4, 4, 4]
+    assert [s["new"] for s in reserved] == [1, 2, 4]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 Residuals = Callable[[np.ndarray], np.ndarray]
+Jacobian = Callable[[np.ndarray], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -42,11 +43,17 @@ def levenberg_marquardt(
     free: np.ndarray | None = None,
     max_iter: int = 200,
     tol: float = 1e-10,
+    jac: Jacobian | None = None,
+    stall: tuple[int, float] | None = None,
 ) -> LsqResult:
     """Minimise ``0.5 * |fun(x)|**2`` from ``x0``, moving only where ``free`` is True.
 
     Marquardt's scaled damping (``J^T J + lam * diag(J^T J)``) with a multiplicative
-    trust update; non-finite trial points are rejected like uphill ones.
+    trust update; non-finite trial points are rejected like uphill ones. ``jac``: the
+    analytic Jacobian of ``fun`` (rows: residuals, columns: parameters); without it, forward
+    differences (one extra ``fun`` call per free parameter and iteration). ``stall``:
+    ``(k, rtol)`` also stops once ``k`` iterations together lowered the cost by less than
+    ``rtol`` of it (a crawl along a flat valley, where the answer no longer moves).
     """
     x = np.asarray(x0, dtype=float).copy()
     free = np.ones(x.size, dtype=bool) if free is None else np.asarray(free, dtype=bool)
@@ -55,10 +62,11 @@ def levenberg_marquardt(
     lam = 1e-3
     converged = False
     it = 0
+    history = [cost]
     for it in range(1, max_iter + 1):  # noqa: B007 - iteration count is reported
-        jac = _jacobian(fun, x, r, free)
-        jtj = jac.T @ jac
-        grad = jac.T @ r
+        jmat = _jacobian(fun, x, r, free) if jac is None else np.where(free, jac(x), 0.0)
+        jtj = jmat.T @ jmat
+        grad = jmat.T @ r
         if np.max(np.abs(grad[free]), initial=0.0) < tol:
             converged = True
             break
@@ -84,6 +92,11 @@ def levenberg_marquardt(
                 break
             lam *= 4.0
         if not improved or converged:
+            converged = True
+            break
+        history.append(cost)
+        if (stall is not None and len(history) > stall[0]
+                and history[-1 - stall[0]] - cost < stall[1] * max(cost, 1e-300)):
             converged = True
             break
     return LsqResult(x=x, cost=cost, iterations=it, converged=converged)

@@ -14,6 +14,7 @@ The Pollux model (Qiao et al., OSDI'21), fitted per job from profiled step times
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 
@@ -168,6 +169,7 @@ _FLOOR = 1e-8  # smallest value of a positive parameter, in units of the median 
 _ROBUST_SCALE = 0.1  # soft-L1 kink: log-errors beyond ~10% count linearly, not squared
 _GAMMA_REG = 1e-4  # pull gamma towards 1 (easier to identify alpha/beta)
 _RETRO_REG = 1e-3  # prefer small retrogression beta/alpha (an optimistic model)
+_STALL = (10, 1e-5)  # stop when 10 iterations improve the loss by < 1e-5 of it (a crawl)
 
 
 @dataclass(frozen=True)
@@ -200,9 +202,13 @@ def _to_data(records: list[ProfileRecord], unit: float) -> _Data:
     )
 
 
+_LOG_FLOOR = float(np.log(_FLOOR))
+
+
 def _to_natural(u: np.ndarray) -> np.ndarray:
-    p = np.exp(np.clip(u, np.log(_FLOOR), 50.0))
-    p[6] = GAMMA_MIN + (GAMMA_MAX - GAMMA_MIN) / (1.0 + np.exp(-np.clip(u[6], -50.0, 50.0)))
+    p = np.exp(np.minimum(np.maximum(u, _LOG_FLOOR), 50.0))
+    g = min(max(float(u[6]), -50.0), 50.0)
+    p[6] = GAMMA_MIN + (GAMMA_MAX - GAMMA_MIN) / (1.0 + math.exp(-g))
     return p
 
 
@@ -219,17 +225,109 @@ def _soft_l1(r: np.ndarray) -> np.ndarray:
     return np.sign(r) * np.sqrt(rho)
 
 
+def _soft_l1_slope(r: np.ndarray) -> np.ndarray:
+    """Derivative of :func:`_soft_l1` (1 at 0, falling like ``1/sqrt(|r|)`` in the tails)."""
+    q = np.sqrt(1.0 + (r / _ROBUST_SCALE) ** 2)
+    return np.sqrt((q + 1.0) / 2.0) / q
+
+
+class _Objective:
+    """The fit's residuals and their analytic Jacobian in the free parameters ``u``.
+
+    Residuals: soft-L1 of the log-errors of the step times (and of the compute times where
+    measured), each group scaled by ``1/sqrt(size)``, then three regularisers. The Jacobian
+    follows the chain rule through the soft-L1 loss, the log-error, the overlap power sum and
+    the reparametrisation, replacing forward differences (seven more residual evaluations per
+    iteration). Per-record constants are computed once; the intermediates of the last
+    residual evaluation are reused by the Jacobian at the same point.
+    """
+
+    def __init__(self, d: _Data) -> None:
+        self.d = d
+        multi = d.replicas > 1
+        self.inter = (multi & (d.nodes > 1)).astype(float)
+        self.intra = (multi & (d.nodes <= 1)).astype(float)
+        self.hops = np.maximum(d.replicas - 2.0, 0.0)
+        self.log_step = np.log(d.step)
+        self.scale = 1.0 / math.sqrt(d.step.size)
+        self.cbsz = d.bsz[d.has_compute]
+        self.log_comp = np.log(d.compute[d.has_compute])
+        self.cscale = 1.0 / math.sqrt(max(self.cbsz.size, 1))
+        self._key: bytes | None = None
+        self._state: tuple = ()
+
+    def _forward(self, u: np.ndarray) -> tuple:
+        key = u.tobytes()
+        if key == self._key:
+            return self._state
+        d, p = self.d, _to_natural(u)
+        t_c = p[0] + p[1] * d.bsz
+        t_s = self.intra * (p[2] + p[3] * self.hops) + self.inter * (p[4] + p[5] * self.hops)
+        gamma = p[6]
+        # Factor out the larger term so t**gamma cannot overflow or underflow to 0/0.
+        top = np.maximum(np.maximum(t_c, t_s), 1e-300)
+        a, c = t_c / top, t_s / top
+        a_g, c_g = a**gamma, c**gamma
+        total = a_g + c_g
+        root = total ** (1.0 / gamma)
+        step = top * root + d.accum * t_c
+        err = np.log(step) - self.log_step
+        comp = p[0] + p[1] * self.cbsz
+        cerr = np.log(comp) - self.log_comp
+        reg = np.array([math.sqrt(_GAMMA_REG) * (gamma - 1.0),
+                        math.sqrt(_RETRO_REG) * p[3] / p[2],
+                        math.sqrt(_RETRO_REG) * p[5] / p[4]])
+        res = np.concatenate([_soft_l1(err) * self.scale, _soft_l1(cerr) * self.cscale, reg])
+        self._key = key
+        self._state = (p, t_c, top, a, c, a_g, c_g, total, root, step, err, comp, cerr, res)
+        return self._state
+
+    def residuals(self, u: np.ndarray) -> np.ndarray:
+        return self._forward(u)[-1]
+
+    def jacobian(self, u: np.ndarray) -> np.ndarray:
+        p, t_c, top, a, c, a_g, c_g, total, root, step, err, comp, cerr, _ = self._forward(u)
+        d, gamma = self.d, p[6]
+        # d overlap / d t_c and d t_s: (t / overlap) ** (gamma - 1).
+        d_tc = (a / root) ** (gamma - 1.0) + d.accum
+        d_ts = np.where(c > 0, (c / root) ** (gamma - 1.0), 0.0)
+        log_a = np.log(np.where(a > 0, a, 1.0))
+        log_c = np.log(np.where(c > 0, c, 1.0))
+        d_gamma = top * root * (-np.log(total) / gamma**2
+                                + (a_g * log_a + c_g * log_c) / (gamma * total))
+        n, m = step.size, comp.size
+        jac = np.zeros((n + m + 3, 7))
+        w = _soft_l1_slope(err) * self.scale / step
+        jac[:n, 0] = d_tc * w
+        jac[:n, 1] = jac[:n, 0] * d.bsz
+        jac[:n, 2] = self.intra * d_ts * w
+        jac[:n, 3] = jac[:n, 2] * self.hops
+        jac[:n, 4] = self.inter * d_ts * w
+        jac[:n, 5] = jac[:n, 4] * self.hops
+        jac[:n, 6] = d_gamma * w
+        if m:
+            wc = _soft_l1_slope(cerr) * self.cscale / comp
+            jac[n:n + m, 0] = wc
+            jac[n:n + m, 1] = wc * self.cbsz
+        sr = math.sqrt(_RETRO_REG)
+        jac[n + m, 6] = math.sqrt(_GAMMA_REG)
+        jac[n + m + 1, 2], jac[n + m + 1, 3] = -sr * p[3] / p[2] ** 2, sr / p[2]
+        jac[n + m + 2, 4], jac[n + m + 2, 5] = -sr * p[5] / p[4] ** 2, sr / p[4]
+        # d p / d u: exp inside the clip range, the scaled logistic's slope for gamma.
+        dp = np.where((u > _LOG_FLOOR) & (u < 50.0), p, 0.0)
+        frac = (gamma - GAMMA_MIN) / (GAMMA_MAX - GAMMA_MIN)
+        dp[6] = (GAMMA_MAX - GAMMA_MIN) * frac * (1.0 - frac) if abs(u[6]) < 50.0 else 0.0
+        return jac * dp
+
+
 def _residuals(u: np.ndarray, d: _Data) -> np.ndarray:
-    p = _to_natural(u)
-    step = _step(p, d.nodes, d.replicas, d.bsz, d.accum)
-    parts = [_soft_l1(np.log(step / d.step)) / np.sqrt(d.step.size)]
-    if d.has_compute.any():
-        comp = _compute(p, d.bsz[d.has_compute])
-        err = np.log(comp / d.compute[d.has_compute])
-        parts.append(_soft_l1(err) / np.sqrt(err.size))
-    reg = [np.sqrt(_GAMMA_REG) * (p[6] - 1.0)]
-    reg += [np.sqrt(_RETRO_REG) * p[3] / p[2], np.sqrt(_RETRO_REG) * p[5] / p[4]]
-    return np.concatenate(parts + [np.array(reg)])
+    """The fit's residuals at ``u`` (see :class:`_Objective`)."""
+    return _Objective(d).residuals(u)
+
+
+def _jacobian(u: np.ndarray, d: _Data) -> np.ndarray:
+    """The analytic Jacobian of :func:`_residuals` at ``u``."""
+    return _Objective(d).jacobian(u)
 
 
 def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -267,8 +365,9 @@ def fit_throughput(
     Minimises the soft-L1 loss of log-errors (relative, robust to noisy or outlying
     timings) with Levenberg–Marquardt; bounds hold through a reparametrisation
     (positive constants, ``gamma`` in [1, 10]). Unseen regimes get optimistic priors:
-    one local batch size fixes ``alpha_c`` at half the compute time; without replicas
-    above 2 the retrogression terms stay 0; without single-node multi-replica data the
+    one local batch size fixes ``alpha_c`` at half the compute time; a regime (one node,
+    several nodes) seen at fewer than two replica counts keeps its retrogression term at 0
+    (its one count cannot tell alpha from beta); without single-node multi-replica data the
     intra-node sync stays 0; without multi-node data the inter-node sync is set to 1.1x the
     intra-node one (crossing nodes is never faster than staying inside one).
     """
@@ -292,15 +391,21 @@ def fit_throughput(
         free[4:6] = False
     if not intra.any():
         free[2:4] = False
-    if not (d.replicas > 2).any():
-        p0[[3, 5]] = _FLOOR
-        free[[3, 5]] = False
+    hops = np.maximum(d.replicas - 2.0, 0.0)
+    for col, mask in ((3, intra), (5, multi_node & (d.replicas > 1))):
+        # One replica count in a regime cannot tell its alpha from its beta; the optimum
+        # puts it all in alpha (the regulariser), which the solver would only creep towards.
+        if np.unique(hops[mask]).size < 2:
+            p0[col] = _FLOOR
+            free[col] = False
     if not (d.replicas > 1).any():
         free[6] = False
     best = None
+    objective = _Objective(d)
     for gamma in (1.5, 4.0):
         p0[6] = gamma
-        result = levenberg_marquardt(lambda u: _residuals(u, d), _to_free(p0), free)
+        result = levenberg_marquardt(objective.residuals, _to_free(p0), free,
+                                     jac=objective.jacobian, stall=_STALL)
         if best is None or result.cost < best.cost:
             best = result
     p = _to_natural(best.x)

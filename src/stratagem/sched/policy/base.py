@@ -40,6 +40,9 @@ class JobView:
     goodput model (throughput model + gradient noise), with the batch limits it optimises
     under. ``requested_replicas``: what the submitter asked for (Tiresias, FIFO).
     ``remaining_time``: oracle seconds to finish on (nodes, replicas) (Optimus).
+    ``uncapped_max_replicas``: the bound ``max_replicas`` would have without an exploration
+    cap (a new job may grow to at most twice the replicas it has run on); None: no cap
+    applies. A policy may plan towards it (keep GPUs for the job's next growth steps).
     """
 
     name: str
@@ -56,6 +59,7 @@ class JobView:
     local_bsz_bounds: tuple[int | None, int | None] = (None, None)
     gradient_accumulation: bool = True
     remaining_time: Callable[[int, int], float] | None = None
+    uncapped_max_replicas: int | None = None
 
 
 @runtime_checkable

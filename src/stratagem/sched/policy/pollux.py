@@ -22,7 +22,9 @@ unallocated jobs go to the least attained service, then the oldest.
 Options measured against the Pollux baseline and left off by default (no robust gain, see
 docs/concepts/scheduling.md): ``spread_aware`` prices a fragmented placement at its real node
 count; ``restart_cost`` picks another restart-cost model; ``service_weight`` weights each
-job's term by its attained service.
+job's term by its attained service; ``reserve_growth`` (k) plans a job held back by the
+exploration cap at up to k times its cap (from ``JobView.uncapped_max_replicas``) and keeps the
+difference free, so the jobs that make room for its ramp-up restart once, not at every step.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ _RESTART_COSTS = ("pollux", "resize", "half")
 class PolluxPolicy:
     """``fairness``: power-mean exponent ``p``; ``restart_delay``: seconds a restart costs;
     ``restart_cost``: "pollux" (cumulative, the paper's), "resize" or "half";
-    ``spread_aware``, ``service_weight`` / ``service_scale``: see the module docstring."""
+    ``spread_aware``, ``service_weight`` / ``service_scale``, ``reserve_growth`` (0: off):
+    see the module docstring."""
 
     fairness: float = -1.0
     restart_delay: float = 30.0
@@ -53,6 +56,7 @@ class PolluxPolicy:
     spread_aware: bool = False
     service_weight: float = 0.0
     service_scale: float = 3600.0
+    reserve_growth: int = 0
     name: str = "pollux"
     adaptive_batch: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
@@ -63,6 +67,10 @@ class PolluxPolicy:
             raise StratagemError(f"unknown restart_cost {self.restart_cost!r}",
                                  where="PolluxPolicy",
                                  fix=f"use one of {', '.join(_RESTART_COSTS)}")
+        if self.reserve_growth < 0 or self.reserve_growth == 1:
+            raise StratagemError(f"reserve_growth must be 0 (off) or >= 2, got "
+                                 f"{self.reserve_growth}", where="PolluxPolicy",
+                                 fix="e.g. reserve_growth=2: plan up to twice the cap")
         if self.service_weight < 0 or self.service_scale <= 0:
             raise StratagemError("service_weight must be >= 0 and service_scale > 0",
                                  where="PolluxPolicy", fix="e.g. service_weight=0.5, "
@@ -136,6 +144,8 @@ class PolluxPolicy:
         for job in jobs:
             now_r = len(current.get(job.name, ()))
             max_r = min(job.max_replicas, gpus)
+            if self.reserve_growth and job.uncapped_max_replicas and job.preemptible:
+                max_r = min(job.uncapped_max_replicas, self.reserve_growth * max_r, gpus)
             if not job.preemptible and now_r:
                 opts = np.array([now_r])
                 s = self.speedups(job, now_r, min(fair, now_r), gpn)[opts]
@@ -153,7 +163,18 @@ class PolluxPolicy:
         counts = self._knapsack(costs, options, gpus)
         names = [j.name for j in jobs]
         chosen = {n: int(c) for n, c in zip(names, counts, strict=True)}
-        return self._place(jobs, chosen, costs, options, cluster, current)
+        # A job held back by the exploration cap gets the cap now; the rest of its planned
+        # count stays free for its next growth steps, so the jobs that gave it up are not
+        # restarted again at every step.
+        reserve = 0
+        for j in jobs:
+            if chosen[j.name] > j.max_replicas:
+                reserve += chosen[j.name] - j.max_replicas
+                chosen[j.name] = j.max_replicas
+        keep = [o <= j.max_replicas for j, o in zip(jobs, options, strict=True)]
+        costs = [f[k] for f, k in zip(costs, keep, strict=True)]
+        options = [o[k] for o, k in zip(options, keep, strict=True)]
+        return self._place(jobs, chosen, costs, options, cluster, current, reserve)
 
     @staticmethod
     def _knapsack(costs: list[np.ndarray], options: list[np.ndarray], gpus: int) -> list[int]:
@@ -176,7 +197,7 @@ class PolluxPolicy:
 
     def _place(self, jobs: Sequence[JobView], counts: dict[str, int], costs: list[np.ndarray],
                options: list[np.ndarray], cluster: ClusterSpec,
-               current: Mapping[str, tuple[int, ...]]) -> Allocation:
+               current: Mapping[str, tuple[int, ...]], reserve: int = 0) -> Allocation:
         cost_of = {j.name: dict(zip(o.tolist(), f.tolist(), strict=True))
                    for j, f, o in zip(jobs, costs, options, strict=True)}
         state = NodeState(cluster)
@@ -199,7 +220,7 @@ class PolluxPolicy:
                     self._unspread(by_name[name], out, state, cost_of[name], cluster)
         by_name = {j.name: j for j in jobs}
         stuck: set[str] = set()
-        while state.total_free > 0:  # leftover GPUs: one step up where it helps most
+        while state.total_free > reserve:  # leftover GPUs: one step up where it helps most
             best, gain = None, 0.0
             for name, cost in cost_of.items():
                 now_r = len(out.get(name, ()))

@@ -78,6 +78,7 @@ class SimResult:
     times: list[float] = field(default_factory=list)
     allocations: list[dict[str, int]] = field(default_factory=list)  # job -> replicas
     decision_seconds: list[float] = field(default_factory=list)
+    decision_cpu_seconds: list[float] = field(default_factory=list)  # CPU time: load-proof
     active_jobs: list[int] = field(default_factory=list)
     wall_seconds: float = 0.0
     applications: dict[str, str] = field(default_factory=dict)  # job -> application
@@ -121,9 +122,10 @@ def simulate(specs: Sequence[JobSpec], profiles: Mapping[str, AppProfile], polic
             now = float(np.ceil(jobs[nxt].spec.submit_time / step) * step)
             continue
         views = [j.view(now, options.capped) for j in active]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         alloc = policy.allocate(views, cluster, current, now)
         result.decision_seconds.append(time.perf_counter() - t0)
+        result.decision_cpu_seconds.append(time.process_time() - c0)
         errors = check_allocation(alloc, views, cluster, current)
         if errors:
             raise StratagemError(f"policy {policy.name!r} broke constraints at t={now:.0f}s: "

@@ -153,7 +153,7 @@ class SimJob:
 
     def view(self, now: float, explore_cap: bool = False) -> JobView:
         app = self.app
-        max_r = self.max_replicas()
+        max_r = uncapped = self.max_replicas()
         if explore_cap and self.adaptive:
             max_r = min(max_r, max(1, 2 * self.max_replicas_seen))
         return JobView(
@@ -164,7 +164,8 @@ class SimJob:
             goodput=self.goodput_function() if self.adaptive else None,
             max_batch_size=app.max_batch_size,
             local_bsz_bounds=(app.min_local_bsz, app.max_local_bsz),
-            gradient_accumulation=True, remaining_time=self.remaining_time)
+            gradient_accumulation=True, remaining_time=self.remaining_time,
+            uncapped_max_replicas=uncapped if max_r < uncapped else None)
 
     def remaining_time(self, num_nodes: int, num_replicas: int) -> float:
         """Oracle: seconds to finish on a consolidated allocation at the submitted batch

@@ -28,6 +28,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
     gpus = result.options.num_nodes * result.options.gpus_per_node
     held = sum(j.gpu_seconds for j in result.jobs)
     dec = np.array(result.decision_seconds or [0.0])
+    cpu = np.array(result.decision_cpu_seconds or [0.0])
     pct = (lambda q: float(np.percentile(jcts, q)) if jcts.size else None)  # noqa: E731
     return {
         "policy": result.policy, "workload": result.workload,
@@ -39,6 +40,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "mean_restarts": float(np.mean([j.num_restarts for j in result.jobs])),
         "decisions": len(result.decision_seconds),
         "decision_mean_s": float(dec.mean()), "decision_max_s": float(dec.max()),
+        "decision_cpu_mean_s": float(cpu.mean()), "decision_cpu_max_s": float(cpu.max()),
         "wall_seconds": result.wall_seconds,
     }
 
