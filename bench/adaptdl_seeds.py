@@ -121,8 +121,20 @@ def _lenet():  # noqa: ANN202
                          nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10))
 
 
-def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str) -> None:
-    """One replica of one run; rank 0 writes {"accuracy", "diverged", "losses"} to ``out``."""
+def _throughput_model_fitted(system: str) -> bool | None:
+    """Whether AdaptDL has fitted its throughput model (``perf_params``; rank 0 only: the
+    others get its decisions by broadcast); None on the drop-in, which has its own."""
+    if system != "adaptdl":
+        return None
+    from adaptdl.torch._metrics import _metrics_state
+
+    return _metrics_state().perf_params is not None
+
+
+def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str,
+           train: int = TRAIN) -> None:
+    """One replica of one run on ``train`` training images; rank 0 writes {"accuracy",
+    "diverged", "losses", "decisions"} to ``out``."""
     import torch
 
     if system == "adaptdl":
@@ -136,7 +148,7 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str) -> No
     torch.set_num_threads(1)
     adl.init_process_group("gloo")
     shuffle = os.environ.get("SEEDS_SHUFFLE", "1") == "1"  # 0: the same order on both
-    loader = adl.AdaptiveDataLoader(_data(TRAIN, 1, seed), batch_size=BATCH,
+    loader = adl.AdaptiveDataLoader(_data(train, 1, seed), batch_size=BATCH,
                                     shuffle=shuffle, drop_last=True)
     if autoscale:
         loader.autoscale_batch_size(256, local_bsz_bounds=(16, 256),
@@ -148,9 +160,11 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str) -> No
     net = adl.AdaptiveDataParallel(net, opt, scaling_rule=AdaScale())
     losses: list[float] = []
     decisions: list[dict] = []  # per epoch: what each system decided (batch size, LR, ...)
+    started = time.monotonic()
     for _epoch in adl.remaining_epochs_until(epochs):
         stats = adl.Accumulator()
         batches: list[int] = []
+        steps: set[int] = set()  # total batch of a step: micro-batch x (accumulation + 1)
         for x, y in loader:
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(x), y)
@@ -159,16 +173,21 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str) -> No
             stats["loss"] += float(loss) * len(y)
             stats["n"] += len(y)
             batches.append(int(loader.current_batch_size))
+            steps.add(batches[-1] * (int(loader.accumulation_steps) + 1))
         with stats.synchronized():
             losses.append(stats["loss"] / max(stats["n"], 1))
             samples = int(stats["n"])
         decisions.append({
             "samples": samples, "micro_batches": len(batches),
-            "batch_sizes": sorted(set(batches)),
+            "batch_sizes": sorted(set(batches)), "step_batches": sorted(steps),
             "accumulation_steps": int(loader.accumulation_steps),
             "gain": float(net.gain), "lr_factor": float(net._state.lr_factor),
             "progress": float(net.gns.get_progress()),
-            "sqr": float(net.gns.sqr_avg()), "var": float(net.gns.var_avg())})
+            "sqr": float(net.gns.sqr_avg()), "var": float(net.gns.var_avg()),
+            # wall seconds since training began (AdaptDL fits its throughput model, which
+            # its batch-size decisions need, once 30 s have passed since the first step)
+            "seconds": round(time.monotonic() - started, 2),
+            "throughput_model": _throughput_model_fitted(system)})
     net.eval()
     stats = adl.Accumulator()
     with torch.no_grad():
@@ -190,10 +209,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def variant(train: int, epochs: int) -> str:
+    """Suffix of a run's tag and configuration key for data sizes or lengths other than
+    the first sweep's (512 images, 4 epochs), so sweeps of several setups share files."""
+    return "" if (train, epochs) == (TRAIN, 4) else f"-n{train}-e{epochs}"
+
+
 def run_once(python: str, system: str, replicas: int, seed: int, epochs: int,
-             autoscale: bool, work: Path, timeout: float = 900) -> dict:
+             autoscale: bool, work: Path, timeout: float = 900, train: int = TRAIN) -> dict:
     """One run on ``replicas`` processes (AdaptDL's standalone rendezvous)."""
-    tag = f"{system}-r{replicas}-a{int(autoscale)}-s{seed}"
+    tag = f"{system}-r{replicas}-a{int(autoscale)}-s{seed}" + variant(train, epochs)
     # per process: two sweeps sharing --work may run the same run at once
     out, ckpt = work / f"{tag}.{os.getpid()}.json", work / "ckpt" / f"{tag}.{os.getpid()}"
     done = work / f"{tag}.done.json"
@@ -213,7 +238,7 @@ def run_once(python: str, system: str, replicas: int, seed: int, epochs: int,
                    PYTHONPATH=str(HERE.parents[1] / "src") if system == "stratagem" else "")
         procs.append(subprocess.Popen(
             [python, str(HERE), "--worker", system, str(seed), str(epochs),
-             str(int(autoscale)), str(out)],
+             str(int(autoscale)), str(out), str(train)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     started = time.monotonic()
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -240,15 +265,33 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "same_at_5pct": p >= 0.05 and p_div >= 0.05}
 
 
+def batch_growth(runs: dict[str, list[dict]]) -> dict:
+    """Per system: how many runs grew the batch past the initial one, the largest batch
+    each reached, and the first epoch each trained at a larger batch (None: never)."""
+    out = {}
+    for system, rs in runs.items():
+        largest, first = [], []
+        for r in rs:
+            sizes = [max(d.get("step_batches")
+                         or [max(d["batch_sizes"]) * (d["accumulation_steps"] + 1)])
+                     for d in r.get("decisions", [])]
+            largest.append(max(sizes, default=BATCH))
+            first.append(next((i for i, b in enumerate(sizes) if b > BATCH), None))
+        out[system] = {"grew": sum(b > BATCH for b in largest), "runs": len(rs),
+                       "largest_batch": largest, "first_epoch_grown": first}
+    return out
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        system, seed, epochs, autoscale, out = sys.argv[2:7]
-        worker(system, int(seed), int(epochs), autoscale == "1", out)
+        system, seed, epochs, autoscale, out, train = sys.argv[2:8]
+        worker(system, int(seed), int(epochs), autoscale == "1", out, int(train))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adaptdl-python", default="/work/adaptdl-venv/bin/python")
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--train", type=int, default=TRAIN, help="training images")
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--autoscale", default="0,1", help="0: without, 1: with")
     parser.add_argument("--out", default=str(HERE.parent / "results" / "adaptdl_seeds.json"))
@@ -259,10 +302,22 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"seeds-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
-    result: dict = {"load_before": os.getloadavg(), "setup": {
-        "train": TRAIN, "test": TEST, "batch": BATCH, "lr": LR, "epochs": args.epochs,
-        "seeds": args.seeds, "order": "training set permuted by the seed on both systems",
-        "shuffle": os.environ.get("SEEDS_SHUFFLE", "1") == "1"}, "configs": {}}
+    setup = {"train": args.train, "test": TEST, "batch": BATCH, "lr": LR,
+             "epochs": args.epochs, "seeds": args.seeds,
+             "order": "training set permuted by the seed on both systems",
+             "shuffle": os.environ.get("SEEDS_SHUFFLE", "1") == "1"}
+    out = Path(args.out)
+    # Configurations of other setups already in --out stay (each under its own key, with
+    # its setup); those of this setup are replaced.
+    result: dict = json.loads(out.read_text()) if out.exists() else {}
+    if variant(args.train, args.epochs):
+        result.setdefault("configs", {})
+        result.setdefault("sweeps", {})[variant(args.train, args.epochs)[1:]] = {
+            **setup, "load_before": os.getloadavg()}
+    else:
+        result = {**{k: v for k, v in result.items() if k == "configs"},
+                  "load_before": os.getloadavg(), "setup": setup}
+        result.setdefault("configs", {})
     for replicas in (int(r) for r in args.replicas.split(",")):
         for autoscale in (a == "1" for a in args.autoscale.split(",")):
             runs: dict[str, list[dict]] = {"adaptdl": [], "stratagem": []}
@@ -271,7 +326,8 @@ def main() -> None:
                 for system, python in (("adaptdl", args.adaptdl_python),
                                        ("stratagem", sys.executable)):
                     runs[system].append(run_once(python, system, replicas, seed,
-                                                 args.epochs, autoscale, work))
+                                                 args.epochs, autoscale, work,
+                                                 train=args.train))
                     last = runs[system][-1]
                     print(f"  r{replicas} a{int(autoscale)} seed {seed} {system}: "
                           f"accuracy {last.get('accuracy')}, {last['seconds']:.0f} s",
@@ -279,15 +335,19 @@ def main() -> None:
                     errors = [r["error"] for r in runs[system] if "error" in r]
                     if errors:
                         raise SystemExit(f"{system} failed:\n{errors[0]}")
-            key = f"replicas={replicas},autoscale={autoscale}"
+            key = (f"replicas={replicas},autoscale={autoscale}"
+                   + variant(args.train, args.epochs).replace("-", ","))
             summary = summarize(runs)
-            result["configs"][key] = {**summary, "load_after": os.getloadavg(),
-                                      "runs_detail": runs}
+            result["configs"][key] = {**summary, "setup": setup,
+                                      "load_after": os.getloadavg(), "runs_detail": runs}
+            if autoscale:
+                result["configs"][key]["batch_growth"] = batch_growth(runs)
             print(f"{key}: median accuracy stratagem {summary['median']['stratagem']:.3f} "
                   f"adaptdl {summary['median']['adaptdl']:.3f}, p={summary['p_accuracy']:.3f}; "
                   f"diverged {summary['diverged']}, p={summary['p_diverged']:.3f}",
                   flush=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1))
     result["load_after"] = os.getloadavg()
     result["summary"] = {k: v["same_at_5pct"] for k, v in result["configs"].items()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
