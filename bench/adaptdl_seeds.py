@@ -132,9 +132,9 @@ def _throughput_model_fitted(system: str) -> bool | None:
 
 
 def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str,
-           train: int = TRAIN) -> None:
-    """One replica of one run on ``train`` training images; rank 0 writes {"accuracy",
-    "diverged", "losses", "decisions"} to ``out``."""
+           train: int = TRAIN, lr: float = LR) -> None:
+    """One replica of one run on ``train`` training images at learning rate ``lr``; rank 0
+    writes {"accuracy", "diverged", "losses", "decisions"} to ``out``."""
     import torch
 
     if system == "adaptdl":
@@ -156,7 +156,7 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str,
     test = adl.AdaptiveDataLoader(_data(TEST, 2), batch_size=128)
     torch.manual_seed(seed)  # here: the same initial weights on both systems
     net = _lenet()
-    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9, weight_decay=5e-4)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=5e-4)
     net = adl.AdaptiveDataParallel(net, opt, scaling_rule=AdaScale())
     losses: list[float] = []
     decisions: list[dict] = []  # per epoch: what each system decided (batch size, LR, ...)
@@ -164,7 +164,6 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str,
     for _epoch in adl.remaining_epochs_until(epochs):
         stats = adl.Accumulator()
         batches: list[int] = []
-        steps: set[int] = set()  # total batch of a step: micro-batch x (accumulation + 1)
         for x, y in loader:
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(x), y)
@@ -173,13 +172,12 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str,
             stats["loss"] += float(loss) * len(y)
             stats["n"] += len(y)
             batches.append(int(loader.current_batch_size))
-            steps.add(batches[-1] * (int(loader.accumulation_steps) + 1))
         with stats.synchronized():
             losses.append(stats["loss"] / max(stats["n"], 1))
             samples = int(stats["n"])
         decisions.append({
             "samples": samples, "micro_batches": len(batches),
-            "batch_sizes": sorted(set(batches)), "step_batches": sorted(steps),
+            "batch_sizes": sorted(set(batches)),
             "accumulation_steps": int(loader.accumulation_steps),
             "gain": float(net.gain), "lr_factor": float(net._state.lr_factor),
             "progress": float(net.gns.get_progress()),
@@ -209,16 +207,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def variant(train: int, epochs: int) -> str:
-    """Suffix of a run's tag and configuration key for data sizes or lengths other than
-    the first sweep's (512 images, 4 epochs), so sweeps of several setups share files."""
-    return "" if (train, epochs) == (TRAIN, 4) else f"-n{train}-e{epochs}"
+def variant(train: int, epochs: int, lr: float = LR) -> str:
+    """Suffix of a run's tag and configuration key for data sizes, lengths or learning
+    rates other than the first sweep's (512 images, 4 epochs, 0.1), so sweeps of several
+    setups share files."""
+    return ("" if (train, epochs, lr) == (TRAIN, 4, LR)
+            else f"-n{train}-e{epochs}" + ("" if lr == LR else f"-lr{lr:g}"))
 
 
 def run_once(python: str, system: str, replicas: int, seed: int, epochs: int,
-             autoscale: bool, work: Path, timeout: float = 900, train: int = TRAIN) -> dict:
+             autoscale: bool, work: Path, timeout: float = 900, train: int = TRAIN,
+             lr: float = LR) -> dict:
     """One run on ``replicas`` processes (AdaptDL's standalone rendezvous)."""
-    tag = f"{system}-r{replicas}-a{int(autoscale)}-s{seed}" + variant(train, epochs)
+    tag = f"{system}-r{replicas}-a{int(autoscale)}-s{seed}" + variant(train, epochs, lr)
     # per process: two sweeps sharing --work may run the same run at once
     out, ckpt = work / f"{tag}.{os.getpid()}.json", work / "ckpt" / f"{tag}.{os.getpid()}"
     done = work / f"{tag}.done.json"
@@ -238,7 +239,7 @@ def run_once(python: str, system: str, replicas: int, seed: int, epochs: int,
                    PYTHONPATH=str(HERE.parents[1] / "src") if system == "stratagem" else "")
         procs.append(subprocess.Popen(
             [python, str(HERE), "--worker", system, str(seed), str(epochs),
-             str(int(autoscale)), str(out), str(train)],
+             str(int(autoscale)), str(out), str(train), str(lr)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     started = time.monotonic()
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -272,9 +273,8 @@ def batch_growth(runs: dict[str, list[dict]]) -> dict:
     for system, rs in runs.items():
         largest, first = [], []
         for r in rs:
-            sizes = [max(d.get("step_batches")
-                         or [max(d["batch_sizes"]) * (d["accumulation_steps"] + 1)])
-                     for d in r.get("decisions", [])]
+            # current_batch_size: a step's total over replicas and micro-batches
+            sizes = [max(d["batch_sizes"]) for d in r.get("decisions", [])]
             largest.append(max(sizes, default=BATCH))
             first.append(next((i for i, b in enumerate(sizes) if b > BATCH), None))
         out[system] = {"grew": sum(b > BATCH for b in largest), "runs": len(rs),
@@ -284,14 +284,15 @@ def batch_growth(runs: dict[str, list[dict]]) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        system, seed, epochs, autoscale, out, train = sys.argv[2:8]
-        worker(system, int(seed), int(epochs), autoscale == "1", out, int(train))
+        system, seed, epochs, autoscale, out, train, lr = sys.argv[2:9]
+        worker(system, int(seed), int(epochs), autoscale == "1", out, int(train), float(lr))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adaptdl-python", default="/work/adaptdl-venv/bin/python")
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--train", type=int, default=TRAIN, help="training images")
+    parser.add_argument("--lr", type=float, default=LR, help="SGD learning rate")
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--autoscale", default="0,1", help="0: without, 1: with")
     parser.add_argument("--out", default=str(HERE.parent / "results" / "adaptdl_seeds.json"))
@@ -302,7 +303,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"seeds-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
-    setup = {"train": args.train, "test": TEST, "batch": BATCH, "lr": LR,
+    setup = {"train": args.train, "test": TEST, "batch": BATCH, "lr": args.lr,
              "epochs": args.epochs, "seeds": args.seeds,
              "order": "training set permuted by the seed on both systems",
              "shuffle": os.environ.get("SEEDS_SHUFFLE", "1") == "1"}
@@ -310,9 +311,9 @@ def main() -> None:
     # Configurations of other setups already in --out stay (each under its own key, with
     # its setup); those of this setup are replaced.
     result: dict = json.loads(out.read_text()) if out.exists() else {}
-    if variant(args.train, args.epochs):
+    if variant(args.train, args.epochs, args.lr):
         result.setdefault("configs", {})
-        result.setdefault("sweeps", {})[variant(args.train, args.epochs)[1:]] = {
+        result.setdefault("sweeps", {})[variant(args.train, args.epochs, args.lr)[1:]] = {
             **setup, "load_before": os.getloadavg()}
     else:
         result = {**{k: v for k, v in result.items() if k == "configs"},
@@ -327,7 +328,7 @@ def main() -> None:
                                        ("stratagem", sys.executable)):
                     runs[system].append(run_once(python, system, replicas, seed,
                                                  args.epochs, autoscale, work,
-                                                 train=args.train))
+                                                 train=args.train, lr=args.lr))
                     last = runs[system][-1]
                     print(f"  r{replicas} a{int(autoscale)} seed {seed} {system}: "
                           f"accuracy {last.get('accuracy')}, {last['seconds']:.0f} s",
@@ -336,7 +337,7 @@ def main() -> None:
                     if errors:
                         raise SystemExit(f"{system} failed:\n{errors[0]}")
             key = (f"replicas={replicas},autoscale={autoscale}"
-                   + variant(args.train, args.epochs).replace("-", ","))
+                   + variant(args.train, args.epochs, args.lr).replace("-", ","))
             summary = summarize(runs)
             result["configs"][key] = {**summary, "setup": setup,
                                       "load_after": os.getloadavg(), "runs_detail": runs}

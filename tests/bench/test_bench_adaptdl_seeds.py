@@ -62,16 +62,12 @@ def test_summary_flags_a_difference_and_accepts_equal_samples() -> None:
 
 
 
-def test_batch_growth_reads_the_step_batches_of_each_epoch() -> None:
-    def run(*epochs: tuple[list[int], int, list[int] | None]) -> dict:
-        return {"decisions": [{"batch_sizes": b, "accumulation_steps": a,
-                               **({"step_batches": s} if s is not None else {})}
-                              for b, a, s in epochs]}
+def test_batch_growth_reads_the_batch_of_each_epoch() -> None:
+    def run(*sizes: list[int]) -> dict:
+        return {"decisions": [{"batch_sizes": b, "accumulation_steps": 0} for b in sizes]}
 
-    runs = {"adaptdl": [run(([32], 0, [32]), ([32], 0, [32])),        # never grew
-                        run(([32], 0, [32]), ([128], 1, [256]))],      # 2 micro-batches
-            "stratagem": [run(([32, 96], 0, [32, 96]), ([96], 0, [96])),
-                          run(([32], 0, None), ([64], 2, None))]}      # no step_batches
+    runs = {"adaptdl": [run([32], [32]), run([32], [256], [32])],
+            "stratagem": [run([32, 96], [96]), run([32], [64], [192])]}
     out = seeds.batch_growth(runs)
     assert out["adaptdl"] == {"grew": 1, "runs": 2, "largest_batch": [32, 256],
                               "first_epoch_grown": [None, 1]}
@@ -82,6 +78,7 @@ def test_batch_growth_reads_the_step_batches_of_each_epoch() -> None:
 def test_setups_other_than_the_first_sweep_get_their_own_keys() -> None:
     assert seeds.variant(seeds.TRAIN, 4) == ""
     assert seeds.variant(4096, 16) == "-n4096-e16"
+    assert seeds.variant(4096, 12, 0.02) == "-n4096-e12-lr0.02"
 
 
 @pytest.mark.slow
