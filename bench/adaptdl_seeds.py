@@ -95,14 +95,22 @@ def fisher_exact(k1: int, n1: int, k2: int, n2: int) -> float:
 
 
 # -- worker -----------------------------------------------------------------------------------
-def _data(n: int, seed: int, order_seed: int | None = None):  # noqa: ANN202
-    """``n`` images; ``order_seed`` permutes them (the same permutation on both systems)."""
+def _data(n: int, seed: int, order_seed: int | None = None,  # noqa: ANN202
+          label_noise: float = 0.0):
+    """``n`` images; ``order_seed`` permutes them (the same permutation on both systems);
+    a ``label_noise`` fraction of them gets a random label (the same ones on both)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     prototypes = torch.randn(10, 3, 32, 32, generator=torch.Generator().manual_seed(99))
     y = torch.randint(0, 10, (n,), generator=g)
     x = 0.5 * prototypes[y] + torch.randn(n, 3, 32, 32, generator=g)
+    if label_noise:
+        # Keeps the gradient noise scale large all run (without it 3072 images are learnt
+        # to ~99% and AdaptDL's goodput model keeps 1 replica at batch 32: there a larger
+        # batch needs accumulation and gains it too little throughput).
+        noisy = torch.rand(n, generator=g) < label_noise
+        y = torch.where(noisy, torch.randint(0, 10, (n,), generator=g), y)
     if order_seed is not None:
         # Neither system's sampler takes the run's seed (AdaptDL's order is a function of
         # the epoch only, the drop-in's of its job seed), so each would see one fixed order
@@ -132,7 +140,7 @@ def _throughput_model_fitted(system: str) -> bool | None:
 
 
 def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str,
-           train: int = TRAIN, lr: float = LR) -> None:
+           train: int = TRAIN, lr: float = LR, label_noise: float = 0.0) -> None:
     """One replica of one run on ``train`` training images at learning rate ``lr``; rank 0
     writes {"accuracy", "diverged", "losses", "decisions"} to ``out``."""
     import torch
@@ -148,7 +156,7 @@ def worker(system: str, seed: int, epochs: int, autoscale: bool, out: str,
     torch.set_num_threads(1)
     adl.init_process_group("gloo")
     shuffle = os.environ.get("SEEDS_SHUFFLE", "1") == "1"  # 0: the same order on both
-    loader = adl.AdaptiveDataLoader(_data(train, 1, seed), batch_size=BATCH,
+    loader = adl.AdaptiveDataLoader(_data(train, 1, seed, label_noise), batch_size=BATCH,
                                     shuffle=shuffle, drop_last=True)
     if autoscale:
         loader.autoscale_batch_size(256, local_bsz_bounds=(16, 256),
@@ -207,19 +215,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def variant(train: int, epochs: int, lr: float = LR) -> str:
-    """Suffix of a run's tag and configuration key for data sizes, lengths or learning
-    rates other than the first sweep's (512 images, 4 epochs, 0.1), so sweeps of several
-    setups share files."""
-    return ("" if (train, epochs, lr) == (TRAIN, 4, LR)
-            else f"-n{train}-e{epochs}" + ("" if lr == LR else f"-lr{lr:g}"))
+def variant(train: int, epochs: int, lr: float = LR, label_noise: float = 0.0) -> str:
+    """Suffix of a run's tag and configuration key for data sizes, lengths, learning
+    rates or label noise other than the first sweep's (512 images, 4 epochs, 0.1, none),
+    so sweeps of several setups share files."""
+    if (train, epochs, lr, label_noise) == (TRAIN, 4, LR, 0.0):
+        return ""
+    return (f"-n{train}-e{epochs}" + ("" if lr == LR else f"-lr{lr:g}")
+            + (f"-ln{label_noise:g}" if label_noise else ""))
 
 
 def run_once(python: str, system: str, replicas: int, seed: int, epochs: int,
              autoscale: bool, work: Path, timeout: float = 900, train: int = TRAIN,
-             lr: float = LR) -> dict:
+             lr: float = LR, label_noise: float = 0.0) -> dict:
     """One run on ``replicas`` processes (AdaptDL's standalone rendezvous)."""
-    tag = f"{system}-r{replicas}-a{int(autoscale)}-s{seed}" + variant(train, epochs, lr)
+    tag = (f"{system}-r{replicas}-a{int(autoscale)}-s{seed}"
+           + variant(train, epochs, lr, label_noise))
     # per process: two sweeps sharing --work may run the same run at once
     out, ckpt = work / f"{tag}.{os.getpid()}.json", work / "ckpt" / f"{tag}.{os.getpid()}"
     done = work / f"{tag}.done.json"
@@ -239,7 +250,7 @@ def run_once(python: str, system: str, replicas: int, seed: int, epochs: int,
                    PYTHONPATH=str(HERE.parents[1] / "src") if system == "stratagem" else "")
         procs.append(subprocess.Popen(
             [python, str(HERE), "--worker", system, str(seed), str(epochs),
-             str(int(autoscale)), str(out), str(train), str(lr)],
+             str(int(autoscale)), str(out), str(train), str(lr), str(label_noise)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     started = time.monotonic()
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -284,8 +295,9 @@ def batch_growth(runs: dict[str, list[dict]]) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        system, seed, epochs, autoscale, out, train, lr = sys.argv[2:9]
-        worker(system, int(seed), int(epochs), autoscale == "1", out, int(train), float(lr))
+        system, seed, epochs, autoscale, out, train, lr, noise = sys.argv[2:10]
+        worker(system, int(seed), int(epochs), autoscale == "1", out, int(train), float(lr),
+               float(noise))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adaptdl-python", default="/work/adaptdl-venv/bin/python")
@@ -293,6 +305,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--train", type=int, default=TRAIN, help="training images")
     parser.add_argument("--lr", type=float, default=LR, help="SGD learning rate")
+    parser.add_argument("--label-noise", type=float, default=0.0,
+                        help="fraction of training images with a random label")
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--autoscale", default="0,1", help="0: without, 1: with")
     parser.add_argument("--out", default=str(HERE.parent / "results" / "adaptdl_seeds.json"))
@@ -303,7 +317,9 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.work or Path(os.environ.get("TMPDIR", "/tmp")) / f"seeds-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
+    suffix = variant(args.train, args.epochs, args.lr, args.label_noise)
     setup = {"train": args.train, "test": TEST, "batch": BATCH, "lr": args.lr,
+             "label_noise": args.label_noise,
              "epochs": args.epochs, "seeds": args.seeds,
              "order": "training set permuted by the seed on both systems",
              "shuffle": os.environ.get("SEEDS_SHUFFLE", "1") == "1"}
@@ -311,9 +327,9 @@ def main() -> None:
     # Configurations of other setups already in --out stay (each under its own key, with
     # its setup); those of this setup are replaced.
     result: dict = json.loads(out.read_text()) if out.exists() else {}
-    if variant(args.train, args.epochs, args.lr):
+    if suffix:
         result.setdefault("configs", {})
-        result.setdefault("sweeps", {})[variant(args.train, args.epochs, args.lr)[1:]] = {
+        result.setdefault("sweeps", {})[suffix[1:]] = {
             **setup, "load_before": os.getloadavg()}
     else:
         result = {**{k: v for k, v in result.items() if k == "configs"},
@@ -328,7 +344,8 @@ def main() -> None:
                                        ("stratagem", sys.executable)):
                     runs[system].append(run_once(python, system, replicas, seed,
                                                  args.epochs, autoscale, work,
-                                                 train=args.train, lr=args.lr))
+                                                 train=args.train, lr=args.lr,
+                                                 label_noise=args.label_noise))
                     last = runs[system][-1]
                     print(f"  r{replicas} a{int(autoscale)} seed {seed} {system}: "
                           f"accuracy {last.get('accuracy')}, {last['seconds']:.0f} s",
@@ -337,7 +354,7 @@ def main() -> None:
                     if errors:
                         raise SystemExit(f"{system} failed:\n{errors[0]}")
             key = (f"replicas={replicas},autoscale={autoscale}"
-                   + variant(args.train, args.epochs, args.lr).replace("-", ","))
+                   + suffix.replace("-", ","))
             summary = summarize(runs)
             result["configs"][key] = {**summary, "setup": setup,
                                       "load_after": os.getloadavg(), "runs_detail": runs}
