@@ -14,6 +14,12 @@ and the counts of diverged runs (a non-finite loss) with Fisher's exact test, bo
 Each run also records, per epoch, what the system decided: batch sizes, accumulation,
 gain, LR factor, scale-invariant progress, gradient statistics.
 
+AdaptDL rescales only after rank 0 has fitted its throughput model, 30 s of training after
+the first profiled step (a constant in its code), and only when a pass starts; runs must be
+long enough for that: ``--train``, ``--epochs``, ``--lr`` and ``--label-noise`` (a fraction
+of training labels made random, which keeps the gradient noise scale large) set up such a
+sweep, recorded under its own configuration keys beside the first sweep's.
+
 Writes bench/results/adaptdl_seeds.json (every run, per-configuration tests, the machine's
 load). Run it under ``nice``: it is 8 runs per configuration and system by default.
 ``--work DIR`` keeps each finished run there, so an interrupted sweep resumes, and a second
