@@ -61,6 +61,27 @@ def test_summary_flags_a_difference_and_accepts_equal_samples() -> None:
     assert out["p_accuracy"] == pytest.approx(2 / 70)
 
 
+
+def test_batch_growth_reads_the_batch_of_each_epoch() -> None:
+    def run(*sizes: list[int]) -> dict:
+        return {"decisions": [{"batch_sizes": b, "accumulation_steps": 0} for b in sizes]}
+
+    runs = {"adaptdl": [run([32], [32]), run([32], [256], [32])],
+            "stratagem": [run([32, 96], [96]), run([32], [64], [192])]}
+    out = seeds.batch_growth(runs)
+    assert out["adaptdl"] == {"grew": 1, "runs": 2, "largest_batch": [32, 256],
+                              "first_epoch_grown": [None, 1]}
+    assert out["stratagem"] == {"grew": 2, "runs": 2, "largest_batch": [96, 192],
+                                "first_epoch_grown": [0, 1]}
+
+
+def test_setups_other_than_the_first_sweep_get_their_own_keys() -> None:
+    assert seeds.variant(seeds.TRAIN, 4) == ""
+    assert seeds.variant(4096, 16) == "-n4096-e16"
+    assert seeds.variant(4096, 12, 0.02) == "-n4096-e12-lr0.02"
+    assert seeds.variant(3072, 16, 0.02, 0.5) == "-n3072-e16-lr0.02-ln0.5"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_one_drop_in_run_trains(tmp_path: Path) -> None:
@@ -70,3 +91,13 @@ def test_one_drop_in_run_trains(tmp_path: Path) -> None:
     assert all(math.isfinite(v) for v in run["losses"])
     assert run["losses"][1] < run["losses"][0]
     assert 0.0 <= run["accuracy"] <= 1.0
+
+
+def test_label_noise_relabels_that_fraction_the_same_way_each_time() -> None:
+    clean = seeds._data(2000, 1, 3)
+    noisy = seeds._data(2000, 1, 3, label_noise=0.5)
+    again = seeds._data(2000, 1, 3, label_noise=0.5)
+    assert torch.equal(clean.tensors[0], noisy.tensors[0])  # same images, same order
+    assert torch.equal(noisy.tensors[1], again.tensors[1])
+    changed = float((clean.tensors[1] != noisy.tensors[1]).float().mean())
+    assert 0.4 < changed < 0.5  # half relabelled, a tenth of those to their own label
