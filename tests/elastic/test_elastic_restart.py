@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _state import assert_state_close
 from elastic_job import EPOCHS, N, reference, reference_batches
 from harness import logged_steps, torchrun
 
@@ -71,10 +72,4 @@ def test_final_state_matches_uninterrupted_single_process(
         chain: tuple[Path, Path, list]) -> None:
     out, _, _ = chain
     got = torch.load(out / "final.pt", weights_only=True)
-    want = reference()
-    for k, v in want["model"].items():
-        torch.testing.assert_close(got["model"][k], v, rtol=1e-5, atol=1e-7, msg=k)
-    for pid, state in want["optimizer"]["state"].items():
-        for k, v in state.items():
-            torch.testing.assert_close(got["optimizer"]["state"][pid][k], v, rtol=1e-5,
-                                       atol=1e-7, msg=f"{pid}.{k}")
+    assert_state_close(got, reference())
