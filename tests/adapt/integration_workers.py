@@ -85,13 +85,15 @@ def train(steps: int | None, *, batch_size: int = 32, accum_steps: int = 0, lr: 
             if steps is not None and done >= steps:
                 break
     gns = ad.adaptive.gns
-    return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    sharded = bool(getattr(model, "is_sharded", False))  # (stage 3: gathered whole)
+    state = model.full_state_dict() if sharded else model.state_dict()
+    return {"params": {k: v.detach().clone() for k, v in state.items()},
             "sqr_norm": gns.sqr_norm, "var": gns.var, "updates": gns.updates,
             "biased": gns.biased, "micro_batches": done, "sizes": sizes,
             "progress": ad.adaptive.tracker.progress, "steps": ad.adaptive.steps,
             "batch_size": loader.batch_size, "accum_steps": loader.accum_steps,
             "decisions": decisions, "engine": getattr(model, "plan", None) and model.plan.engine,
-            "sharded": bool(getattr(model, "is_sharded", False))}
+            "sharded": sharded}
 
 
 def reference_big_batch(micro_batches: int, batch_size: int, *, lr: float = 0.05,

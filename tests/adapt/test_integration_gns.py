@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from integration_workers import (
     autoscale_decision,
     exact_noise,
@@ -87,14 +88,21 @@ def test_both_engines_give_the_same_statistics_and_batch_sizes(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_sharded_strategies_give_the_same_statistics_and_batch_sizes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("accum_steps", [0, 2])
+def test_sharded_strategies_give_the_same_statistics_and_batch_sizes(
+        tmp_path: Path, accum_steps: int) -> None:
     """Issue 45 item 4: the same gradients all-reduced and sharded by ZeRO stage 1 (owners
     send Adam's divisors), 2 (squared local gradients reduced onto the owner) and 3 (onto
     FSDP2's row slices, hooked before its reduce-scatter): the same noise statistics, so
     the same batch-size decision after every step. Adam: the preconditioned statistics,
     whose divisors only the owners or shard holders have (plain SGD gave the same in a
-    manual run; not repeated here to keep the suite short)."""
-    common = dict(steps=40, batch_size=32, lr=0.05, data=DATA, collect_stats=True,
+    manual run; not repeated here to keep the suite short). With accumulation (3
+    micro-batches a step) the statistics are the first micro-batch's local gradients
+    against the step's averaged one: at stage 2 the local ``.grad`` reduced after the
+    unsynced backward, at stage 3 FSDP2's unsharded gradient under no_sync."""
+    micros = accum_steps + 1
+    common = dict(steps=40 * micros, batch_size=32 * micros,
+                  epochs=2, accum_steps=accum_steps, lr=0.05, data=DATA, collect_stats=True,
                   decide=autoscale_decision, optimizer="adam", hidden=8,
                   options={"stats_every": 1})
     runs = {name: spawn(train_worker, 2, tmp_path / name, **common, **kw)
@@ -102,7 +110,8 @@ def test_sharded_strategies_give_the_same_statistics_and_batch_sizes(tmp_path: P
                              ("zero2", {"zero": 2}), ("zero3", {"zero": 3}))}
     base = runs["allreduce"][0]
     assert base["updates"] > 20 and not base["sharded"]
-    assert any(d is not None and d[0] > 32 for d in base["decisions"])  # a real decision
+    assert base["accum_steps"] == accum_steps and base["biased"] is False
+    assert any(d is not None and d[0] > 32 * micros for d in base["decisions"])  # real
     for name in ("zero1", "zero2", "zero3"):
         for r in runs[name]:
             assert r["sharded"], name
@@ -110,3 +119,5 @@ def test_sharded_strategies_give_the_same_statistics_and_batch_sizes(tmp_path: P
             assert r["var"] == pytest.approx(base["var"], rel=1e-5), name
             assert r["sqr_norm"] == pytest.approx(base["sqr_norm"], rel=1e-4, abs=1e-9), name
             assert r["decisions"] == base["decisions"], name
+            for k, v in base["params"].items():  # and trained alike (stage 3: grad_weight)
+                assert torch.allclose(r["params"][k], v, rtol=1e-5, atol=1e-6), (name, k)

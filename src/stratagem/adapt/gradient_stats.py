@@ -21,8 +21,11 @@ whole and averaged on every rank: on a sampled step the runtime also sums each s
 local gradient over the ranks onto the rank that holds that gradient's average (as
 backward produces it: the owner of a stage-2 parameter, FSDP2's row slice of a stage-3
 one), and each rank adds its rows' terms of both norms; the one all-reduce of the queued
-statistics then sums them over the ranks. With gradient accumulation, sharded steps are
-not sampled (the first micro-batch's local gradient of a stage-2/3 parameter is not kept).
+statistics then sums them over the ranks. With gradient accumulation the squares are those
+of the first micro-batch's local gradients, as for all-reduced ones: reduced after its
+(unsynced) backward, stage 2 from the local ``.grad``, stage 3 from FSDP2's unsharded
+gradient as it accumulates; the step's averaged gradient is then held as without
+accumulation.
 
 Statistics are kept per optimizer param group. For Adam-type optimizers they are of the
 preconditioned gradient ``g / (sqrt(v_hat) + eps)``; the divisors change slowly, so they are
@@ -305,30 +308,31 @@ class GradStats:
         return self.world_size > 1 and bool(getattr(self.model, "is_sharded", False))
 
     @torch.no_grad()
-    def _shard_terms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Per param group, this rank's terms of the stage-2/3 parameters: (sum over ranks
-        of the squared local gradients, squared averaged gradient), preconditioned."""
-        squares = self.model.gradient_squares()
-        if not squares:
+    def _held_terms(self, squares: bool) -> torch.Tensor | None:
+        """Per param group, this rank's terms of the stage-2/3 parameters, preconditioned:
+        of the squared local gradients summed over the ranks (``squares``, the model's
+        :meth:`gradient_squares`), else of the squared averaged gradient (``.grad``: the
+        rows held here). None when the model has no such parameter (the same on every
+        rank, so every rank queues the same shapes)."""
+        held = self.model.sharded_gradient_params()
+        if not held:
             return None
-        local = torch.zeros(self.groups, dtype=torch.float64)
-        mean = torch.zeros(self.groups, dtype=torch.float64)
+        values = self.model.gradient_squares() if squares else None
+        out = torch.zeros(self.groups, dtype=torch.float64)
         for gi, group in enumerate(self.optimizer.param_groups):
             for j, p in enumerate(group["params"]):
-                sq = squares.get(id(p))
-                if sq is None or p.grad is None:
+                if id(p) not in held:
                     continue
-                g = _local(p.grad).to(torch.float64)
-                sq = _local(sq).to(torch.float64)
+                t = values.get(id(p)) if values is not None else p.grad
+                if t is None:  # not held here (a stage-2 parameter of another owner)
+                    continue
+                t = _local(t).to(torch.float64)
+                sq = t if squares else t.square()
                 d = self._divisors[gi][j] if self.preconditioned and self._divisors else None
                 if d is not None:
-                    d2 = _local(d).to(torch.float64).square()
-                    local[gi] += float((sq / d2).sum())
-                    mean[gi] += float((g.square() / d2).sum())
-                else:
-                    local[gi] += float(sq.sum())
-                    mean[gi] += float(g.square().sum())
-        return local, mean
+                    sq = sq / _local(d).to(torch.float64).square()
+                out[gi] += float(sq.sum())
+        return out
 
     # -- parameter-level norms ------------------------------------------------------------
     def _grads(self) -> list[list[torch.Tensor | None]]:
@@ -369,12 +373,10 @@ class GradStats:
     # -- the step ------------------------------------------------------------------------
     def begin_step(self, collect: bool, micros: int = 1) -> None:
         """Start a step; ``collect=False`` (nothing needs the statistics) costs nothing.
-        ``micros``: the step's micro-batches (a sharded model samples only steps of one)."""
+        ``micros``: the step's micro-batches."""
         self._reset()
         self.active = bool(collect) and self._ready()
-        if self._sharded():
-            if micros > 1:
-                self.active = False
+        if self._sharded():  # squares of the next backward: the synced or the first one
             self.model.collect_gradient_squares(self.active)
 
     def first_micro(self) -> None:
@@ -382,6 +384,12 @@ class GradStats:
         if self.active:
             t0 = time.perf_counter()
             self._first = self._param_sqr_norms()
+            if self._sharded():  # stage 2/3: the first micro-batch's squares, summed
+                self.model.reduce_local_gradient_squares()
+                terms = self._held_terms(squares=True)
+                self.model.collect_gradient_squares(False)  # not the later micro-batches'
+                if terms is not None:
+                    self._first = self._first + terms.to(self._first.device)
             self._seconds += time.perf_counter() - t0
 
     def before_step(self, replica_sizes: Sequence[int], micros: int) -> None:
@@ -410,17 +418,21 @@ class GradStats:
             self._consecutive.reset()
             n = replicas * micros
             if total % n == 0:  # equal micro-batches (else: skip this step)
+                held = self._held_terms(squares=False) if self._sharded() else None
                 self._queue.append(("pair", self._first, self._reduced_or_param(), n,
-                                    total // n, replicas, None))
+                                    total // n, replicas, held))
         elif replicas > 1 and (self._local or self._sharded()):
             self._consecutive.reset()
-            terms = self._shard_terms() if self._sharded() else None
             local = (self._sum(self._local) if self._local
                      else torch.zeros(self.groups, dtype=torch.float64))
-            if terms is not None:
-                local = local + terms[0].to(local.device)
+            held = None
+            if self._sharded():
+                squares = self._held_terms(squares=True)
+                if squares is not None:
+                    local = local + squares.to(local.device)
+                    held = self._held_terms(squares=False)
             self._queue.append(("pair", local, self._reduced_or_param(), replicas, sizes,
-                                replicas, terms[1] if terms is not None else None))
+                                replicas, held))
         else:  # one gradient per step: pair it with the previous step's (biased)
             divs = self._divisors if self.preconditioned else None
             pair = self._consecutive.push(self._grads(), divs)

@@ -523,7 +523,9 @@ class AdaptiveTrainer:
         over the whole global batch."""
         if following <= 0 or following == this:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        held = getattr(self.model, "accumulated_gradients", None)  # (stage 3: unsharded)
+        grads = (held() if held is not None
+                 else [p.grad for p in self.model.parameters() if p.grad is not None])
         if grads:
             torch._foreach_mul_(grads, this / following)
 

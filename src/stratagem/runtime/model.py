@@ -369,12 +369,7 @@ class DistributedModel(nn.Module):
                                  where="DistributedModel.grad_weight",
                                  fix="use local_n * world_size / global_n")
         if self._shard is not None:
-            if self._shard.shards.units and value != 1.0:
-                raise StratagemError(
-                    f"grad_weight {value} with stage-3 sharded units (FSDP2 averages their "
-                    "gradients itself)", where="DistributedModel.grad_weight",
-                    fix="give every worker the same batch size, or shard at stage 1 or 2")
-            self._shard.grad_weight = value
+            self._shard.set_grad_weight(value)
         self._reducer.grad_weight = value
         if self._ps is not None:
             self._ps.grad_weight = value
@@ -547,11 +542,30 @@ class DistributedModel(nn.Module):
         return out
 
     def collect_gradient_squares(self, on: bool) -> None:
-        """Collective: in the next synced backward, sum every stage-2/3 parameter's
-        squared local gradient over the ranks onto the rank that holds its (averaged)
-        gradient -- one extra reduce per parameter, as backward produces it."""
+        """Collective: in the next backward, sum every stage-2/3 parameter's squared
+        local gradient over the ranks onto the rank that holds its (averaged) gradient.
+        A synced backward does it as it produces them (one extra reduce per parameter);
+        after an unsynced one (the first micro-batch of an accumulated step), call
+        :meth:`reduce_local_gradient_squares`. ``on=False`` stops it."""
         if self._shard is not None:
             self._shard.collect_squares(on)
+
+    def accumulated_gradients(self) -> list[torch.Tensor]:
+        """Every gradient accumulated on this rank so far: the parameters' ``.grad`` and,
+        at stage 3, FSDP2's unsharded ones (where its accumulation keeps them)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if self._shard is not None:  # (once each: FSDP2 may have them registered now)
+            seen = {id(g) for g in grads}
+            grads += [g for g in self._shard.local_gradients() if id(g) not in seen]
+        return grads
+
+    def reduce_local_gradient_squares(self) -> None:
+        """Collective, after an unsynced backward (under :meth:`no_sync`) that
+        :meth:`collect_gradient_squares` armed: the stage-2 gradients, still local and
+        whole on every rank, are reduced squared onto their owners now (stage 3 did it
+        during backward, from FSDP2's unsharded gradients)."""
+        if self._shard is not None:
+            self._shard.reduce_local_squares()
 
     def gradient_squares(self) -> dict[int, torch.Tensor]:
         """After such a backward: ``id(param) -> sum over ranks of grad**2``, for the

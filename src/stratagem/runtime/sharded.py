@@ -71,6 +71,8 @@ class ShardEngine:
         # (only these: the stage-3 originals must go once FSDP2 has sharded them)
         self._params = {o.param: params[o.param] for o in shards.owned}
         self._handles: list[Any] = []
+        self._unsharded: dict[int, str] = {}  # stage 3: FSDP2's unsharded parameters
+        self._unsharded_params: list[nn.Parameter] = []
         self._stage2 = [o for o in _reverse(shards.owned, plan.params) if o.stage == 2]
         self._pending: tuple[Owned, Any] | None = None
         self._ready: set[str] = set()
@@ -92,6 +94,7 @@ class ShardEngine:
         self.sharded_params: dict[str, nn.Parameter] = {}
         if shards.units:
             self._fully_shard(module, params)
+            self._hook_units()  # gradient weights, accumulated gradients, statistics
 
     # -- stage 3 -------------------------------------------------------------------------
     def _mesh(self) -> Any:
@@ -281,20 +284,35 @@ class ShardEngine:
     _stats_group: Any = None
 
     def collect_squares(self, on: bool) -> None:
-        """Reduce the squared local gradients of the next synced backward onto the shard
-        holders (collective: every rank the same calls; the first one makes the group and
-        the stage-3 hooks)."""
+        """Reduce the squared local gradients of the next backward onto the shard holders
+        until turned off (collective: every rank the same calls; the first one makes the
+        group and the stage-3 hooks). A synced backward reduces stage 2 in its reduce
+        order; an unsynced one (accumulation) leaves stage 2 to :meth:`reduce_local_squares`.
+        Stage 3 is hooked either way: under ``set_requires_gradient_sync(False)`` FSDP2
+        keeps the unsharded gradient, which the hook sees as it accumulates."""
         if on and self._stats_group is None:
             self._stats_group = dist.new_group(self.global_ranks, backend="gloo")
-            self._hook_units()
         self.squares = {} if on else None
+
+    def set_grad_weight(self, value: float) -> None:
+        """This rank's gradient weight (uneven local batches; ``1/micro-batches`` with
+        accumulation). Stage 2 applies it before its reduce; a stage-3 gradient is
+        multiplied by it on the unsharded gradient (the whole accumulated local one), by
+        the hook below, before FSDP2's reduce-scatter averages the ranks' gradients: so
+        each rank may have its own weight, as on all-reduce."""
+        self.grad_weight = float(value)
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        """The stage-3 gradients accumulated locally so far (FSDP2 keeps them on the
+        unsharded parameters under ``set_requires_gradient_sync(False)``; the sharded
+        parameters have none until the reduce-scatter), e.g. to rescale them."""
+        return [p.grad for p in self._unsharded_params if p.grad is not None]
 
     def _hook_units(self) -> None:
         """FSDP2 gathers each unit's parameters into the same unsharded tensors every
         step; a forward pre-hook after its own (which gathers them) finds them and hooks
         their gradient accumulation, which runs before FSDP2 reduce-scatters the unit."""
-        modules = dict(self._root.named_modules()) if self.shards.units else {}
-        self._unsharded: dict[int, str] = {}
+        modules = dict(self._root.named_modules())
         ref = weakref.ref(self)
         for u in self.shards.units:
             prefix = f"{u.module}." if u.module else ""
@@ -315,13 +333,32 @@ class ShardEngine:
             if id(p) in self._unsharded or not p.requires_grad:
                 continue
             self._unsharded[id(p)] = name
+            self._unsharded_params.append(p)
 
             def hook(param: torch.Tensor, name: str = name, ref: weakref.ref = ref) -> None:
                 engine = ref()
-                if engine is not None and engine.squares is not None and engine.require_sync:
+                if engine is None or param.grad is None:
+                    return
+                # armed for this backward only (the first micro-batch's when accumulating:
+                # the gradient is then that micro-batch's alone, not yet reduce-scattered)
+                if engine.squares is not None:
                     engine._reduce_squares(name, param.grad, None)
+                if engine.require_sync and engine.grad_weight != 1.0:
+                    param.grad.mul_(engine.grad_weight)
 
             self._handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    @torch.no_grad()
+    def reduce_local_squares(self) -> None:
+        """After an unsynced backward while collecting: each stage-2 gradient is this
+        rank's local one, whole on every rank; reduce its square onto the owner, in the
+        same order on every rank (an unused parameter: zeros, as the synced path does)."""
+        if self.squares is None:
+            return
+        for o in self._stage2:
+            p = self._params[o.param]
+            self._reduce_squares(o.param, p.grad if p.grad is not None else
+                                 torch.zeros_like(p), o.owner)
 
     @torch.no_grad()
     def _reduce_squares(self, name: str, grad: torch.Tensor, owner: int | None) -> None:
