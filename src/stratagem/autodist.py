@@ -337,6 +337,10 @@ class AutoDist:
             self.log("Auto: all-reduce strategies only (an in-process elastic job rescales "
                      "those)")
             options = replace(options, servers=False)
+        if options.max_zero_stage > 2 and self.elastic_group is not None:
+            self.log("Auto: ZeRO stages 1 and 2 only (an in-process elastic job reshards "
+                     "those; stage-3 units cannot be resharded in place)")
+            options = replace(options, max_zero_stage=2)
         if (options.servers and self.adaptive is not None
                 and self.adaptive.needs_gradient_statistics):
             self.log("Auto: no parameter servers (the adaptive batch size reads the "

@@ -140,3 +140,21 @@ def test_limit_below_one_shard_is_refused() -> None:
     with pytest.raises(StratagemError, match="less than one worker's shard") as err:
         plan_from_profile(Auto(), profile, spec(2, memory=UNIT // 4))
     assert "nodes[0].memory" in str(err.value)
+
+
+def test_max_zero_stage_keeps_auto_to_stages_that_reshard_in_place() -> None:
+    # the 26-unit limit of test_auto_picks_the_fastest_that_fits: only ZeRO-3 fits there
+    big = 2**20
+    profile = analyze(Blocks(16, width=512))
+    assert plan_from_profile(Auto(), profile, spec(4, memory=26 * big)).builder == "ZeRO-3"
+    with pytest.raises(StratagemError, match="no strategy fits"):
+        plan_from_profile(Auto(max_zero_stage=2), profile, spec(4, memory=26 * big))
+    # where ZeRO-2 fits, the cap changes nothing
+    assert plan_from_profile(Auto(max_zero_stage=2), profile,
+                             spec(4, memory=40 * big)).builder == "ZeRO-2"
+
+
+@pytest.mark.parametrize("bad", [0, 4, True, "3"])
+def test_max_zero_stage_must_be_a_stage(bad: object) -> None:
+    with pytest.raises(StratagemError, match="max_zero_stage"):
+        Auto(max_zero_stage=bad)  # type: ignore[arg-type]

@@ -95,7 +95,8 @@ def choose(model: nn.Module, spec: ResourceSpec, *, batch_size: int | None = Non
     if link_probe is not None:
         choice = replace(choice, link_probe=link_probe)
     if spec.memory_limit() is not None:  # the fastest that fits (planner/memory.py)
-        choice = fit_memory(choice, activations, optimizer, Pricer(profile, spec, cal, links))
+        choice = fit_memory(choice, activations, optimizer, Pricer(profile, spec, cal, links),
+                            options.max_zero_stage)
         trials = trials and all(not isinstance(nc.synchronizer, ShardedSynchronizer)
                                 for nc in choice.strategy.node_config)
     if trials and options.trials > 0 and sample_input is not None and collective_ready(spec):
@@ -118,7 +119,8 @@ def plan_from_profile(options: Auto, profile: ModelProfile, spec: ResourceSpec) 
     cal = estimate(profile, options.batch_size)
     choice = search(profile, spec, cal, options)
     if spec.memory_limit() is not None:
-        choice = fit_memory(choice, 0, None, Pricer(profile, spec, cal))
+        choice = fit_memory(choice, 0, None, Pricer(profile, spec, cal),
+                            options.max_zero_stage)
     return choice.strategy
 
 

@@ -262,12 +262,13 @@ def not_fitting(estimates: list[tuple[str, MemoryEstimate]], limit: int, where: 
                                   "within 8x would do)"))
 
 
-def fit_memory(choice: Any, activations: int, optimizer: Any, price: Any) -> Any:
+def fit_memory(choice: Any, activations: int, optimizer: Any, price: Any,
+               max_stage: int = 3) -> Any:
     """``choice`` when its strategy fits the spec's memory limit (or no limit is set);
-    else the fastest candidate (the priced ones, then ZeRO 1, 2 and 3) that fits, with its
-    estimate in the notes. Raises StratagemError when none fits. ``activations``: bytes
-    measured by :func:`activation_bytes` (0: unknown); ``price(strategy)``: the search's
-    StepCost of a strategy (None: it cannot run)."""
+    else the fastest candidate (the priced ones, then ZeRO 1, 2 and 3 up to
+    ``max_stage``) that fits, with its estimate in the notes. Raises StratagemError when
+    none fits. ``activations``: bytes measured by :func:`activation_bytes` (0: unknown);
+    ``price(strategy)``: the search's StepCost of a strategy (None: it cannot run)."""
     from dataclasses import replace as dc_replace
 
     from stratagem.planner.search import Candidate
@@ -290,6 +291,8 @@ def fit_memory(choice: Any, activations: int, optimizer: Any, price: Any) -> Any
     if choice.best not in pool:
         pool.insert(0, choice.best)
     for stage, keep in ((1, True), (2, True), (3, False), (3, True)):
+        if stage > max_stage:
+            continue
         s = ZeRO(stage=stage, reshard_after_forward=keep).build(profile, spec)
         cost = price(s)  # the cost model prices the sharded collectives (shard_cost)
         if cost is None:

@@ -42,7 +42,10 @@ class Auto:
     figures, and ``trials`` candidates (the best predicted, plus the best built-in) are
     timed for a few real steps and the fastest kept; 0 turns trials off. ``servers``:
     parameter servers may be used; False keeps to all-reduce strategies (what an
-    in-process elastic job can rescale; AutoDist sets it there).
+    in-process elastic job can rescale; AutoDist sets it there). ``max_zero_stage``: the
+    highest ZeRO stage Auto may shard with under a memory limit (1-3); an in-process
+    elastic job gets 2, since stage-3 (FSDP2) units cannot be resharded in place
+    (AutoDist sets it there).
     """
 
     compressors: tuple[str, ...] = ("none",)
@@ -52,6 +55,7 @@ class Auto:
     probe: bool = True
     trials: int = 3
     servers: bool = True
+    max_zero_stage: int = 3
 
     def __post_init__(self) -> None:
         if not self.compressors:
@@ -63,6 +67,11 @@ class Auto:
             raise StrategyError(f"trials must be an integer >= 0, got {self.trials!r}",
                                 fix="pass the number of candidates to time, e.g. "
                                     "trials=3 (0: none)")
+        if self.max_zero_stage not in (1, 2, 3) or isinstance(self.max_zero_stage, bool):
+            raise StrategyError(
+                f"max_zero_stage must be 1, 2 or 3, got {self.max_zero_stage!r}",
+                fix="pass the highest ZeRO stage Auto may use under a memory limit, e.g. "
+                    "max_zero_stage=2")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise StrategyError(f"batch_size must be an integer >= 1, got {self.batch_size!r}",
                                 fix="pass the samples per worker, e.g. batch_size=32")
