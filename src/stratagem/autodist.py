@@ -337,7 +337,8 @@ class AutoDist:
             self.log("Auto: all-reduce strategies only (an in-process elastic job rescales "
                      "those)")
             options = replace(options, servers=False)
-        if options.max_zero_stage > 2 and self.elastic_group is not None:
+        if (options.max_zero_stage > 2 and self.elastic_group is not None
+                and self.resource_spec.memory_limit() is not None):
             self.log("Auto: ZeRO stages 1 and 2 only (an in-process elastic job reshards "
                      "those; stage-3 units cannot be resharded in place)")
             options = replace(options, max_zero_stage=2)
