@@ -71,16 +71,22 @@ RESUMED = {  # case resumed on the second world: the checkpoint it loads
 }
 
 
-def stepped_before_wrapping(rank: int, world: int, case: str) -> dict[str, Any]:
-    """Plain torch for the first half (the whole batch, on every rank alike), then the
-    model and its optimizer, state and all, are wrapped: sharding takes the state over."""
+def train_plain(n: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The reference: one process, plain torch, the whole batch of steps 0..n-1."""
     model = make_model("mlp", seed=0)
     opt = make_optimizer("adam", model.parameters())
-    for step in range(HALF):
+    for step in range(n):
         x, y = batch("mlp", step)
         opt.zero_grad()
         loss_fn("mlp", model(x), y).backward()
         opt.step()
+    return model, opt
+
+
+def stepped_before_wrapping(rank: int, world: int, case: str) -> dict[str, Any]:
+    """Plain torch for the first half (the whole batch, on every rank alike), then the
+    model and its optimizer, state and all, are wrapped: sharding takes the state over."""
+    model, opt = train_plain(HALF)
     profile = analyze(model)
     plan = compile_plan(CASES[case](profile).with_replicas([]), profile, rank=rank,
                         world_size=world, device=torch.device("cpu"))

@@ -34,13 +34,7 @@ def resumed(saved: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def ref() -> tuple[dict, dict]:
     """One process, plain torch, all steps: model and optimizer state."""
-    m = make_model("mlp", 0)
-    o = make_optimizer("adam", m.parameters())
-    for step in range(STEPS):
-        x, y = batch("mlp", step)
-        o.zero_grad()
-        loss_fn("mlp", m(x), y).backward()
-        o.step()
+    m, o = w.train_plain(STEPS)
     return ({k: v.detach().clone() for k, v in m.state_dict().items()}, o.state_dict())
 
 
