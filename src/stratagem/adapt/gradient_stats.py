@@ -318,7 +318,7 @@ class GradStats:
         if not held:
             return None
         values = self.model.gradient_squares() if squares else None
-        out = torch.zeros(self.groups, dtype=torch.float64)
+        sums: list[list[torch.Tensor]] = [[] for _ in range(self.groups)]
         for gi, group in enumerate(self.optimizer.param_groups):
             for j, p in enumerate(group["params"]):
                 if id(p) not in held:
@@ -331,8 +331,10 @@ class GradStats:
                 d = self._divisors[gi][j] if self.preconditioned and self._divisors else None
                 if d is not None:
                     sq = sq / _local(d).to(torch.float64).square()
-                out[gi] += float(sq.sum())
-        return out
+                sums[gi].append(sq.sum())
+        # (one device-to-host copy per group, not one per parameter)
+        return torch.stack([torch.stack(t).sum().cpu() if t else
+                            torch.zeros((), dtype=torch.float64) for t in sums])
 
     # -- parameter-level norms ------------------------------------------------------------
     def _grads(self) -> list[list[torch.Tensor | None]]:
@@ -371,9 +373,8 @@ class GradStats:
                             for t in out]).double()
 
     # -- the step ------------------------------------------------------------------------
-    def begin_step(self, collect: bool, micros: int = 1) -> None:
-        """Start a step; ``collect=False`` (nothing needs the statistics) costs nothing.
-        ``micros``: the step's micro-batches."""
+    def begin_step(self, collect: bool) -> None:
+        """Start a step; ``collect=False`` (nothing needs the statistics) costs nothing."""
         self._reset()
         self.active = bool(collect) and self._ready()
         if self._sharded():  # squares of the next backward: the synced or the first one

@@ -497,7 +497,7 @@ class AdaptiveTrainer:
             phase = self.steps % self.stats_every
             pairwise = self.world_size == 1 and info.micros == 1
             self._collecting = wanted and (phase == 0 or (pairwise and phase == 1))
-            self.stats.begin_step(self._collecting, info.micros)
+            self.stats.begin_step(self._collecting)
         with contextlib.ExitStack() as stack:
             if not info.final:
                 if hasattr(self.model, "no_sync"):

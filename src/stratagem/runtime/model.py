@@ -534,12 +534,7 @@ class DistributedModel(nn.Module):
         """``id(param) -> name`` of the optimizer's stage-2 and stage-3 parameters: their
         gradients are never whole and averaged on every rank, so the gradient observers
         do not see them; :meth:`gradient_squares` does (empty without sharding)."""
-        if self._shard is None:
-            return {}
-        out = {id(self._shard.owned_param(o.param)): o.param for o in self.plan.shards.owned
-               if o.stage == 2}
-        out.update({id(p): n for n, p in self._shard.sharded_params.items()})
-        return out
+        return {} if self._shard is None else self._shard.gradient_param_names
 
     def collect_gradient_squares(self, on: bool) -> None:
         """Collective: in the next backward, sum every stage-2/3 parameter's squared

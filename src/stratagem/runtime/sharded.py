@@ -17,6 +17,7 @@ Why stages 1 and 2 are not ``ZeroRedundancyOptimizer``: see docs/concepts/shardi
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -163,6 +164,15 @@ class ShardEngine:
     def owned_param(self, name: str) -> nn.Parameter:
         """The stage-1/2 parameter ``name`` (as the engine holds it)."""
         return self._params[name]
+
+    @functools.cached_property
+    def gradient_param_names(self) -> dict[int, str]:
+        """``id(param) -> name`` of the stage-2 and stage-3 parameters (their gradients are
+        never whole and averaged on every rank); fixed once the engine is built."""
+        out = {id(self._params[o.param]): o.param for o in self.shards.owned
+               if o.stage == 2}
+        out.update({id(p): n for n, p in self.sharded_params.items()})
+        return out
 
     def set_requires_gradient_sync(self, on: bool) -> None:
         if self.shards.units:
