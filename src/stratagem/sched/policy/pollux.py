@@ -167,13 +167,14 @@ class PolluxPolicy:
         # count stays free for its next growth steps, so the jobs that gave it up are not
         # restarted again at every step.
         reserve = 0
-        for j in jobs:
-            if chosen[j.name] > j.max_replicas:
-                reserve += chosen[j.name] - j.max_replicas
-                chosen[j.name] = j.max_replicas
-        keep = [o <= j.max_replicas for j, o in zip(jobs, options, strict=True)]
-        costs = [f[k] for f, k in zip(costs, keep, strict=True)]
-        options = [o[k] for o, k in zip(options, keep, strict=True)]
+        if self.reserve_growth:  # (only then may a choice exceed a job's cap)
+            for j in jobs:
+                if chosen[j.name] > j.max_replicas:
+                    reserve += chosen[j.name] - j.max_replicas
+                    chosen[j.name] = j.max_replicas
+            keep = [o <= j.max_replicas for j, o in zip(jobs, options, strict=True)]
+            costs = [f[k] for f, k in zip(costs, keep, strict=True)]
+            options = [o[k] for o, k in zip(options, keep, strict=True)]
         return self._place(jobs, chosen, costs, options, cluster, current, reserve)
 
     @staticmethod
@@ -213,12 +214,11 @@ class PolluxPolicy:
                     if reps:
                         out[name] = reps
                         break
+        by_name = {j.name: j for j in jobs}
         if self.spread_aware:
-            by_name = {j.name: j for j in jobs}
             for name in order:
                 if name in out and name not in pinned:
                     self._unspread(by_name[name], out, state, cost_of[name], cluster)
-        by_name = {j.name: j for j in jobs}
         stuck: set[str] = set()
         while state.total_free > reserve:  # leftover GPUs: one step up where it helps most
             best, gain = None, 0.0
