@@ -320,16 +320,6 @@ class _Objective:
         return jac * dp
 
 
-def _residuals(u: np.ndarray, d: _Data) -> np.ndarray:
-    """The fit's residuals at ``u`` (see :class:`_Objective`)."""
-    return _Objective(d).residuals(u)
-
-
-def _jacobian(u: np.ndarray, d: _Data) -> np.ndarray:
-    """The analytic Jacobian of :func:`_residuals` at ``u``."""
-    return _Objective(d).jacobian(u)
-
-
 def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """Least-squares ``y ~ a + b x`` with both coefficients kept positive."""
     if np.unique(x).size < 2:

@@ -194,18 +194,15 @@ def shard_cost(plan: Plan, links: LinkModel, replicas: list[str], cal: Calibrati
     messages = 0
     per_msg = 2 * (W - 1)  # a ring all-gather or reduce-scatter: (n-1) sends and receives
 
-    def ring(n: float) -> list[tuple[str, str, float]]:
-        return [(a, replicas[(i + 1) % W], n * (W - 1) / W) for i, a in enumerate(replicas)]
-
     for u in shards.units:
         b = sum(nbytes[p] for p in u.params)
-        gather, _ = half_ring_s(links, replicas, b)
         rs, rs_moving = half_ring_s(links, replicas, b)
+        gather = rs  # (an all-gather moves what a reduce-scatter does)
         gathers = 2 if u.reshard_after_forward else 1
         exposed_s += gathers * gather
         events.append((_ready(cal, list(u.params)), f"reduce-scatter {u.module or '(root)'}",
                        rs, rs_moving))
-        flows += ring(b) * (gathers + 1)
+        flows += ring_flows(replicas, b / 2) * (gathers + 1)  # half a ring each
         messages += per_msg * (gathers + 1)
     owned_bytes: dict[int, int] = {}
     for o in shards.owned:
@@ -214,12 +211,12 @@ def shard_cost(plan: Plan, links: LinkModel, replicas: list[str], cal: Calibrati
         if o.stage == 2:
             t, moving = half_ring_s(links, replicas, b)
             events.append((_ready(cal, [o.param]), f"reduce {o.param}", t, moving))
-            flows += ring(b)
+            flows += ring_flows(replicas, b / 2)
             messages += per_msg
     for b in owned_bytes.values():  # one flat broadcast per owner
         t, _ = half_ring_s(links, replicas, b)
         exposed_s += t
-        flows += ring(b)
+        flows += ring_flows(replicas, b / 2)
         messages += per_msg
     return events, exposed_s, flows, messages
 
