@@ -346,7 +346,11 @@ def read_model_state(path: str | os.PathLike[str], map_location: Any = "cpu"
     """The whole model state dict of checkpoint ``path``, sharded or not (checksummed,
     ``weights_only``): what a plain single-process model loads."""
     p = Path(path)
-    meta = verify(p)
+    return _model_state(p, verify(p), map_location)
+
+
+def _model_state(p: Path, meta: dict[str, Any], map_location: Any) -> dict[str, torch.Tensor]:
+    """:func:`read_model_state` of a checkpoint whose ``meta`` :func:`verify` returned."""
     shards = meta.get("shards")
     if isinstance(shards, int) and shards > 0:
         tensors, _, _ = assemble_pieces(_read_pieces(p, "model", shards, map_location), str(p))
@@ -358,7 +362,12 @@ def read_optimizer_state(path: str | os.PathLike[str], map_location: Any = "cpu"
                          ) -> dict[str, Any] | None:
     """The whole ``optimizer.state_dict()`` of checkpoint ``path`` (None: none saved)."""
     p = Path(path)
-    meta = verify(p)
+    return _optimizer_state(p, verify(p), map_location)
+
+
+def _optimizer_state(p: Path, meta: dict[str, Any], map_location: Any
+                     ) -> dict[str, Any] | None:
+    """:func:`read_optimizer_state` of a checkpoint whose ``meta`` :func:`verify` returned."""
     shards = meta.get("shards")
     if isinstance(shards, int) and shards > 0:
         if not (p / "optimizer-shard0.pt").is_file():
@@ -376,9 +385,9 @@ def consolidate(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Pa
     ``model.pt`` and ``optimizer.pt`` that ``torch.load(weights_only=True)`` and plain
     torch's ``load_state_dict`` take."""
     p, final = Path(path), Path(out)
-    meta = read_meta(p)
-    model_state = read_model_state(p)
-    optim = read_optimizer_state(p)
+    meta = verify(p)
+    model_state = _model_state(p, meta, "cpu")
+    optim = _optimizer_state(p, meta, "cpu")
 
     def write(tmp: Path) -> None:
         _save_file(model_state, tmp / "model.pt")
@@ -619,7 +628,7 @@ def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer
     p = Path(path)
     meta = verify(p)
     if model is not None:
-        state = read_model_state(p, map_location)
+        state = _model_state(p, meta, map_location)
         check_model_state(state, _inner(model), str(p))
         load_full = getattr(model, "load_full_state_dict", None)
         try:
@@ -641,7 +650,7 @@ def load(path: str | os.PathLike[str], model: nn.Module | None = None, optimizer
                 warnings.warn(f"checkpoint was written by {meta['world_size']} replicas, now "
                               f"{world}: synchronizer state (e.g. PowerSGD) restarts fresh",
                               stacklevel=2)
-    state = read_optimizer_state(p, map_location) if optimizer is not None else None
+    state = _optimizer_state(p, meta, map_location) if optimizer is not None else None
     if state is not None:
         load_opt = getattr(model, "load_full_optimizer_state_dict", None)
         try:  # torch says ValueError (group sizes) or KeyError (missing fields)
