@@ -113,8 +113,8 @@ def _initialize(name: str, m: nn.Module, options: MetaInit) -> None:
 
 def rebind(optimizers: list[torch.optim.Optimizer], old: dict[str, nn.Parameter],
            new: dict[str, nn.Parameter]) -> None:
-    """Point the optimizers' parameter groups from the meta parameters ``old`` to their
-    materialized ``new`` ones (by name)."""
+    """Point the optimizers' parameter groups from the parameters ``old`` (meta ones, or
+    those FSDP2 replaced) to their ``new`` ones (by name)."""
     swap = {id(p): new[n] for n, p in old.items() if n in new}
     for opt in optimizers:
         for g in opt.param_groups:

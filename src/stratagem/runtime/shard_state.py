@@ -40,7 +40,7 @@ def _is_dtensor(t: Any) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
-def _rows(n0: int, rank: int, world: int) -> tuple[int, int]:
+def shard_rows(n0: int, rank: int, world: int) -> tuple[int, int]:
     """(offset, rows) of ``rank``'s ``Shard(0)`` slice of ``n0`` rows (torch.chunk)."""
     chunk = -(-n0 // world) if n0 else 0
     start = min(rank * chunk, n0)
@@ -50,7 +50,7 @@ def _rows(n0: int, rank: int, world: int) -> tuple[int, int]:
 def _local_piece(t: Any, rank: int, world: int, key: str) -> dict[str, Any] | None:
     local = t.to_local()
     shape = list(t.shape)
-    offset, rows = _rows(shape[0], rank, world)
+    offset, rows = shard_rows(shape[0], rank, world)
     if local.shape[0] != rows:
         raise StratagemError(f"{key}: this rank's shard has {local.shape[0]} rows, the dim-0 "
                              f"split of {shape[0]} over {world} workers gives {rows}",
@@ -179,7 +179,7 @@ def shard_entry(entry: dict[str, Any], p: Any, rank: int, world: int) -> dict[st
     local: dict[str, Any] = {}
     for k, v in entry.items():
         if torch.is_tensor(v) and not _is_dtensor(v) and tuple(v.shape) == tuple(p.shape):
-            offset, rows = _rows(v.shape[0], rank, world)
+            offset, rows = shard_rows(v.shape[0], rank, world)
             piece = v[offset:offset + rows].to(p.dtype).clone()
             local[k] = DTensor.from_local(piece, p.device_mesh, p.placements,
                                           run_check=False, shape=p.shape, stride=p.stride())

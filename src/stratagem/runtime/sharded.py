@@ -29,7 +29,7 @@ from torch import nn
 from stratagem.errors import StratagemError
 from stratagem.runtime.materialize import MetaInit, materialize, rebind
 from stratagem.runtime.plan import Owned, Plan
-from stratagem.runtime.shard_state import shard_entry
+from stratagem.runtime.shard_state import shard_entry, shard_rows
 
 
 def optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -152,10 +152,7 @@ class ShardEngine:
             if u.prefetch and i + 1 < len(wrapped):
                 wrapped[i].set_modules_to_forward_prefetch(wrapped[i + 1: i + 1 + u.prefetch])
         new = dict(module.named_parameters())
-        swap = {id(params[n]): new[n] for n in names}
-        for opt in self.optimizers:
-            for g in opt.param_groups:
-                g["params"] = [swap.get(id(p), p) for p in g["params"]]
+        rebind(self.optimizers, {n: params[n] for n in names}, new)
         self.sharded_params = {n: new[n] for n in names}
         self._root = module
         for opt, n, state in held:
@@ -387,8 +384,7 @@ class ShardEngine:
         padded[:n0].copy_(sq)
         out = sq.new_empty((chunk, *sq.shape[1:]))
         dist.reduce_scatter_tensor(out, padded, group=self._stats_group)
-        start = min(self.rank * chunk, n0)
-        self.squares[name] = out[:max(0, min(n0, start + chunk) - start)]
+        self.squares[name] = out[:shard_rows(n0, self.rank, world)[1]]
 
     @torch.no_grad()
     def share_owned(self, values: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
