@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -28,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from stratagem.launch.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -90,9 +91,7 @@ def worker(rank: int, port: int, out: str) -> None:
 def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="sg-ckpt-bench-"))
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         load_before = os.getloadavg()[0]
         mp.start_processes(worker, args=(port, str(out)), nprocs=WORLD, start_method="spawn")
         raw = json.loads((out / "times.json").read_text())

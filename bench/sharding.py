@@ -21,7 +21,6 @@ import ctypes.util
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -30,8 +29,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ps_vs_ddp import _commit
 from torch import nn
 from torch.nn import functional as F
+
+from stratagem.launch.local import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -196,22 +198,12 @@ def worker(rank: int, world: int, port: int, out: str, timed: bool) -> None:
 
 
 def run(world: int, timed: bool) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = RESULTS / f".sharding_{world}.tmp.json"
     mp.spawn(worker, args=(world, port, str(out), timed), nprocs=world, join=True)
     data = json.loads(out.read_text())
     out.unlink()
     return data
-
-
-def commit() -> str:
-    import subprocess
-
-    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True, timeout=10, check=False)
-    return out.stdout.strip()
 
 
 def main() -> None:
@@ -245,7 +237,7 @@ def main() -> None:
             "cpu_zero3_prefetch1_over_fsdp2": round(cpu[PREFETCH1] / cpu["FSDP2 direct"], 3)
             if cpu else None}
     result["host"] = {"cores": os.cpu_count(), "loadavg_1m_start": round(load0, 2),
-                      "commit": commit(),
+                      "commit": _commit(),
                       "loadavg_1m_end": round(os.getloadavg()[0], 2),
                       "note": "shared machine: other engineers' jobs ran meanwhile"}
     RESULTS.mkdir(exist_ok=True)
