@@ -337,7 +337,8 @@ def optimizer_state_from_pieces(tensors: dict[str, torch.Tensor], values: dict[s
     return {"state": dict(sorted(state.items())), "param_groups": skeleton["param_groups"]}
 
 
-def _read_pieces(p: Path, stem: str, shards: int, map_location: Any) -> list[Any]:
+def read_pieces(p: Path, stem: str, shards: int, map_location: Any = "cpu") -> list[Any]:
+    """Every rank's ``{stem}-shard{r}.pt`` piece file of checkpoint ``p`` (checksummed)."""
     return [load_file(p, f"{stem}-shard{r}.pt", map_location) for r in range(shards)]
 
 
@@ -353,7 +354,7 @@ def _model_state(p: Path, meta: dict[str, Any], map_location: Any) -> dict[str, 
     """:func:`read_model_state` of a checkpoint whose ``meta`` :func:`verify` returned."""
     shards = meta.get("shards")
     if isinstance(shards, int) and shards > 0:
-        tensors, _, _ = assemble_pieces(_read_pieces(p, "model", shards, map_location), str(p))
+        tensors, _, _ = assemble_pieces(read_pieces(p, "model", shards, map_location), str(p))
         return tensors
     return load_file(p, "model.pt", map_location)
 
@@ -373,7 +374,7 @@ def _optimizer_state(p: Path, meta: dict[str, Any], map_location: Any
         if not (p / "optimizer-shard0.pt").is_file():
             return None
         tensors, values, skeleton = assemble_pieces(
-            _read_pieces(p, "optimizer", shards, map_location), str(p))
+            read_pieces(p, "optimizer", shards, map_location), str(p))
         return optimizer_state_from_pieces(tensors, values, skeleton, str(p))
     if not (p / "optimizer.pt").is_file():
         return None

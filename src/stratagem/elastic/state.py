@@ -347,8 +347,7 @@ def _torch_bytes(obj: Any) -> bytes:
 def _load_sharded(state: State, path: Path, count: int) -> None:
     """Join the pieces every rank of the saving job wrote into the whole state (a model
     state dict, or an optimizer's when the pieces carry param groups) and load it."""
-    parts = [ckpt.load_file(path, state_filename(state.name, "pt", False, r, sharded=True))
-             for r in range(count)]
+    parts = ckpt.read_pieces(path, state.name, count)
     tensors, values, skeleton = ckpt.assemble_pieces(parts, str(path))
     whole: Any = tensors if skeleton is None else ckpt.optimizer_state_from_pieces(
         tensors, values, skeleton, str(path))
