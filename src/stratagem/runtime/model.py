@@ -499,6 +499,7 @@ class DistributedModel(nn.Module):
         process's optimizer would save it (owners' state and stage-3 slices gathered);
         plain torch optimizers load it."""
         from stratagem.runtime.shard_state import drop_foreign_state
+        from stratagem.runtime.sharded import whole_copy
 
         if self._shard is None:
             return optimizer.state_dict()
@@ -507,10 +508,8 @@ class DistributedModel(nn.Module):
             state = optimizer.state_dict()
             for entry in state["state"].values():
                 for k, v in entry.items():
-                    if hasattr(v, "full_tensor"):
-                        entry[k] = v.full_tensor().detach().clone()
-                    elif torch.is_tensor(v):
-                        entry[k] = v.detach().clone()
+                    if torch.is_tensor(v):
+                        entry[k] = whole_copy(v)
         finally:
             layout = self._layout()
             drop_foreign_state(optimizer, layout.owners, layout.names, layout.rank)

@@ -32,6 +32,12 @@ from stratagem.runtime.plan import Owned, Plan
 from stratagem.runtime.shard_state import shard_entry, shard_rows
 
 
+def whole_copy(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t``, gathered whole when it is a sharded DTensor (collective
+    then)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
 def optimizers_of(optimizer: Any) -> list[torch.optim.Optimizer]:
     if optimizer is None:
         return []
@@ -252,13 +258,7 @@ class ShardEngine:
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Collective: the module's state dict with every sharded tensor gathered whole
         (plain tensors: ``torch.load`` + ``load_state_dict`` of the plain model take it)."""
-        from torch.distributed.tensor import DTensor
-
-        out = {}
-        for k, v in module.state_dict().items():
-            out[k] = v.full_tensor().detach().clone() if isinstance(v, DTensor) \
-                else v.detach().clone()
-        return out
+        return {k: whole_copy(v) for k, v in module.state_dict().items()}
 
     def load_full_state_dict(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load whole tensors (a :meth:`full_state_dict`, any world size's) into this
