@@ -75,4 +75,7 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
     # the closing round, timed apart (a round that asks nothing)
     assert 0 < probe["closing_s"] < 0.05
     # the link, not the CPU, bounds this ring: half-precision bytes move at its rate too
-    assert 0.6 < probe["fp16_rate"] < 1.4 and 0.6 < probe["bf16_rate"] < 1.4, probe
+    # Half-precision rates are measured only when the warm-up says two passes fit the
+    # probe's budget: under load they may be skipped (both 0: the model then keeps fp32's).
+    halves = (probe["fp16_rate"], probe["bf16_rate"])
+    assert halves == (0.0, 0.0) or all(0.6 < r < 1.4 for r in halves), probe
