@@ -289,6 +289,7 @@ class DDPReducer:
 
     # -- forward ------------------------------------------------------------------------
     def prepare_for_forward(self) -> None:
+        self._armed = False  # (set again by forward() where DDP prepares a synced backward)
         self._queued = False
         self._reduced.clear()
 
