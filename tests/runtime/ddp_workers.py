@@ -112,6 +112,49 @@ def first_bucket_case(rank: int, world: int) -> dict:
             "groups": [sorted(g.params) for g in dm.plan.groups]}
 
 
+def hook_case(rank: int, world: int) -> dict:
+    """Which hook reduces: DDP's C++ reducer without observers; an observer added on
+    every rank after some steps brings a new DDP with the Python hook, and training goes on
+    as one process's would (tied weights: the model's shared parameter once)."""
+    dm = wrap(make_model("tied", seed=rank), rank, world, DDP)
+    o = make_optimizer("sgd", dm.parameters())
+    sl = local_slice(rank, world)
+    hooks, calls = [], []
+    for step in range(rt_workers.STEPS):
+        if step == 5:
+            dm.add_grad_observer(lambda event, g, buf, scale: calls.append(event))
+        x, y = batch("tied", step)
+        o.zero_grad()
+        loss_fn("tied", dm(x[sl]), y[sl]).backward()
+        o.step()
+        hooks.append(dm._reducer.hook_name)
+    return {"state": state(dm), "hooks": hooks, "observed": len(calls),
+            "steps": dm.comm_stats.steps, "collectives": dm.comm_stats.collectives,
+            "repr": dm.extra_repr(), "summary": dm.plan.summary()}
+
+
+def fp16_hooks_case(rank: int, world: int) -> dict:
+    """fp16 on the ddp engine: torch's built-in C++ FP16_COMPRESS hook, and the same with
+    an observer (torch's Python fp16_compress_hook): the same halves on the wire."""
+    out: dict[str, Any] = {}
+    for observed in (False, True):
+        dm = wrap(make_model("mlp", seed=rank), rank, world,
+                  AllReduce(chunk_size=2, compressor="fp16", engine="ddp"))
+        if observed:
+            dm.add_grad_observer(lambda *a: None)
+        o = make_optimizer("sgd", dm.parameters())
+        sl = local_slice(rank, world)
+        for step in range(10):
+            x, y = batch("mlp", step)
+            o.zero_grad()
+            loss_fn("mlp", dm(x[sl]), y[sl]).backward()
+            o.step()
+        out["python" if observed else "cpp"] = {"state": state(dm),
+                                                "hook": dm._reducer.hook_name,
+                                                "bytes": dm.comm_stats.payload_bytes}
+    return out
+
+
 def unused_case(rank: int, world: int) -> str:
     """A parameter without a gradient: refused at the next forward, with the fix."""
     dm = wrap(make_model("gated", seed=rank), rank, world, DDP)
@@ -193,7 +236,8 @@ def suite(rank: int, world: int, ckpt_dir: str) -> dict:
     out: dict[str, Any] = {}
     for name, fn in [("no_sync", no_sync_case), ("grad_weight", grad_weight_case),
                      ("batchnorm", batchnorm_case), ("buckets", buckets_case),
-                     ("first_bucket", first_bucket_case),
+                     ("first_bucket", first_bucket_case), ("hook", hook_case),
+                     ("fp16_hooks", fp16_hooks_case),
                      ("unused", unused_case), ("replan", regroup_case),
                      ("powersgd_roundtrip",
                       lambda r, w: powersgd_roundtrip(r, w, engine="ddp"))]:

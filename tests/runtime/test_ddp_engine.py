@@ -95,6 +95,31 @@ def test_the_first_group_sends_its_first_bytes_in_a_bucket_of_their_own(
         close(r["final"], reference("mlp", "sgd"))
 
 
+def test_cpp_reducer_until_an_observer_needs_python(w2: list[dict]) -> None:
+    """Nothing needs Python: DDP's own C++ reducer, no comm hook (as plain DDP). An
+    observer added on every rank brings a new DDP with the Python hook; the tied model
+    trains exactly as one process with the global batch throughout, and every synced
+    step is counted on both paths."""
+    per_rank = [check(r["hook"]) for r in w2]
+    close(per_rank[1]["state"], per_rank[0]["state"], rtol=0, atol=0)
+    close(per_rank[0]["state"], reference("tied", "sgd"))
+    for r in per_rank:
+        assert r["hooks"][:5] == ["c++ reducer, no hook"] * 5
+        assert all(h.startswith("python (") for h in r["hooks"][5:])
+        assert r["observed"] > 0 and r["steps"] == len(r["hooks"])
+        assert r["collectives"] >= r["steps"]
+        assert "engine=ddp (python (" in r["repr"]
+        assert "no comm hook (as plain DDP)" in r["summary"]
+
+
+def test_fp16_on_the_builtin_cpp_hook_equals_torchs_python_hook(w2: list[dict]) -> None:
+    for r in (check(r["fp16_hooks"]) for r in w2):
+        assert r["cpp"]["hook"] == "c++ FP16_COMPRESS hook"
+        assert r["python"]["hook"].startswith("python (")
+        assert r["cpp"]["bytes"] == r["python"]["bytes"]
+        close(r["cpp"]["state"], r["python"]["state"], rtol=0, atol=0)
+
+
 def test_bucket_caps_cut_only_the_first_group() -> None:
     """Caps in bytes: the first group split at whole parameters from its last-registered
     one, at the first size reaching the limit; other groups, and a first group within the

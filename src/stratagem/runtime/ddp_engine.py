@@ -10,10 +10,17 @@ synchronizers say ``engine: ddp`` is executed by DDP instead:
   per-bucket size limit per group (``bucket_cap_mb_list``), DDP filling its buckets with
   the parameters in reverse registration order as the plan does; the first group's
   first 1 MiB is a bucket of its own, as in plain DDP (:func:`bucket_caps`);
-* compression is torch's own communication hooks (``allreduce_hook``,
-  ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``), called from one hook
-  of this runtime that first applies ``grad_weight`` and shows the bucket to the gradient
-  observers (the adaptive loop's local statistics, no extra pass), and counts the traffic;
+* the reduction is C++ where nothing needs Python (:func:`hook_rule`): without a
+  compressor, DDP's own reducer with no comm hook (as plain DDP); with ``fp16``, torch's
+  built-in C++ ``FP16_COMPRESS`` hook. ``grad_weight`` is then applied by a hook per
+  parameter while it is not 1, and one parameter hook per backward starts the end-of-
+  backward work (buffers, traffic counts). Gradient observers (the adaptive loop's local
+  statistics, no extra pass), ``bf16`` and PowerSGD need the bucket in Python: torch's
+  Python hooks (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
+  ``powerSGD_hook``) are called from one hook of this runtime that first applies
+  ``grad_weight``, shows the bucket to the observers and counts the traffic. DDP takes
+  one hook, once: the choice is made at the first synced training forward
+  (:attr:`DDPReducer.hook_name` says it), and observers added later get a new DDP;
 * the options are :data:`stratagem.runtime.plan.DDP_OPTIONS` (the plan summary lists them).
 
 Buffers, the scaler's shared skip decision, ``no_sync``, gradient observers, ``grad_weight``,
@@ -38,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stratagem.errors import CheckpointError, DistributedError
 from stratagem.runtime.allreduce import GradObserver
-from stratagem.runtime.plan import DDP_OPTIONS, GroupPlan, Member, Plan
+from stratagem.runtime.plan import DDP_OPTIONS, GroupPlan, Member, Plan, hook_rule
 from stratagem.runtime.stats import CommStats
 
 POWERSGD_START = 2
@@ -52,6 +59,13 @@ group (the AllReduce builder's default group on the CNN of bench/auto_strategy.p
 its 2.9 MiB, which plain DDP sends as 1 MiB + the rest)."""
 
 _BUCKET_IDS = 1_000_000  # observer group ids of DDP buckets start here (a layout each)
+
+BUILTIN_HOOKS: dict[str, Any] = {"none": None,
+                                 "fp16": dist.BuiltinCommHookType.FP16_COMPRESS}
+"""Compressors DDP runs in C++: ``none`` is DDP's own reducer with no hook at all (as plain
+DDP), ``fp16`` its built-in ``FP16_COMPRESS`` hook. Others need torch's Python hooks."""
+
+PYTHON_HOOK = "python"
 
 
 def bucket_groups(plan: Plan, first_bytes: int | None = None) -> tuple[GroupPlan, ...]:
@@ -101,6 +115,27 @@ def _queue_callback(fn: Any) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def _started(ref: Any) -> Any:
+    """A parameter hook of the C++ path: a synced backward reached this parameter."""
+    def hook(param: nn.Parameter) -> None:
+        reducer = ref()
+        if reducer is not None and reducer._armed and not reducer._queued:
+            reducer._queued = True
+            _queue_callback(reducer._after_hooks)
+    return hook
+
+
+def _weigh(ref: Any) -> Any:
+    """A parameter hook of the C++ path: ``grad_weight`` on the (accumulated) gradient of a
+    synced backward, before DDP copies it into its bucket."""
+    def hook(param: nn.Parameter) -> None:
+        reducer = ref()
+        if reducer is not None and reducer._armed and reducer.grad_weight != 1.0 \
+                and param.grad is not None:
+            param.grad.mul_(reducer.grad_weight)
+    return hook
+
+
 def _hook(ref, bucket):  # (unannotated: DDP checks the annotations, and these are strings)
     """DDP's communication hook: the engine's own (``DDPReducer._reduce``)."""
     reducer = ref()
@@ -127,12 +162,7 @@ class DDPReducer:
         if plan.ps is not None:  # the PS engine's traffic on the default group stays apart
             group = dist.new_group(ranks=dist.get_process_group_ranks(group))
         self.group = group
-        # Size limits in launch order: each group one bucket, except that the first
-        # group's first FIRST_BUCKET_BYTES go in a bucket of their own (bucket_caps).
-        caps = [c / 2**20 for c in bucket_caps(plan)]  # (MiB as floats: torch takes MiB)
-        self.ddp: DistributedDataParallel | None = DistributedDataParallel(
-            module, process_group=group, init_sync=False, forward_sync_buffers=False,
-            bucket_cap_mb_list=caps, **asdict(DDP_OPTIONS))
+        self.ddp: DistributedDataParallel | None = self._make_ddp()
         compressor = plan.groups[0].compressor
         self._powersgd: powerSGD_hook.PowerSGDState | None = None
         if compressor == "powersgd":
@@ -145,7 +175,15 @@ class DDPReducer:
                           "fp16": default_hooks.fp16_compress_hook,
                           "bf16": default_hooks.bf16_compress_hook}.get(compressor)
         self._wire_bytes = {"fp16": 2, "bf16": 2}.get(compressor)
-        self.ddp.register_comm_hook(weakref.ref(self), _hook)
+        self._builtin = compressor in BUILTIN_HOOKS
+        self.hook: str | None = None  # decided at the first synced forward (hook_name)
+        self._wrapped = [p for n, p in params.items() if n in wrapped]
+        self._handles: list[Any] = []  # parameter hooks of the C++ path (_choose_hook)
+        self._weighting = False  # grad_weight hooks installed (_choose_hook)
+        self._armed = False  # the last forward prepared a synced backward
+        wire = self._wire_bytes
+        self._bucket_bytes = [b.numel * wire if wire else b.nbytes
+                              for b in bucket_groups(plan)]  # (the C++ path's counts)
         self._names = {id(p): n for n, p in params.items()}
         self._layouts: dict[tuple[int, tuple[str, ...]], GroupPlan] = {}
         self.grad_weight = 1.0
@@ -156,6 +194,79 @@ class DDPReducer:
         self._backwards = 0  # synced backward passes of this DDP
         self._reduced: list[tuple[int, GroupPlan, Any]] = []
         self._finish_extra: Any = None
+
+    def _make_ddp(self) -> DistributedDataParallel:
+        # Size limits in launch order: each group one bucket, except that the first
+        # group's first FIRST_BUCKET_BYTES go in a bucket of their own (bucket_caps).
+        caps = [c / 2**20 for c in bucket_caps(self.plan)]  # (MiB as floats: torch takes MiB)
+        return DistributedDataParallel(
+            self.module, process_group=self.group, init_sync=False,
+            forward_sync_buffers=False, bucket_cap_mb_list=caps, **asdict(DDP_OPTIONS))
+
+    # -- which hook: C++ where nothing needs Python ------------------------------------
+    @property
+    def hook_name(self) -> str:
+        """How the buckets are reduced: DDP's C++ reducer (no hook), torch's built-in C++
+        FP16_COMPRESS hook, or this runtime's Python hook around torch's Python hooks
+        (``undecided`` before the first synced training forward)."""
+        if self.hook is None:
+            return "undecided"
+        if self.hook == PYTHON_HOOK:
+            return f"python ({hook_rule(self.plan.groups[0].compressor).split(';')[0]})"
+        return self.hook
+
+    def _choose_hook(self) -> None:
+        """At a synced training forward: register the communication hook. DDP takes one,
+        once, before its first backward, so the choice waits until the gradient observers
+        are known; observers added after the C++ path was chosen get a new DDP (call
+        ``add_grad_observer`` on every rank before the same step, as the adaptive loop
+        does: a new DDP re-cuts its buckets after its first step, a collective)."""
+        if self.hook is not None:
+            if self.hook == PYTHON_HOOK or not self.observers:
+                return
+            self._rebuild()
+        assert self.ddp is not None
+        if not self._builtin or self.observers:
+            self.ddp.register_comm_hook(weakref.ref(self), _hook)
+            self.hook = PYTHON_HOOK
+            return
+        kind = BUILTIN_HOOKS[self.plan.groups[0].compressor]
+        if kind is not None:
+            self.ddp._register_builtin_comm_hook(kind)
+            self.hook = "c++ FP16_COMPRESS hook"
+        else:
+            self.hook = "c++ reducer, no hook"
+        # One Python call per backward (the end-of-backward work: buffers, counts), and
+        # grad_weight's scaling per parameter only while a weight is set (_weigh).
+        ref = weakref.ref(self)
+        self._handles.append(self._wrapped[0].register_post_accumulate_grad_hook(
+            _started(ref)))
+
+    def _weigh_gradients(self) -> None:
+        """The C++ path with ``grad_weight != 1``: scale each gradient in a hook of its
+        own (rank-local, unlike a change of DDP's hook); kept once installed."""
+        if self._weighting or self.hook == PYTHON_HOOK or self.grad_weight == 1.0:
+            return
+        ref = weakref.ref(self)
+        self._handles.extend(p.register_post_accumulate_grad_hook(_weigh(ref))
+                             for p in self._wrapped)
+        self._weighting = True
+
+    def _drop_param_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._weighting = False
+
+    def _rebuild(self) -> None:
+        """A new DDP for the same plan (the old one's hook cannot change)."""
+        sync = self.require_sync
+        self._drop_param_hooks()
+        self.ddp = None
+        gc.collect()  # (the old reducer's autograd hooks go with it)
+        self.ddp = self._make_ddp()
+        self.require_sync = sync
+        self.hook = None
 
     # -- the user's settings ---------------------------------------------------------
     @property
@@ -171,18 +282,23 @@ class DDPReducer:
         """Drop DDP (its C++ reducer removes its autograd hooks as it goes)."""
         if self.ddp is None:
             return
+        self._drop_param_hooks()
         self.ddp = None
         self.module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
         gc.collect()  # DDP's reference cycles: its reducer must go now, not later
 
     # -- forward ------------------------------------------------------------------------
     def prepare_for_forward(self) -> None:
+        self._armed = False  # (set again by forward() where DDP prepares a synced backward)
         self._queued = False
         self._reduced.clear()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward through DDP (which prepares its reducer for backward)."""
         assert self.ddp is not None
+        self._choose_hook()
+        self._weigh_gradients()
+        self._armed = self.ddp.require_backward_grad_sync
         try:
             return self.ddp(*args, **kwargs)
         except RuntimeError as exc:
@@ -258,6 +374,10 @@ class DDPReducer:
 
     def _after_ddp(self) -> None:
         try:
+            if self.hook != PYTHON_HOOK:  # (the Python hook counted each bucket)
+                for nbytes in self._bucket_bytes:
+                    self.stats.record(nbytes, self.world_size)
+                    self.stats.overlapped += 1
             self._reduced.sort(key=lambda r: r[0])  # (futures complete in any order)
             for fn in self.observers:
                 for _, layout, out in self._reduced:
@@ -270,6 +390,7 @@ class DDPReducer:
             self._finish_extra = None
             self._reduced.clear()
             self._queued = False
+            self._armed = False
 
     # -- state (PowerSGD's error feedback and warm-start factors) -----------------------
     # torch keys PowerSGD's per-bucket state by bucket index, and DDP re-cuts its buckets

@@ -616,8 +616,10 @@ class DistributedModel(nn.Module):
         self._reducer.load_state_dict(state)
 
     def extra_repr(self) -> str:
+        hook = getattr(self._reducer, "hook_name", None)
         return (f"rank={self.plan.rank}, world_size={self.plan.world_size}, "
-                f"groups={len(self.plan.groups)}, engine={self.plan.engine}")
+                f"groups={len(self.plan.groups)}, engine={self.plan.engine}"
+                + (f" ({hook})" if hook else ""))
 
 
 def _refuse_stage3_regroup(old: Plan, new: Plan | None) -> None:

@@ -138,6 +138,18 @@ class DDPOptions:
 DDP_OPTIONS = DDPOptions()
 
 
+def hook_rule(compressor: str) -> str:
+    """How the ddp engine reduces a group with ``compressor`` (the plan summary says it)."""
+    cpp = {"none": "DDP's own C++ all-reduce, no comm hook (as plain DDP)",
+           "fp16": "torch's built-in C++ FP16_COMPRESS hook"}.get(compressor)
+    py = {"none": "allreduce_hook", "fp16": "fp16_compress_hook",
+          "bf16": "bf16_compress_hook", "powersgd": "powerSGD_hook"}.get(compressor, compressor)
+    if cpp is None:
+        return f"torch's Python {py} (no C++ version)"
+    return (f"{cpp}; torch's Python {py} instead while gradient observers (the adaptive "
+            "loop's statistics) watch the buckets")
+
+
 @dataclass(frozen=True)
 class Member:
     """One gradient piece in a group's flat buffer.
@@ -365,7 +377,8 @@ class Plan:
         if self.engine == "ddp":
             lines.append("  engine: torch DistributedDataParallel, buckets = the groups in "
                          "launch order (the first group's first 1 MiB apart); options "
-                         f"{DDP_OPTIONS.describe()}")
+                         f"{DDP_OPTIONS.describe()}; reduced by "
+                         f"{hook_rule(self.groups[0].compressor)}")
         if self.densified:
             lines.append(f"  sparse gradients reduced densely: {', '.join(self.densified)}")
         if self.ps is not None:
