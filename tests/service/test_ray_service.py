@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from _load import patience
-from _ray_service import FAKE_GPU, JOB_SCRIPT
+from _ray_service import CRASH_SCRIPT, FAKE_GPU, JOB_SCRIPT
 
 from stratagem.service import store as st
 from stratagem.service.jobfile import parse_job
@@ -38,13 +38,13 @@ class Loop:
 
     def close(self) -> None:
         self.stop.set()
-        self.thread.join(timeout=120)
+        self.thread.join(timeout=patience(120))
         assert not self.thread.is_alive()
 
 
 def job(tmp: Path, name: str, *args: str, low: int = 1, high: int = 2,
-        rescale: str = "auto") -> object:
-    return parse_job({"name": name, "script": str(JOB_SCRIPT),
+        rescale: str = "auto", script: Path = JOB_SCRIPT) -> object:
+    return parse_job({"name": name, "script": str(script),
                       "args": [*args, "--out", str(tmp / f"{name}.json")],
                       "min_replicas": low, "max_replicas": high,
                       "resources": {"CPU": 1, "GPU": 1}, "adaptive": True,
@@ -65,7 +65,7 @@ def state(store: st.Store, name: str) -> str:
 def accuracy_alone(tmp: Path, *args: str) -> float:
     out = tmp / "alone.json"
     subprocess.run([sys.executable, str(JOB_SCRIPT), *args, "--out", str(out)], check=True,
-                   capture_output=True, timeout=120)
+                   capture_output=True, timeout=patience(120))
     return json.loads(out.read_text())["accuracy"]
 
 
@@ -120,7 +120,7 @@ def test_two_adaptive_jobs_share_the_cluster_and_survive_a_scheduler_restart(ray
 def test_a_crashing_job_is_backed_off_then_failed_while_another_finishes(ray_cluster,
                                                                          tmp_path):
     store = st.Store(tmp_path)
-    store.add_job(job(tmp_path, "crash", "--crash", high=1))
+    store.add_job(job(tmp_path, "crash", high=1, script=CRASH_SCRIPT))
     # checkpoint-restart form (torch.distributed's environment, no rescale store)
     store.add_job(job(tmp_path, "good", "--epochs", "2", high=1, rescale="restart"))
     loop = Loop(tmp_path)
@@ -234,7 +234,7 @@ def test_a_job_shrinks_and_grows_in_process_and_trains_as_alone(ray_cluster, tmp
     # the same parameters as one process training alone at the same global batch
     alone = tmp_path / "alone.json"
     subprocess.run([sys.executable, str(JOB_SCRIPT), "--epochs", "4", "--out", str(alone)],
-                   check=True, capture_output=True, timeout=120)
+                   check=True, capture_output=True, timeout=patience(120))
     want, got = (json.loads(p.read_text()) for p in (alone, tmp_path / "ip.json"))
     assert len(got["params"]) == len(want["params"]) == 420
     assert max(abs(a - b) for a, b in zip(got["params"], want["params"], strict=True)) < 1e-4
