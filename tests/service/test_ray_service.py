@@ -94,8 +94,13 @@ def test_two_adaptive_jobs_share_the_cluster_and_survive_a_scheduler_restart(ray
         restarts = {n: store.job(n).restarts for n in ("a", "b")}
         fresh = Scheduler(tmp_path, OPTS)  # a new scheduler: only the database carries over
         fresh.step()
-        assert [state(store, n) for n in ("a", "b")] == [st.RUNNING, st.RUNNING]
-        assert store.allocations() == before, "the new scheduler restarted a running job"
+        after = {n: state(store, n) for n in ("a", "b")}
+        # a running job keeps its workers. On a loaded machine a can finish its training
+        # while b's workers start (issue 47: b took 300 s at a load of 20): the new scheduler
+        # then finds a's workers done and marks it succeeded -- not restarted, not crashed
+        assert after["b"] == st.RUNNING and after["a"] in (st.RUNNING, st.SUCCEEDED), after
+        kept = {n: alloc for n, alloc in before.items() if after[n] == st.RUNNING}
+        assert store.allocations() == kept, "the new scheduler restarted a running job"
         assert {n: store.job(n).restarts for n in ("a", "b")} == restarts
         loop = Loop(tmp_path)
         wait_for(lambda: all(state(store, n) in st.FINAL for n in ("a", "b")), 180,
