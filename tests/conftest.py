@@ -17,6 +17,7 @@ for path in (TESTS, TESTS.parent / "tools"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+import _load  # noqa: E402
 import vcluster  # noqa: E402
 
 
@@ -53,3 +54,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                   or "vcluster" in path.name or path.parent.name == "service")
         group = SHARED_HOST if shared else str(path.relative_to(TESTS))
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Each test's pytest-timeout stretched by the same load factor as its waits
+    (:mod:`_load`), sampled once as it starts: on a loaded machine a test's own deadline,
+    not a fixed 300 s, ends a slow wait, and a hung test still ends (at most
+    ``MAX_FACTOR`` times its timeout). Runs before pytest-timeout reads the marker."""
+    _load.stretch_timeout(item, _load.begin_test())
+    try:
+        return (yield)
+    finally:
+        _load.end_test()

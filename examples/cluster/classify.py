@@ -7,8 +7,7 @@ time to act and more replicas go faster). Rank 0 prints ``training on N replicas
 after its first step at every new world size (the benchmark's decision-to-training end), and
 writes the held-out accuracy and the final parameters to ``--out`` (JSON) at the end.
 ``--ids DIR``: every replica appends the sample indices of each of its steps to a file there
-(the tests check that every sample is seen exactly once per epoch). ``--crash``: exit with
-status 3 at once.
+(the tests check that every sample is seen exactly once per epoch).
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -38,13 +36,9 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--adaptive", action="store_true")
-    p.add_argument("--crash", action="store_true")
     p.add_argument("--out", default="")
     p.add_argument("--ids", default="")
     a = p.parse_args()
-    if a.crash:
-        print("crashing on purpose", flush=True)
-        sys.exit(3)
     torch.manual_seed(0)
     ad = sg.AutoDist(verbose=False)
     plain = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))

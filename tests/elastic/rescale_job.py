@@ -3,10 +3,13 @@
 Started with ``STRATAGEM_RESCALE_STORE`` (and ``STRATAGEM_RESCALE_NPROC`` for the first
 workers), it joins the job's elastic group. Every step appends the sample ids it trained on
 to ``OUT/ids-<pid>.jsonl``. ``--leave-at S --leave-rank R``: rank R leaves after step S.
-``--wait-joiner-at S``: at step S a lone rank 0 waits until a new worker is ready to join, so
-that the join lands at a known step. ``--join-after-gen G``: a worker started early waits
-until the job reached generation G before it starts (joins late). At the end every worker writes
-``OUT/changes-<pid>.json`` (its rescales) and rank 0 ``OUT/final.pt``.
+``--sigterm-at S``: rank R (``--leave-rank``) gets SIGTERM at the boundary after step S,
+just after the members agreed on who leaves (the window where a SIGTERM once stopped the
+whole job instead of making one worker leave). ``--wait-joiner-at S``: at step S a lone
+rank 0 waits until a new worker is ready to join, so that the join lands at a known step.
+``--join-after-gen G``: a worker started early waits until the job reached generation G
+before it starts (joins late). At the end every worker writes ``OUT/changes-<pid>.json``
+(its rescales) and rank 0 ``OUT/final.pt``.
 
 The job: 3 epochs over 48 samples, global batch 8 (6 steps per epoch), Adam.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -54,9 +58,26 @@ def wait_for_generation(number: int) -> None:
         time.sleep(0.01)
 
 
+def sigterm_after_next_agreement() -> None:
+    """SIGTERM to this worker right after the next boundary's rescale agreement returns
+    (before the boundary's own stop agreement reads the signal flag)."""
+    from stratagem.elastic import boundary
+
+    agree = boundary.rescale_point
+
+    def then_sigterm() -> rescale.Change | None:
+        boundary.rescale_point = agree
+        change = agree()
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next line
+        return change
+
+    boundary.rescale_point = then_sigterm
+
+
 def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: int = 0,
           width: int = 16, epochs: int = EPOCHS, step_sleep: float = 0.0,
-          autoscale: bool = False, engine: str = "", zero: int = 0) -> None:
+          autoscale: bool = False, engine: str = "", zero: int = 0,
+          sigterm_at: int = 0) -> None:
     # engine: "" AutoDist's default builder; "stratagem"/"ddp" AllReduce on that engine
     builder = sg.strategy.AllReduce(engine=engine) if engine else None
     if zero:  # sharded: ZeRO at that stage (optimizer state split over the workers)
@@ -88,6 +109,8 @@ def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: in
                 opt.step()
                 if step == leave_at and ad.rank == leave_rank:
                     rescale.request_leave()
+                if step == sigterm_at and ad.rank == leave_rank:
+                    sigterm_after_next_agreement()
                 if step == wait_joiner_at and ad.rank == 0 and ad.world_size == 1:
                     while not group.ready_joiners():
                         time.sleep(0.005)
@@ -128,6 +151,7 @@ if __name__ == "__main__":
     parser.add_argument("--leave-at", type=int, default=0)
     parser.add_argument("--leave-rank", type=int, default=-1)
     parser.add_argument("--wait-joiner-at", type=int, default=0)
+    parser.add_argument("--sigterm-at", type=int, default=0)
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--step-sleep", type=float, default=0.0)
@@ -139,4 +163,4 @@ if __name__ == "__main__":
     if a.join_after_gen:
         wait_for_generation(a.join_after_gen)
     train(a.out, a.leave_at, a.leave_rank, a.wait_joiner_at, a.width, a.epochs, a.step_sleep,
-          a.autoscale, a.engine, a.zero)
+          a.autoscale, a.engine, a.zero, a.sigterm_at)

@@ -238,3 +238,34 @@ def test_a_frozen_member_is_detected_and_the_survivor_leaves(tmp_path: Path) -> 
     assert code == PEER_LOST, logs(tmp_path)
     assert waited < patience(60), waited  # far below the 600 s collective timeout
     assert "PeerLost" in logs(tmp_path) and "stopped answering" in logs(tmp_path)
+
+
+def test_a_sigterm_just_after_the_leave_agreement_makes_that_worker_leave(
+        tmp_path: Path) -> None:
+    """Issue 47: a SIGTERM to one member is a request to leave, whenever it lands. One that
+    arrived after the boundary's rescale agreement but before its stop agreement was read
+    there as a stop of the whole job: every member saved and exited 143 (the cluster
+    service's shrink then saw the survivor "crash"). Now the worker leaves at the next
+    boundary, the other trains on alone and ends like one uninterrupted process."""
+    port = free_port()
+    store = host_store("127.0.0.1", port)
+    extra = {"STRATAGEM_CHECKPOINT_DIR": str(tmp_path / "ckpt")}  # the stop path is live
+    procs = [start(tmp_path, port, 2, "--sigterm-at", "4", "--leave-rank", "1", extra=extra)
+             for _ in range(2)]
+    try:
+        codes = [p.wait(patience(60)) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        del store
+    text = logs(tmp_path)
+    assert codes == [0, 0], text
+    assert "stop requested" not in text and "left the job" in text, text
+    steps = records(tmp_path)
+    worlds = [steps[s][0]["world"] for s in sorted(steps)]
+    assert worlds == [2] * 5 + [1] * 13, worlds  # left at the boundary after step 5
+    got = torch.load(tmp_path / "final.pt", weights_only=True)
+    for k, v in reference()["model"].items():
+        torch.testing.assert_close(got["model"][k], v, rtol=1e-5, atol=1e-6, msg=k)

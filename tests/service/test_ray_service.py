@@ -8,15 +8,16 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from _load import patience
-from _ray_service import FAKE_GPU, JOB_SCRIPT
+from _ray_service import CRASH_SCRIPT, FAKE_GPU, JOB_SCRIPT
 
 from stratagem.service import store as st
 from stratagem.service.jobfile import parse_job
-from stratagem.service.ray_backend import RayBackend, store_name
+from stratagem.service.ray_backend import Launched, RayBackend, store_name
 from stratagem.service.scheduler import Scheduler, SchedulerOptions, job_dirs, job_env
 
 pytestmark = pytest.mark.slow
@@ -36,15 +37,23 @@ class Loop:
                                        daemon=True)
         self.thread.start()
 
-    def close(self) -> None:
+    def close(self, stop_jobs: bool = False) -> None:
+        """Stop stepping; with ``stop_jobs``, also stop every job still holding workers (a
+        failed test must not leave replicas on the fake GPUs the next test needs)."""
         self.stop.set()
-        self.thread.join(timeout=120)
-        assert not self.thread.is_alive()
+        self.thread.join(timeout=patience(120))
+        try:
+            assert not self.thread.is_alive()
+        finally:
+            if stop_jobs:
+                for alloc in self.scheduler.store.allocations().values():
+                    self.scheduler.backend.stop(Launched(alloc.group_name or "",
+                                                         alloc.actors), grace=0.0)
 
 
 def job(tmp: Path, name: str, *args: str, low: int = 1, high: int = 2,
-        rescale: str = "auto") -> object:
-    return parse_job({"name": name, "script": str(JOB_SCRIPT),
+        rescale: str = "auto", script: Path = JOB_SCRIPT) -> object:
+    return parse_job({"name": name, "script": str(script),
                       "args": [*args, "--out", str(tmp / f"{name}.json")],
                       "min_replicas": low, "max_replicas": high,
                       "resources": {"CPU": 1, "GPU": 1}, "adaptive": True,
@@ -65,7 +74,7 @@ def state(store: st.Store, name: str) -> str:
 def accuracy_alone(tmp: Path, *args: str) -> float:
     out = tmp / "alone.json"
     subprocess.run([sys.executable, str(JOB_SCRIPT), *args, "--out", str(out)], check=True,
-                   capture_output=True, timeout=120)
+                   capture_output=True, timeout=patience(120))
     return json.loads(out.read_text())["accuracy"]
 
 
@@ -87,21 +96,31 @@ def test_two_adaptive_jobs_share_the_cluster_and_survive_a_scheduler_restart(ray
                  "a's first step")
         store.add_job(job(tmp_path, "b", *args))
         wait_for(lambda: state(store, "b") == st.RUNNING, 120, "b to start")
-        assert len(store.allocations()["a"].replicas) == 1, "a was not shrunk to start b"
+        # (from the history: on a loaded machine a may even have finished meanwhile)
+        assert [n for _, n in store.allocation_history("a")][:2] == [2, 1], \
+            "a was not shrunk to start b"
         # restart the scheduler mid-run: nothing lost, running jobs left alone
         loop.close()
         before = store.allocations()
         restarts = {n: store.job(n).restarts for n in ("a", "b")}
-        fresh = Scheduler(tmp_path, OPTS)  # a new scheduler: only the database carries over
+        # a new scheduler: only the database carries over. In its first decision the jobs
+        # keep their replicas (min_runtime), so any change is the restart's doing, not the
+        # policy's (which may grow b into the GPU that a frees when it finishes)
+        fresh = Scheduler(tmp_path, replace(OPTS, min_runtime=3600.0))
         fresh.step()
-        assert [state(store, n) for n in ("a", "b")] == [st.RUNNING, st.RUNNING]
-        assert store.allocations() == before, "the new scheduler restarted a running job"
+        after = {n: state(store, n) for n in ("a", "b")}
+        # a running job keeps its workers. On a loaded machine a can finish its training
+        # while b's workers start (issue 47: b took 87-300 s at loads of 11-20): the new
+        # scheduler then finds a's workers done and marks it succeeded -- not restarted
+        assert after["b"] == st.RUNNING and after["a"] in (st.RUNNING, st.SUCCEEDED), after
+        kept = {n: alloc for n, alloc in before.items() if after[n] == st.RUNNING}
+        assert store.allocations() == kept, "the new scheduler restarted a running job"
         assert {n: store.job(n).restarts for n in ("a", "b")} == restarts
         loop = Loop(tmp_path)
         wait_for(lambda: all(state(store, n) in st.FINAL for n in ("a", "b")), 180,
                  "both jobs to finish")
     finally:
-        loop.close()
+        loop.close(stop_jobs=True)
     assert [state(store, n) for n in ("a", "b")] == [st.SUCCEEDED, st.SUCCEEDED]
     sizes = [count for _, count in store.allocation_history("a")]
     assert sizes[:2] == [2, 1], sizes
@@ -120,7 +139,7 @@ def test_two_adaptive_jobs_share_the_cluster_and_survive_a_scheduler_restart(ray
 def test_a_crashing_job_is_backed_off_then_failed_while_another_finishes(ray_cluster,
                                                                          tmp_path):
     store = st.Store(tmp_path)
-    store.add_job(job(tmp_path, "crash", "--crash", high=1))
+    store.add_job(job(tmp_path, "crash", high=1, script=CRASH_SCRIPT))
     # checkpoint-restart form (torch.distributed's environment, no rescale store)
     store.add_job(job(tmp_path, "good", "--epochs", "2", high=1, rescale="restart"))
     loop = Loop(tmp_path)
@@ -128,7 +147,7 @@ def test_a_crashing_job_is_backed_off_then_failed_while_another_finishes(ray_clu
         wait_for(lambda: all(state(store, n) in st.FINAL for n in ("crash", "good")), 150,
                  "both jobs to end")
     finally:
-        loop.close()
+        loop.close(stop_jobs=True)
     assert state(store, "crash") == st.FAILED
     assert state(store, "good") == st.SUCCEEDED
     assert store.job("crash").failures == OPTS.max_failures
@@ -167,7 +186,7 @@ def test_a_drained_node_checkpoints_its_jobs_which_resume_after(ray_cluster, tmp
         loop.scheduler.undrain(node)
         wait_for(lambda: state(store, "d") in st.FINAL, 120, "d to finish")
     finally:
-        loop.close()
+        loop.close(stop_jobs=True)
     assert state(store, "d") == st.SUCCEEDED and store.job("d").restarts == 1
     assert any("node drained" in t for _, _, t in store.events("d"))
     log = (tmp_path / "jobs" / "d" / "logs" / "rank-0.log").read_text()
@@ -234,7 +253,7 @@ def test_a_job_shrinks_and_grows_in_process_and_trains_as_alone(ray_cluster, tmp
     # the same parameters as one process training alone at the same global batch
     alone = tmp_path / "alone.json"
     subprocess.run([sys.executable, str(JOB_SCRIPT), "--epochs", "4", "--out", str(alone)],
-                   check=True, capture_output=True, timeout=120)
+                   check=True, capture_output=True, timeout=patience(120))
     want, got = (json.loads(p.read_text()) for p in (alone, tmp_path / "ip.json"))
     assert len(got["params"]) == len(want["params"]) == 420
     assert max(abs(a - b) for a, b in zip(got["params"], want["params"], strict=True)) < 1e-4

@@ -3,8 +3,9 @@
 Exit points come after each step of an AutoDist data loader and between the epochs of
 ``remaining_epochs_until``. At each one the members first apply pending joins and leaves
 (:func:`stratagem.elastic.rescale.rescale_point`); then, with a checkpoint directory
-configured, they agree whether any rank got SIGTERM and if so save every registered state
-and exit with :data:`~stratagem.elastic.signals.EXIT_CODE`; and whether a periodic
+configured, they agree whether any rank got SIGTERM (in an in-process elastic job: whether
+every member agreed to leave, since there a SIGTERM means "leave") and if so save every
+registered state and exit with :data:`~stratagem.elastic.signals.EXIT_CODE`; and whether a periodic
 checkpoint is due (every ``STRATAGEM_CHECKPOINT_STEPS`` steps or
 ``STRATAGEM_CHECKPOINT_SECONDS`` seconds), which bounds what a SIGKILLed worker costs: the
 job restarts from that checkpoint (``stratagem run --max-restarts``). Periodic checkpoints
@@ -85,7 +86,12 @@ def exit_point(step: bool = False) -> None:
         return
     install_signal_handler()
     ctx.steps_since_save += int(step)
-    stop, due = any_rank_flags(ctx.exit_requested, checkpoint_due(ctx, clock()))
+    # In an in-process elastic job a SIGTERM asks this worker to leave, and the rescale
+    # agreement above alone decides whether the whole job stops (every member leaving). The
+    # signal flag itself is not read again here: a SIGTERM that landed after the agreement
+    # would otherwise stop every member (the shrink of issue 47 that ended in exit 143).
+    requested = ctx.stop_agreed if ctx.group is not None else ctx.exit_requested
+    stop, due = any_rank_flags(requested, checkpoint_due(ctx, clock()))
     if not stop:
         if due:  # restarts the counters
             save_all_states(background=env.checkpoint_async())

@@ -55,6 +55,7 @@ class JobContext:
         self.pending: dict[str, dict[str, Any]] = {}  # rank 0's states, not created here yet
         self.exit_requested = False  # SIGTERM arrived (or request_exit)
         self.leave_requested = False  # in-process rescale: leave at the next boundary
+        self.stop_agreed = False  # in-process rescale: every member leaves, the job stops
         self.exit_holds = 0  # hold_exit() depth
         self.loader_iterations = 0  # data-loader iterations in progress (all loaders)
         self.steps_since_save = 0  # training steps since the last periodic/explicit save

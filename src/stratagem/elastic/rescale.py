@@ -31,7 +31,10 @@ Membership moves in *generations*:
 
 When every member leaves at once (the whole job is stopped), the checkpoint path of
 :func:`stratagem.elastic.exit_point` saves the job state and exits as usual (without a
-checkpoint directory the workers just exit).
+checkpoint directory the workers just exit). In an elastic job that agreement is the only
+way to the stop path: a SIGTERM always asks *this* worker to leave, and one that arrives
+after a boundary's agreement waits for the next boundary -- it never turns into a stop of
+the whole job because it landed between the agreement and the exit point's checks.
 All-reduce and ZeRO stage-1/2 strategies (parameter-server strategies are refused at the
 first rescale, ZeRO stage 3 at ``distribute()``); single-node resource
 specs (the world is rebuilt as this machine's workers).
@@ -447,8 +450,10 @@ class ElasticGroup:
 
     def _stop_all(self) -> None:
         """Every member leaves: the job stops. With a checkpoint directory the exit point
-        saves the job state and exits next; without one, exit now."""
+        saves the job state and exits next (every member agreed here, so every member
+        does); without one, exit now."""
         request_exit()
+        self.job.stop_agreed = True
         if checkpoint_root() is None:
             self._destroy()
             sys.exit(EXIT_CODE)
