@@ -96,9 +96,9 @@ def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: in
     changes = [asdict(c) for c in group.history] if group is not None else []
     (out / f"changes-{os.getpid()}.json").write_text(json.dumps(changes))
     optimizer = model.full_optimizer_state_dict(opt)  # (collective when sharded)
+    whole = model.full_state_dict()  # (collective with stage-3 units)
     if ad.rank == 0:
-        torch.save({"model": model.full_state_dict(), "optimizer": optimizer},
-                   out / "final.pt")
+        torch.save({"model": whole, "optimizer": optimizer}, out / "final.pt")
 
 
 def _state_numel(opt: torch.optim.Optimizer) -> int:

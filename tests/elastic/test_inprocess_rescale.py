@@ -49,7 +49,7 @@ def logs(out: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("worker-*.log")))
 
 
-@pytest.fixture(scope="module", params=["default", "ddp", "zero2"])
+@pytest.fixture(scope="module", params=["default", "ddp", "zero2", "zero3"])
 def run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """The job on AutoDist's default strategy, on AllReduce run by torch's DDP reducer
     (rebuilt on each membership change; one process runs without it), and sharded by
