@@ -142,7 +142,8 @@ def test_limit_below_one_shard_is_refused() -> None:
     assert "nodes[0].memory" in str(err.value)
 
 
-def test_max_zero_stage_keeps_auto_to_stages_that_reshard_in_place() -> None:
+def test_max_zero_stage_keeps_auto_to_stages_that_rescale_within_the_limit() -> None:
+    # (an in-process elastic job gets 2: a stage-3 rescale gathers everything whole)
     # the 26-unit limit of test_auto_picks_the_fastest_that_fits: only ZeRO-3 fits there
     big = 2**20
     profile = analyze(Blocks(16, width=512))

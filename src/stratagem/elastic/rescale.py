@@ -32,9 +32,10 @@ Membership moves in *generations*:
 When every member leaves at once (the whole job is stopped), the checkpoint path of
 :func:`stratagem.elastic.exit_point` saves the job state and exits as usual (without a
 checkpoint directory the workers just exit).
-All-reduce and ZeRO stage-1/2 strategies (parameter-server strategies are refused at the
-first rescale, ZeRO stage 3 at ``distribute()``); single-node resource
-specs (the world is rebuilt as this machine's workers).
+All-reduce and ZeRO strategies (stage-3 units are gathered whole in the old group and
+sharded again in the new one: ``DistributedModel.before_regroup``; parameter-server
+strategies are refused at the first rescale); single-node resource specs (the world is
+rebuilt as this machine's workers).
 """
 
 from __future__ import annotations
