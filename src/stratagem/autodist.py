@@ -38,6 +38,7 @@ from stratagem.errors import StratagemError, install_excepthook
 from stratagem.launch.env import active_nodes, nproc_override
 from stratagem.observe import MetricsFile, ProgressDisplay, logger
 from stratagem.planner import Choice, choose, explain_text
+from stratagem.planner.memory import check_rescale_fits
 from stratagem.resource import ResourceSpec
 from stratagem.runtime import DistributedModel, compile_plan
 from stratagem.runtime.ps import Cluster, join_cluster, run_server
@@ -448,8 +449,11 @@ class AutoDist:
         if self.elastic_group is not None and plan.shards is not None and plan.shards.units:
             # an in-process rescale rebuilds the stage-3 units from a copy of the model
             # without values (runtime/skeleton.py): a model that cannot be copied is
-            # refused now, not at its first rescale
+            # refused now, not at its first rescale; so is one whose gather of the whole
+            # model at a rescale would not fit the memory limit
             skeleton(model)
+            check_rescale_fits(self.strategy, self.profile, self.resource_spec,
+                               self.world_size, optimizer)
         self.model = DistributedModel(model, plan, optimizer=optimizer, cluster=self.cluster)
         if self._plan_pending:
             self.model.on_first_training_forward(
