@@ -14,23 +14,34 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rt_common import batch, guarded, loss_fn, make_model, make_optimizer
+from rt_common import MLP, batch, guarded, loss_fn, make_model, make_optimizer
 from shard_workers import CASES, state_numel
 
 from stratagem.analysis import analyze
 from stratagem.elastic import wire
 from stratagem.errors import StratagemError
-from stratagem.runtime import DistributedModel, compile_plan
+from stratagem.runtime import DistributedModel, MetaInit, compile_plan
+from stratagem.runtime.materialize import materialize
 
 N = 12  # global batch
 PHASES = ((4, range(0, 3)), (2, range(3, 6)), (3, range(6, 9)))  # (world, steps)
 STEPS = 9
 
 
+def new_model(case: str, seed: int) -> tuple[torch.nn.Module, MetaInit | None]:
+    """The MLP, eager (seeded by ``seed``) or, for a ``_meta`` case, built on the meta
+    device and given values by MetaInit (unit by unit, each sharded as it is made)."""
+    if not case.endswith("_meta"):
+        return make_model("mlp", seed=seed), None
+    with torch.device("meta"):
+        return MLP().double(), MetaInit(seed=0)
+
+
 def plan_for(module: torch.nn.Module, case: str, rank: int, world: int) -> Any:
     profile = analyze(module)
-    return compile_plan(CASES[case](profile).with_replicas([]), profile, rank=rank,
-                        world_size=world, device=torch.device("cpu"))
+    strategy = CASES[case.removesuffix("_meta")](profile).with_replicas([])
+    return compile_plan(strategy, profile, rank=rank, world_size=world,
+                        device=torch.device("cpu"))
 
 
 def join(out: Path, name: str, rank: int, world: int) -> None:
@@ -54,9 +65,10 @@ def chain(rank: int, out: Path, case: str) -> dict[str, Any]:
     newcomer (a fresh model, rank 0's optimizer state) and three train."""
     out.mkdir(parents=True, exist_ok=True)
     join(out, f"{case}-g0", rank, 4)
-    model = make_model("mlp", seed=rank)  # (different values: rank 0's are broadcast)
+    model, meta = new_model(case, rank)  # (different values: rank 0's are broadcast)
     opt = make_optimizer("adam", model.parameters())
-    dm = DistributedModel(model, plan_for(model, case, rank, 4), optimizer=opt)
+    dm = DistributedModel(model, plan_for(model, case, rank, 4), optimizer=opt,
+                          materialize=meta)
     train(dm, opt, rank, 4, PHASES[0][1])
     held = {4: state_numel(opt)}
     dm.before_regroup()
@@ -70,9 +82,10 @@ def chain(rank: int, out: Path, case: str) -> dict[str, Any]:
     if rank == 3:
         return {"left": True, "held": held}
     if rank == 2:  # a newcomer: alone first (world 1), then rank 0's state
-        fresh = make_model("mlp", seed=9)
+        fresh, meta = new_model(case, 9)
         opt = make_optimizer("adam", fresh.parameters())
-        dm = DistributedModel(fresh, plan_for(fresh, case, 0, 1), optimizer=opt)
+        dm = DistributedModel(fresh, plan_for(fresh, case, 0, 1), optimizer=opt,
+                              materialize=meta)
         join(out, f"{case}-g2", 2, 3)
         opt.load_state_dict(wire.broadcast_state(None)["optimizer"])
     else:
@@ -98,9 +111,12 @@ def run(rank: int, world: int, where: Path, cases: tuple[str, ...]) -> dict[str,
     return {case: guarded(lambda case=case: chain(rank, where / case, case)) for case in cases}
 
 
-def reference() -> dict[str, Any]:
-    """The same global batches in one process, plain torch."""
-    model = make_model("mlp", seed=0)
+def reference(case: str = "") -> dict[str, Any]:
+    """The same global batches in one process, plain torch (a ``_meta`` case's model
+    given its values by the same materialization)."""
+    model, meta = new_model(case, 0)
+    if meta is not None:
+        materialize(model, meta, torch.device("cpu"))
     opt = make_optimizer("adam", model.parameters())
     for step in range(STEPS):
         x, y = batch("mlp", step, n=N)

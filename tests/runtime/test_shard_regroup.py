@@ -1,7 +1,7 @@
 """In-process resharding of stage-3 (FSDP2) units: 4 -> 2 -> 3 workers with the calls the
 elastic lifecycle makes (``before_regroup``, a new group, ``regroup``), with uneven row
-splits (9 rows over 4 workers, 4 over 3: some ranks hold none), against one process of
-plain torch. The elastic job itself (store, joiners, loaders) is
+splits (9 rows over 4 workers, 4 over 3: some ranks hold none), also of a model built on the meta
+device, against one process of plain torch. The elastic job itself (store, joiners, loaders) is
 tests/elastic/test_inprocess_rescale.py (``zero3``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from rt_common import check, spawn
 
 pytestmark = pytest.mark.slow
 
-CASES = ("zero3", "zero3_keep", "mixed")
+CASES = ("zero3", "zero3_keep", "mixed", "zero3_meta")
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +22,9 @@ def chains(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return spawn(w.run, 4, out, where=out, cases=CASES)
 
 
-@pytest.fixture(scope="module")
-def ref() -> dict:
-    return w.reference()
-
-
 @pytest.mark.parametrize("case", CASES)
-def test_resharded_training_equals_one_process(case: str, chains: list[dict],
-                                               ref: dict) -> None:
+def test_resharded_training_equals_one_process(case: str, chains: list[dict]) -> None:
+    ref = w.reference(case)
     results = [check(r[case]) for r in chains]
     assert results[3]["left"] and "state" not in results[3]
     for r in results[:3]:
