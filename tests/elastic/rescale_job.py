@@ -108,7 +108,8 @@ def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: in
 
 def _state_numel(opt: torch.optim.Optimizer) -> int:
     """Elements of optimizer state this worker holds (a sharded job: its share)."""
-    return sum(v.numel() for st in opt.state.values() for v in st.values()
+    return sum((v.to_local() if hasattr(v, "to_local") else v).numel()  # (a DTensor: its rows)
+               for st in opt.state.values() for v in st.values()
                if torch.is_tensor(v) and v.dim() > 0)
 
 
