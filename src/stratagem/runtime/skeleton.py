@@ -35,7 +35,6 @@ def skeleton(module: nn.Module) -> nn.Module:
                                    requires_grad=p.requires_grad)
     for b in module.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
-    keep = [*module.parameters(), *module.buffers()]  # ids stay valid while copying
     try:
         return copy.deepcopy(module, memo)
     except Exception as exc:  # an attribute that cannot be copied (a lock, a file...)
@@ -44,8 +43,6 @@ def skeleton(module: nn.Module) -> nn.Module:
             f"{type(exc).__name__}: {exc}"[:400], where="stage-3 in-process rescale",
             fix="keep objects that copy.deepcopy refuses off the model's modules, use ZeRO "
                 "stage 1 or 2, or checkpoint-restart (SIGTERM and relaunch)") from None
-    finally:
-        del keep
 
 
 def assemble(skel: nn.Module, live: nn.Module, whole: dict[str, torch.Tensor]) -> nn.Module:
