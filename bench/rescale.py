@@ -1,6 +1,7 @@
 """Rescale time 2 -> 1 -> 2 workers: in-process rescale vs checkpoint-restart (torchrun).
 
     python bench/rescale.py [--reps 3] [--width 1024] [--out bench/results/rescale.json]
+    python bench/rescale.py --zero-stages 2 3 [--reps 3]   # in-process, sharded: ZeRO-2 vs -3
 
 In-process: two workers share a rescale store (``STRATAGEM_RESCALE_STORE``); rank 1 leaves
 after step 5; a new worker is started once it is gone and joins at the next step boundary
@@ -16,6 +17,11 @@ model build, restore), which is time without training.
 
 The model: an MLP with 3 hidden layers of ``--width`` units (width 1024: 2.1 M parameters),
 Adam, so the state handed over is parameters plus two moments. Medians over ``--reps``.
+
+``--zero-stages 2 3``: the in-process rescale only, the model sharded by ``ZeRO(stage=s)``
+for each stage, interleaved in every rep (``results/rescale_zero.json``): stage 3 gathers
+its FSDP2 units whole before the change and shards the rebuilt model after it (docs/
+concepts/sharding.md), stage 2 gathers the owners' optimizer state.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ N, BATCH = 4096, 64
 
 
 # -- the worker ---------------------------------------------------------------------------------
-def worker(out: Path, width: int, leave_at: int, step_sleep: float) -> None:
+def worker(out: Path, width: int, leave_at: int, step_sleep: float, zero: int = 0) -> None:
     import torch
     from torch import nn
     from torch.utils.data import TensorDataset
@@ -46,7 +52,12 @@ def worker(out: Path, width: int, leave_at: int, step_sleep: float) -> None:
     import stratagem as sg
     from stratagem.elastic import rescale
 
-    ad = sg.AutoDist(verbose=False)
+    builder = None
+    if zero:
+        from stratagem.strategy.builders import ZeRO
+
+        builder = ZeRO(stage=zero)
+    ad = sg.AutoDist(strategy_builder=builder, verbose=False)
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                           nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
@@ -120,16 +131,18 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def worker_cmd(out: Path, args: argparse.Namespace, leave_at: int = 0) -> list[str]:
+def worker_cmd(out: Path, args: argparse.Namespace, leave_at: int = 0, zero: int = 0
+               ) -> list[str]:
     return [__file__, "--worker", "--dir", str(out), "--width", str(args.width),
-            "--leave-at", str(leave_at), "--step-sleep", str(args.step_sleep)]
+            "--leave-at", str(leave_at), "--step-sleep", str(args.step_sleep),
+            "--zero", str(zero)]
 
 
 # -- in-process -----------------------------------------------------------------------------------
-def in_process(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
+def in_process(args: argparse.Namespace, tmp: Path, zero: int = 0) -> dict[str, float]:
     from stratagem.elastic.rescale import host_store
 
-    out = tmp / "inproc"
+    out = tmp / f"inproc-{zero}"
     out.mkdir()
     port = free_port()
     store = host_store("127.0.0.1", port)
@@ -137,7 +150,7 @@ def in_process(args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     logf = (out / "workers.log").open("w")
 
     def spawn() -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, *worker_cmd(out, args, leave_at=5)],
+        return subprocess.Popen([sys.executable, *worker_cmd(out, args, leave_at=5, zero=zero)],
                                 env=env, stdout=logf, stderr=subprocess.STDOUT)
 
     first = [spawn(), spawn()]
@@ -215,12 +228,18 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--step-sleep", type=float, default=0.02,
                         help="pause after each step (keeps the 2-core box responsive)")
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).parent / "results" / "rescale.json")
+    parser.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--zero-stages", type=int, nargs="+", choices=[1, 2, 3],
+                        help="in-process only, sharded by ZeRO at each stage (interleaved)")
+    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.worker:
-        worker(args.dir, args.width, args.leave_at, args.step_sleep)
+        worker(args.dir, args.width, args.leave_at, args.step_sleep, args.zero)
         return
+    if args.zero_stages:
+        zero_stages(args)
+        return
+    args.out = args.out or Path(__file__).parent / "results" / "rescale.json"
     inproc, restart = [], []
     load_before = os.getloadavg()
     for rep in range(args.reps):
@@ -250,6 +269,42 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["median"], indent=2))
     print(f"wrote {args.out}")
+
+
+def zero_stages(args: argparse.Namespace) -> None:
+    """In-process rescale of the model sharded at each of ``args.zero_stages``,
+    interleaved in every rep; medians and the ratios to the first stage."""
+    runs: dict[int, list[dict[str, float]]] = {z: [] for z in args.zero_stages}
+    load_before = os.getloadavg()
+    for rep in range(args.reps):
+        with tempfile.TemporaryDirectory(prefix="sg-rescale-zero-") as tmp:
+            for z in args.zero_stages:
+                runs[z].append(in_process(args, Path(tmp), zero=z))
+        print(f"rep {rep + 1}/{args.reps}: " + ", ".join(
+            f"ZeRO-{z} {runs[z][-1]}" for z in args.zero_stages), flush=True)
+    med = {f"ZeRO-{z}": median_of(r) for z, r in runs.items()}
+    first = f"ZeRO-{args.zero_stages[0]}"
+    params = 32 * args.width + 2 * args.width * args.width + args.width * 10 + 3 * args.width + 10
+    result = {
+        "benchmark": "in-process rescale 2->1->2 workers of a sharded model, by ZeRO stage",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version(),
+                    "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]]},
+        "model": {"kind": "MLP 32-w-w-w-10", "width": args.width, "parameters": params,
+                  "optimizer": "Adam"},
+        "reps": args.reps,
+        "median": med,
+        "pause_total_over_" + first: {
+            k: round((m["pause_2to1_s"] + m["pause_1to2_s"])
+                     / (med[first]["pause_2to1_s"] + med[first]["pause_1to2_s"]), 3)
+            for k, m in med.items()},
+        "runs": {f"ZeRO-{z}": r for z, r in runs.items()},
+    }
+    out = args.out or Path(__file__).parent / "results" / "rescale_zero.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["median"], indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

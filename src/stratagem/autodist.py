@@ -38,10 +38,12 @@ from stratagem.errors import StratagemError, install_excepthook
 from stratagem.launch.env import active_nodes, nproc_override
 from stratagem.observe import MetricsFile, ProgressDisplay, logger
 from stratagem.planner import Choice, choose, explain_text
+from stratagem.planner.memory import check_rescale_fits
 from stratagem.resource import ResourceSpec
 from stratagem.runtime import DistributedModel, compile_plan
 from stratagem.runtime.ps import Cluster, join_cluster, run_server
 from stratagem.runtime.ps.optim import sparse_class
+from stratagem.runtime.skeleton import skeleton
 from stratagem.strategy import (
     AllReduce,
     Auto,
@@ -339,8 +341,9 @@ class AutoDist:
             options = replace(options, servers=False)
         if (options.max_zero_stage > 2 and self.elastic_group is not None
                 and self.resource_spec.memory_limit() is not None):
-            self.log("Auto: ZeRO stages 1 and 2 only (an in-process elastic job reshards "
-                     "those; stage-3 units cannot be resharded in place)")
+            self.log("Auto: ZeRO stages 1 and 2 only (an in-process rescale of stage-3 "
+                     "units gathers the whole parameters and optimizer state on every "
+                     "worker: a model that needs stage 3 to fit has no room for that)")
             options = replace(options, max_zero_stage=2)
         if (options.servers and self.adaptive is not None
                 and self.adaptive.needs_gradient_statistics):
@@ -444,13 +447,13 @@ class AutoDist:
         if self.role == "server":
             self._serve(model, optimizer, plan)  # exits the process
         if self.elastic_group is not None and plan.shards is not None and plan.shards.units:
-            raise StratagemError(
-                "an in-process elastic job cannot reshard stage-3 (FSDP2) units when "
-                "workers join or leave", where=f"strategy {self.strategy.id}",
-                fix="use ZeRO(stage=1) or ZeRO(stage=2) (in-process rescale reshards those), "
-                    "or run the stage-3 job with checkpoint-restart (stratagem run "
-                    "--nnodes MIN:MAX without STRATAGEM_RESCALE_STORE): its checkpoints "
-                    "restore onto any number of workers")
+            # an in-process rescale rebuilds the stage-3 units from a copy of the model
+            # without values (runtime/skeleton.py): a model that cannot be copied is
+            # refused now, not at its first rescale; so is one whose gather of the whole
+            # model at a rescale would not fit the memory limit
+            skeleton(model)
+            check_rescale_fits(self.strategy, self.profile, self.resource_spec,
+                               self.world_size, optimizer)
         self.model = DistributedModel(model, plan, optimizer=optimizer, cluster=self.cluster)
         if self._plan_pending:
             self.model.on_first_training_forward(

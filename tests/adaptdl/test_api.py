@@ -216,6 +216,29 @@ def test_adam_gets_adamscale_and_preconditioned_statistics_only_when_asked(
             torch.distributed.destroy_process_group()
 
 
+def test_the_wrapped_model_follows_a_stage3_rescale_s_rebuild() -> None:
+    """A stage-3 in-process rescale gives the distributed model a new module
+    (runtime/skeleton.py); the drop-in's ``module`` and ``_state.model`` follow it."""
+    import stratagem.adaptdl.torch as adl
+    from stratagem.adaptdl.torch import job
+    from stratagem.elastic import MembershipChange, current_job
+
+    try:
+        model = torch.nn.Linear(3, 1)
+        dmodel = adl.AdaptiveDataParallel(model, torch.optim.Adam(model.parameters()))
+        assert dmodel in current_job().participants()
+        rebuilt = torch.nn.Linear(3, 1)
+        dmodel._dist.module = rebuilt  # what DistributedModel.before_regroup does at stage 3
+        dmodel.on_membership_change(MembershipChange(0, 1, newcomer=False, joiners=False))
+        assert dmodel.module is rebuilt and dmodel._state.model is rebuilt
+        assert [id(p) for p in dmodel.parameters()] == [id(p) for p in rebuilt.parameters()]
+    finally:
+        job.reset()
+        drop_job()
+        if torch.distributed.is_initialized():  # the one-process group the model joined
+            torch.distributed.destroy_process_group()
+
+
 def test_autoscaled_epochs_end_on_progress_as_adaptdl_s(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
     """AdaptDL's epoch under autoscaling: batches until the progress made before a batch's

@@ -9,7 +9,8 @@ whole job instead of making one worker leave). ``--wait-joiner-at S``: at step S
 rank 0 waits until a new worker is ready to join, so that the join lands at a known step.
 ``--join-after-gen G``: a worker started early waits until the job reached generation G
 before it starts (joins late). At the end every worker writes ``OUT/changes-<pid>.json``
-(its rescales) and rank 0 ``OUT/final.pt``.
+(its rescales) and rank 0 ``OUT/final.pt``. ``--uncopyable``: the model holds an attribute
+``copy.deepcopy`` refuses (stage 3 is then refused).
 
 The job: 3 epochs over 48 samples, global batch 8 (6 steps per epoch), Adam.
 """
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -77,7 +79,7 @@ def sigterm_after_next_agreement() -> None:
 def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: int = 0,
           width: int = 16, epochs: int = EPOCHS, step_sleep: float = 0.0,
           autoscale: bool = False, engine: str = "", zero: int = 0,
-          sigterm_at: int = 0) -> None:
+          sigterm_at: int = 0, uncopyable: bool = False) -> None:
     # engine: "" AutoDist's default builder; "stratagem"/"ddp" AllReduce on that engine
     builder = sg.strategy.AllReduce(engine=engine) if engine else None
     if zero:  # sharded: ZeRO at that stage (optimizer state split over the workers)
@@ -86,6 +88,8 @@ def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: in
         builder = ZeRO(stage=zero)
     ad = sg.AutoDist(strategy_builder=builder, verbose=False)
     plain = make_model(width)
+    if uncopyable:  # an attribute copy.deepcopy refuses (stage 3 rebuilds from a copy)
+        plain.lock = threading.Lock()
     model, opt = ad.distribute(plain, torch.optim.Adam(plain.parameters(), lr=0.01))
     loader = ad.data_loader(dataset(), batch_size=BATCH, shuffle=True, seed=SEED)
     if autoscale:
@@ -119,14 +123,15 @@ def train(out: Path, leave_at: int = 0, leave_rank: int = -1, wait_joiner_at: in
     changes = [asdict(c) for c in group.history] if group is not None else []
     (out / f"changes-{os.getpid()}.json").write_text(json.dumps(changes))
     optimizer = model.full_optimizer_state_dict(opt)  # (collective when sharded)
+    whole = model.full_state_dict()  # (collective with stage-3 units)
     if ad.rank == 0:
-        torch.save({"model": model.full_state_dict(), "optimizer": optimizer},
-                   out / "final.pt")
+        torch.save({"model": whole, "optimizer": optimizer}, out / "final.pt")
 
 
 def _state_numel(opt: torch.optim.Optimizer) -> int:
     """Elements of optimizer state this worker holds (a sharded job: its share)."""
-    return sum(v.numel() for st in opt.state.values() for v in st.values()
+    return sum((v.to_local() if hasattr(v, "to_local") else v).numel()  # (a DTensor: its rows)
+               for st in opt.state.values() for v in st.values()
                if torch.is_tensor(v) and v.dim() > 0)
 
 
@@ -159,8 +164,9 @@ if __name__ == "__main__":
     parser.add_argument("--autoscale", action="store_true")
     parser.add_argument("--engine", default="", choices=["", "stratagem", "ddp"])
     parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
+    parser.add_argument("--uncopyable", action="store_true")
     a = parser.parse_args()
     if a.join_after_gen:
         wait_for_generation(a.join_after_gen)
     train(a.out, a.leave_at, a.leave_rank, a.wait_joiner_at, a.width, a.epochs, a.step_sleep,
-          a.autoscale, a.engine, a.zero, a.sigterm_at)
+          a.autoscale, a.engine, a.zero, a.sigterm_at, a.uncopyable)

@@ -49,12 +49,14 @@ def logs(out: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("worker-*.log")))
 
 
-@pytest.fixture(scope="module", params=["default", "ddp", "zero2"])
+@pytest.fixture(scope="module", params=["default", "ddp", "zero2", "zero3"])
 def run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     """The job on AutoDist's default strategy, on AllReduce run by torch's DDP reducer
     (rebuilt on each membership change; one process runs without it), and sharded by
     ZeRO stage 2 (the optimizer state is resharded over each new world; stage 1 takes the
-    same path and passed it too when run by hand: ``--zero 1``)."""
+    same path and passed it too when run by hand: ``--zero 1``) and stage 3 (FSDP2 units
+    gathered whole before each change, the model rebuilt and sharded over the new world;
+    4 -> 2 -> 3 is tests/runtime/test_shard_regroup.py)."""
     out = tmp_path_factory.mktemp("rescale")
     port = free_port()
     store = host_store("127.0.0.1", port)
@@ -116,12 +118,13 @@ def test_sharded_jobs_stay_sharded(run: Path) -> None:
             assert min(held) > 0 and max(held) < sum(held), held
 
 
-def test_stage3_is_refused_at_distribute_with_the_fix(tmp_path: Path) -> None:
-    """An in-process elastic job cannot reshard FSDP2 units: refused before training,
-    naming stages 1/2 and checkpoint-restart as the ways out."""
+def test_stage3_of_a_model_that_cannot_be_copied_is_refused_at_distribute(
+        tmp_path: Path) -> None:
+    """Stage 3 rescales by rebuilding the model from a copy without values: a model that
+    copy.deepcopy refuses is refused before training, naming the ways out."""
     port = free_port()
     store = host_store("127.0.0.1", port)
-    proc = start(tmp_path, port, 1, "--zero", "3")
+    proc = start(tmp_path, port, 1, "--zero", "3", "--uncopyable")
     try:
         code = proc.wait(60)
     finally:
@@ -129,8 +132,8 @@ def test_stage3_is_refused_at_distribute_with_the_fix(tmp_path: Path) -> None:
             proc.kill()
         del store
     text = logs(tmp_path)
-    assert code != 0 and "cannot reshard stage-3" in text, text
-    assert "ZeRO(stage=1)" in text and "checkpoint-restart" in text, text
+    assert code != 0 and "cannot be copied for an in-process rescale" in text, text
+    assert "lock" in text and "checkpoint-restart" in text, text
     assert not list(tmp_path.glob("ids-*.jsonl"))  # no step ran
 
 

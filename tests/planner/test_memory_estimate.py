@@ -10,7 +10,13 @@ from torch import nn
 from stratagem.analysis import analyze
 from stratagem.errors import ResourceSpecError, StratagemError
 from stratagem.planner import estimate_memory, plan_from_profile
-from stratagem.planner.memory import BACKWARD_UNITS, activation_bytes, state_per_element
+from stratagem.planner.memory import (
+    BACKWARD_UNITS,
+    activation_bytes,
+    check_rescale_fits,
+    rescale_memory,
+    state_per_element,
+)
 from stratagem.resource import ResourceSpec, parse_size
 from stratagem.strategy import AllReduce, Auto
 from stratagem.strategy.builders import ZeRO
@@ -142,7 +148,8 @@ def test_limit_below_one_shard_is_refused() -> None:
     assert "nodes[0].memory" in str(err.value)
 
 
-def test_max_zero_stage_keeps_auto_to_stages_that_reshard_in_place() -> None:
+def test_max_zero_stage_keeps_auto_to_stages_that_rescale_within_the_limit() -> None:
+    # (an in-process elastic job gets 2: a stage-3 rescale gathers everything whole)
     # the 26-unit limit of test_auto_picks_the_fastest_that_fits: only ZeRO-3 fits there
     big = 2**20
     profile = analyze(Blocks(16, width=512))
@@ -158,3 +165,33 @@ def test_max_zero_stage_keeps_auto_to_stages_that_reshard_in_place() -> None:
 def test_max_zero_stage_must_be_a_stage(bad: object) -> None:
     with pytest.raises(StratagemError, match="max_zero_stage"):
         Auto(max_zero_stage=bad)  # type: ignore[arg-type]
+
+
+def test_rescale_gather_known_answer() -> None:
+    """Stage 3 on 4 workers, Adam, at a step boundary: each worker's quarter of the
+    parameters, gradients and state, then the whole parameters and whole state gathered."""
+    profile = analyze(Blocks())
+    s = ZeRO(stage=3).build(profile, ResourceSpec.local(1))
+    got = rescale_memory(s, profile, 4, state_elements=2)
+    assert got.items == {"parameters": P // 4 + P, "gradients": P // 4,
+                         "optimizer state": 2 * P, "comm buffers": 0}
+    # stages 1/2 gather no parameters: the owners' state, whole on every worker
+    s2 = ZeRO(stage=2).build(profile, ResourceSpec.local(1))
+    assert rescale_memory(s2, profile, 4, state_elements=2).items["parameters"] == P
+
+
+def test_stage3_rescale_that_does_not_fit_is_refused_naming_both_figures() -> None:
+    profile = analyze(Blocks())
+    s = ZeRO(stage=3).build(profile, ResourceSpec.local(1))
+    adam = torch.optim.Adam(Blocks().parameters())
+    # the gather's peak is 3.5 P (known answer above), with Auto's margin and reserve
+    need = int(3.5 * P * 1.05) + 2 * 2**20
+    tight = spec(4, memory=need - 1024)
+    with pytest.raises(StratagemError, match="in-process rescale") as err:
+        check_rescale_fits(s, profile, tight, 4, adam)
+    assert "nodes[0].memory" in str(err.value) and "optimizer state" in str(err.value)
+    assert "ZeRO(stage=2)" in err.value.fix and "checkpoint-restart" in err.value.fix
+    check_rescale_fits(s, profile, spec(4, memory=need + 1024), 4, adam)  # room: fine
+    check_rescale_fits(s, profile, spec(4), 4, adam)  # no limit: nothing to check
+    s2 = ZeRO(stage=2).build(profile, ResourceSpec.local(1))
+    check_rescale_fits(s2, profile, tight, 4, adam)  # no stage 3: not this check's

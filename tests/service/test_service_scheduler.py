@@ -131,6 +131,14 @@ def test_a_second_job_shrinks_the_first_by_checkpoint_restart(tmp_path):
                                           ("b", 0, 1, "start")]
 
 
+def test_zero_jobs_resize_in_process_and_parameter_servers_by_restart():
+    # ZeRO at any stage reshards in-process (stage 3: units gathered whole, sharded again)
+    assert spec("z", strategy="ZeRO").in_process_rescale
+    assert spec("a", strategy="AllReduce").in_process_rescale
+    assert not spec("p", strategy="PS").in_process_rescale
+    assert not spec("z", strategy="ZeRO", rescale="restart").in_process_rescale
+
+
 def test_a_second_job_shrinks_the_first_in_process_which_grows_back_after(tmp_path):
     be = FakeBackend()
     s = make(tmp_path, be)

@@ -35,9 +35,10 @@ checkpoint directory the workers just exit). In an elastic job that agreement is
 way to the stop path: a SIGTERM always asks *this* worker to leave, and one that arrives
 after a boundary's agreement waits for the next boundary -- it never turns into a stop of
 the whole job because it landed between the agreement and the exit point's checks.
-All-reduce and ZeRO stage-1/2 strategies (parameter-server strategies are refused at the
-first rescale, ZeRO stage 3 at ``distribute()``); single-node resource
-specs (the world is rebuilt as this machine's workers).
+All-reduce and ZeRO strategies (stage-3 units are gathered whole in the old group and
+sharded again in the new one: ``DistributedModel.before_regroup``; parameter-server
+strategies are refused at the first rescale); single-node resource specs (the world is
+rebuilt as this machine's workers).
 """
 
 from __future__ import annotations

@@ -206,6 +206,52 @@ def estimate_memory(strategy: Strategy, profile: ModelProfile, world: int, *,
                                  "gathered units": gathered, "comm buffers": buffers})
 
 
+def rescale_memory(strategy: Strategy, profile: ModelProfile, world: int, *,
+                   state_elements: int = DEFAULT_STATE) -> MemoryEstimate:
+    """Peak bytes per worker while an in-process rescale gathers the model whole in the
+    old group (``DistributedModel.before_regroup``), at a step boundary of ``world``
+    workers: what :func:`estimate_memory` counts there (no activations, no unit gathered
+    for compute) plus every stage-3 parameter whole, and every parameter's optimizer
+    state whole (stage-1/2 owners' state and stage-3 slices are gathered on every rank)."""
+    base = estimate_memory(strategy, profile, world, state_elements=state_elements)
+    configs = {nc.var_name: nc for nc in strategy.node_config}
+    stage3 = 0
+    for info in profile.params:
+        nc = next((configs[n] for n in (info.name, *info.aliases) if n in configs), None)
+        sync = nc.synchronizer if nc is not None else None
+        if isinstance(sync, ShardedSynchronizer) and sync.stage == 3:
+            stage3 += info.bytes
+    state = sum(p.bytes for p in profile.params) * state_elements
+    return MemoryEstimate(items={"parameters": base.items["parameters"] + stage3,
+                                 "gradients": base.items["gradients"],
+                                 "optimizer state": max(state, base.items["optimizer state"]),
+                                 "comm buffers": base.items["comm buffers"]})
+
+
+def check_rescale_fits(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
+                       world: int, optimizer: Any = None) -> None:
+    """In an in-process elastic job under a memory limit: a strategy with stage-3 units
+    whose rescale gather (:func:`rescale_memory`) would not fit the limit is refused
+    before training, naming both figures and what rescales within it."""
+    limit = spec.memory_limit()
+    if limit is None or not any(isinstance(nc.synchronizer, ShardedSynchronizer)
+                                and nc.synchronizer.stage == 3
+                                for nc in strategy.node_config):
+        return
+    limit_bytes, where = limit
+    need = rescale_memory(strategy, profile, max(world, 2),
+                          state_elements=state_per_element(optimizer))
+    if fits(need, limit_bytes):
+        return
+    raise StratagemError(
+        f"an in-process rescale of this stage-3 strategy gathers the whole parameters and "
+        f"optimizer state on every worker: {need.text()}, over the limit "
+        f"{mib(limit_bytes)}", where=f"{spec.source}: {where}",
+        fix="use ZeRO(stage=2) or Auto (they rescale within the limit), checkpoint-restart "
+            "(stratagem run --nnodes MIN:MAX without STRATAGEM_RESCALE_STORE: stage-3 "
+            "checkpoints restore onto any world size), or raise the limit")
+
+
 def calibration_fits(profile: ModelProfile, limit: int, activations: int) -> bool:
     """Whether calibrating (whole parameters and gradients, the sample's activations)
     stays within ``limit`` bytes; if not, Auto plans from estimated costs."""

@@ -62,6 +62,7 @@ class DistributedModel(nn.Module):
                                  fix="run it with stratagem.runtime.ps.run_server")
         self._process_group = process_group
         self._shard = None
+        self._awaiting_regroup = False  # stage 3 gathered by before_regroup, not resharded
         self._optimizer = optimizer  # sharding needs it again after a regroup
         built = self._materialize(optimizer, materialize)
         params = check_params(plan, module)
@@ -164,23 +165,29 @@ class DistributedModel(nn.Module):
                 broadcast: bool = True) -> None:
         """Re-bind to a new process group and world size (in-process rescale, see
         :mod:`stratagem.adapt.rescale`): ``plan`` (compiled for the new rank and world)
-        replaces the current one and its synchronizers the old ones; the module, the
-        optimizer and gradient observers (their handles too) stay. With ``broadcast``,
-        parameters and buffers are broadcast from the new rank 0. Per-rank synchronizer
-        state (PowerSGD error feedback) starts fresh.
+        replaces the current one and its synchronizers the old ones; the optimizer and
+        gradient observers (their handles too) stay. With ``broadcast``, parameters and
+        buffers are broadcast from the new rank 0. Per-rank synchronizer state (PowerSGD
+        error feedback) starts fresh.
 
         Collective over ``process_group`` (default: the default group) when
-        ``plan.world_size > 1``. All-reduce and ZeRO stage-1/2 strategies: with
-        stage-1/2 sharding, call :meth:`before_regroup` in the old group first (every
-        rank then holds the whole optimizer state, and the new owners keep their share).
-        Raises StratagemError with parameter-server synchronizers or stage-3 units (old or
-        new plan)."""
+        ``plan.world_size > 1``. All-reduce and ZeRO strategies: with sharding, call
+        :meth:`before_regroup` in the old group first (every rank then holds the whole
+        parameters and optimizer state, and the new plan's sharding cuts its share; FSDP2
+        shards stage-3 units of a model rebuilt plain, so ``.module`` is then a new
+        object). Raises StratagemError with parameter-server synchronizers, or when
+        stage-3 units are still sharded over the old group."""
         if self._ps is not None or plan.ps is not None:
-            raise StratagemError("in-process rescale supports all-reduce and ZeRO stage-1/2 "
-                                 "strategies only", where="DistributedModel.regroup",
+            raise StratagemError("in-process rescale supports all-reduce and ZeRO strategies "
+                                 "only", where="DistributedModel.regroup",
                                  fix="use checkpoint-restart (SIGTERM and relaunch) for jobs "
                                      "with parameter-server synchronizers")
-        _refuse_stage3_regroup(self.plan, plan)
+        if self._shard is not None and self._shard.shards.units:
+            raise StratagemError(
+                "stage-3 (FSDP2) units are still sharded over the old process group",
+                where="DistributedModel.regroup",
+                fix="call before_regroup() in the old group first (the elastic job "
+                    "lifecycle does): it gathers the units whole on every rank")
         params = check_params(plan, self.module)
         old = self._reducer
         old.remove_hooks()
@@ -192,15 +199,29 @@ class DistributedModel(nn.Module):
         self._process_group = process_group
         self._install_sharding(params, self._optimizer)
         self._carry_over(old, settings=False)
+        self._awaiting_regroup = False
 
     def before_regroup(self) -> None:
         """Collective over the current group, before an in-process rescale replaces it:
         every rank's optimizer takes the state of the stage-1/2 parameters other ranks own
-        (those may leave), so that any survivor can hand the whole state on."""
-        _refuse_stage3_regroup(self.plan, None)
-        if self._shard is not None:
-            for opt in self._shard.optimizers:
-                self._gather_owned_state(opt)
+        (those may leave), and stage-3 units are gathered whole -- the model is rebuilt
+        plain (a new ``.module``, see runtime/skeleton.py), its optimizer holding the
+        whole state -- so that any survivor can hand everything on. Until
+        :meth:`regroup`, the model refuses to train (its stage-3 gradients would not be
+        synchronized)."""
+        if self._ps is not None:
+            raise StratagemError("in-process rescale supports all-reduce and ZeRO strategies "
+                                 "only", where="DistributedModel.before_regroup",
+                                 fix="use checkpoint-restart (SIGTERM and relaunch) for jobs "
+                                     "with parameter-server synchronizers")
+        if self._shard is None:
+            return
+        for opt in self._shard.optimizers:
+            self._gather_owned_state(opt)
+        if self._shard.shards.units:
+            self.module = self._shard.unshard(self.module)
+            self._shard = None  # (its hooks went with it)
+            self._awaiting_regroup = True
 
     def replan(self, make_plan: Callable[[], Plan], *,
                optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
@@ -287,6 +308,11 @@ class DistributedModel(nn.Module):
 
     # -- training ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._awaiting_regroup:
+            raise StratagemError(
+                "the model's stage-3 units were gathered for a rescale (before_regroup) and "
+                "it has not been re-bound to the new group yet", where="DistributedModel",
+                fix="call regroup(plan) with the new group's plan before training again")
         fn = self._first_training_forward
         if fn is not None and self.module.training and torch.is_grad_enabled():
             self._first_training_forward = None
@@ -620,18 +646,6 @@ class DistributedModel(nn.Module):
         return (f"rank={self.plan.rank}, world_size={self.plan.world_size}, "
                 f"groups={len(self.plan.groups)}, engine={self.plan.engine}"
                 + (f" ({hook})" if hook else ""))
-
-
-def _refuse_stage3_regroup(old: Plan, new: Plan | None) -> None:
-    for plan in (old, new):
-        if plan is not None and plan.shards is not None and plan.shards.units \
-                and plan.world_size > 1:
-            raise StratagemError(
-                "in-process rescale cannot reshard stage-3 (FSDP2) units",
-                where="DistributedModel.regroup",
-                fix="use ZeRO stage 1 or 2 for in-process elastic jobs, or checkpoint-restart "
-                    "(SIGTERM and relaunch): a checkpoint of a stage-3 job restores onto any "
-                    "number of workers")
 
 
 class _ObserverHandle:

@@ -30,6 +30,7 @@ from stratagem.errors import StratagemError
 from stratagem.runtime.materialize import MetaInit, materialize, rebind
 from stratagem.runtime.plan import Owned, Plan
 from stratagem.runtime.shard_state import shard_entry, shard_rows
+from stratagem.runtime.skeleton import assemble, skeleton
 
 
 def whole_copy(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +73,14 @@ class ShardEngine:
         self.grad_weight = 1.0
         self._wrapped: dict[str, Any] = {}
         self._device_mesh: Any = None
+        # the model as it is before FSDP2 changes it: an in-process rescale rebuilds from it
+        self._skeleton: nn.Module | None = None
+        self._skeleton_error: StratagemError | None = None
+        if shards.units:
+            try:
+                self._skeleton = skeleton(module)
+            except StratagemError as exc:
+                self._skeleton_error = exc
         if meta is not None:  # values unit by unit, each sharded at once
             params = self._materialize(module, params, meta)
         self._owned = {o.param: o for o in shards.owned}
@@ -163,6 +172,39 @@ class ShardEngine:
         self._root = module
         for opt, n, state in held:
             opt.state[new[n]] = shard_entry(state, new[n], self.rank, self.world_size)
+
+    @torch.no_grad()
+    def unshard(self, module: nn.Module) -> nn.Module:
+        """Collective over this engine's group (an in-process rescale, before the group
+        goes away): the model rebuilt plain -- a new module object from the skeleton taken
+        before FSDP2 changed it, every stage-3 parameter whole in it -- and the optimizers
+        rebound to its parameters, holding the whole state of the stage-3 ones. The
+        engine's hooks are removed: it is done. Every rank then briefly holds the whole
+        stage-3 parameters and their optimizer state besides its shards."""
+        from torch.distributed.tensor import DTensor
+
+        if self._skeleton is None:
+            raise self._skeleton_error or StratagemError(
+                "no skeleton of the model to rebuild it from", where="ShardEngine.unshard",
+                fix="report this: the engine was built without stage-3 units")
+        names = sorted(self.sharded_params)  # the same collectives in the same order
+        states: list[tuple[torch.optim.Optimizer, str, dict[str, Any]]] = []
+        for opt in self.optimizers:
+            for n in names:
+                entry = opt.state.pop(self.sharded_params[n], None)
+                if entry:
+                    states.append((opt, n, {k: whole_copy(v) if isinstance(v, DTensor) else v
+                                            for k, v in entry.items()}))
+        whole = {n: whole_copy(self.sharded_params[n]) for n in names}
+        plain = assemble(self._skeleton, module, whole)
+        self._skeleton = None
+        new = dict(plain.named_parameters())
+        rebind(self.optimizers, {n: self.sharded_params[n] for n in names}, new)
+        for opt, n, entry in states:
+            opt.state[new[n]] = entry
+        self.remove_hooks()
+        self.sharded_params = {}
+        return plain
 
     def owned_param(self, name: str) -> nn.Parameter:
         """The stage-1/2 parameter ``name`` (as the engine holds it)."""

@@ -35,6 +35,8 @@ FIELDS = ("name", "script", "args", "min_replicas", "max_replicas", "resources",
 RESCALE_MODES = ("auto", "restart")
 # strategies whose workers all-reduce (no parameter servers): in-process rescale applies
 ALL_REDUCE_STRATEGIES = ("auto", "allreduce", "partitionedar", "randomaxispartitionar")
+# ... and sharded ones (ZeRO 1-3: stage-3 units are gathered whole and sharded again)
+IN_PROCESS_STRATEGIES = (*ALL_REDUCE_STRATEGIES, "zero")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_JOB_FILE_BYTES = 1 << 20  # what the control plane accepts in one request
 
@@ -59,11 +61,11 @@ class JobSpec:
     @property
     def in_process_rescale(self) -> bool:
         """Whether a resize may use the in-process rescale: ``rescale: auto``, adaptive,
-        and an all-reduce strategy (``auto`` is the script's own: the default Auto keeps to
-        all-reduce strategies in an in-process elastic job;
+        and an all-reduce or ZeRO strategy (``auto`` is the script's own: the default Auto
+        keeps to all-reduce and sharded strategies in an in-process elastic job;
         strategy files and parameter-server builders resize by checkpoint-restart)."""
         return (self.rescale == "auto" and self.adaptive
-                and self.strategy.lower() in ALL_REDUCE_STRATEGIES)
+                and self.strategy.lower() in IN_PROCESS_STRATEGIES)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

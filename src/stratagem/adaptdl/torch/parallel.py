@@ -18,6 +18,7 @@ from torch import nn
 
 from stratagem.adaptdl.torch import job
 from stratagem.adaptdl.torch.scaling_rules import AdamScale, AdaScale, StatisticsView
+from stratagem.elastic.context import MembershipChange, current_job
 from stratagem.elastic.state import State, load_state, register_state
 
 
@@ -118,9 +119,20 @@ class AdaptiveDataParallel(nn.Module):
         load_state(self._stats)
         object.__setattr__(self, "_state", ParallelState(self, lr_scheduler, mp_scaler))
         job.register_model(self)
+        current_job().add_participant(self)  # (after AutoDist: its regroup runs first)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._dist(*args, **kwargs)
+
+    # -- in-process rescale (stratagem.elastic.Participant) --------------------------------
+    def before_membership_change(self) -> None:
+        """Nothing of its own: AutoDist gathers the model's shards."""
+
+    def on_membership_change(self, change: MembershipChange) -> None:
+        """A stage-3 rescale rebuilds the wrapped model as a new object
+        (runtime/skeleton.py): ``module`` (and ``_state.model``) follow it."""
+        if self._dist.module is not self.module:
+            self.module = self._dist.module
 
     def set_grad_weight(self, weight: float) -> None:
         """This replica's share of the global batch (set by the loader for each batch)."""

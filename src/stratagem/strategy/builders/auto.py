@@ -44,8 +44,9 @@ class Auto:
     parameter servers may be used; False keeps to all-reduce strategies (what an
     in-process elastic job can rescale; AutoDist sets it there). ``max_zero_stage``: the
     highest ZeRO stage Auto may shard with under a memory limit (1-3); an in-process
-    elastic job gets 2, since stage-3 (FSDP2) units cannot be resharded in place
-    (AutoDist sets it there).
+    elastic job gets 2 (AutoDist sets it there): its stage-3 rescale gathers the whole
+    parameters and optimizer state on every worker, more than ZeRO-2's step peak, so a
+    model that needs stage 3 to fit could not rescale.
     """
 
     compressors: tuple[str, ...] = ("none",)
