@@ -697,8 +697,9 @@ class AutoDist:
         rebuild the strategy and plan for it, and re-bind the distributed model
         (broadcasting rank 0's tensors when someone joined)."""
         self.rank, self.world_size = change.rank, change.world_size
-        self.resource_spec = ResourceSpec.of_job(change.world_size,
-                                                 env.job_nodes(change.world_size))
+        self.resource_spec = ResourceSpec.of_job(
+            change.world_size, env.job_nodes(change.world_size)).with_memory_of(
+                self.resource_spec)  # the user's memory limits hold in every world
         self.rank_devices = list(self.resource_spec.replicas)
         if self.model is None:
             return

@@ -240,6 +240,16 @@ class ResourceSpec:
             limits.append((self.memory_budget // max(self.num_workers, 1), "memory_budget"))
         return min(limits) if limits else None
 
+    def with_memory_of(self, other: ResourceSpec) -> ResourceSpec:
+        """This spec under ``other``'s memory limits: every node's ``memory`` the smallest of
+        ``other``'s per-worker limits, and its ``memory_budget``. An in-process rescale
+        rebuilds the job's spec for the new world (:meth:`of_job`); the limits the user set
+        must survive it, or Auto would re-plan without them."""
+        node_limits = [n.memory for n in other.nodes if n.memory is not None and n.workers]
+        memory = min(node_limits) if node_limits else None
+        nodes = tuple(replace(n, memory=memory) for n in self.nodes)
+        return replace(self, nodes=nodes, memory_budget=other.memory_budget)
+
     @property
     def num_workers(self) -> int:
         return sum(n.workers for n in self.nodes)

@@ -64,6 +64,23 @@ def test_sizes_parse_and_bad_ones_name_the_field() -> None:
         ResourceSpec.from_dict({"nodes": [{"address": "127.0.0.1"}], "memory_budget": "x"})
 
 
+def test_an_in_process_rescale_keeps_the_users_memory_limits() -> None:
+    # the spec an in-process rescale rebuilds for its new world keeps the limits: without
+    # them Auto would re-plan a memory-limited job as if it had no limit
+    two = ResourceSpec.from_dict({"nodes": [
+        {"address": "10.0.0.1", "workers": 1, "memory": "3GiB", "chief": True},
+        {"address": "10.0.0.2", "workers": 1, "memory": "2GiB"}]})
+    one = ResourceSpec.of_job(1, 1)
+    assert one.memory_limit() is None
+    assert one.with_memory_of(two).memory_limit() == (2 * 2**30, "nodes[0].memory")
+    budget = ResourceSpec.from_dict({"nodes": [{"address": "127.0.0.1", "workers": 4}],
+                                     "memory_budget": "8GiB"})
+    # a budget is the whole job's: each of fewer workers may use a larger share
+    assert ResourceSpec.of_job(2, 1).with_memory_of(budget).memory_limit() == (
+        4 * 2**30, "memory_budget")
+    assert two.with_memory_of(spec(2)).memory_limit() is None  # no limit stays no limit
+
+
 def test_estimate_by_stage_known_answers() -> None:
     profile = analyze(Blocks())
     w = 4
