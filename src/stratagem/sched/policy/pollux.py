@@ -19,12 +19,18 @@ distributed job per node); a job that cannot be placed at its count takes the la
 that fits, and leftover GPUs go to whichever job gains most from one more. Ties between
 unallocated jobs go to the least attained service, then the oldest.
 
-Options measured against the Pollux baseline and left off by default (no robust gain, see
-docs/concepts/scheduling.md): ``spread_aware`` prices a fragmented placement at its real node
-count; ``restart_cost`` picks another restart-cost model; ``service_weight`` weights each
-job's term by its attained service; ``reserve_growth`` (k) plans a job held back by the
+Two options on by default (chosen on workloads 1-4 of the Pollux set, checked on 5-8; see
+docs/concepts/scheduling.md): ``reserve_growth`` (k = 2; 0: off) plans a job held back by the
 exploration cap at up to k times its cap (from ``JobView.uncapped_max_replicas``) and keeps the
-difference free, so the jobs that make room for its ramp-up restart once, not at every step.
+difference free, so the jobs that make room for its ramp-up restart once, not at every step;
+``defragment``: when a planned count does not fit where the other jobs are, a largest-first
+repacked layout (jobs keep their nodes where those are still free) is priced with a restart
+for every job it moves, and replaces the kept layout if the objective is better.
+
+Options measured against the Pollux baseline and left off by default (no robust gain):
+``spread_aware`` prices a fragmented placement at its real node count; ``restart_cost`` picks
+another restart-cost model; ``service_weight`` weights each job's term by its attained
+service.
 """
 
 from __future__ import annotations
@@ -47,8 +53,8 @@ _RESTART_COSTS = ("pollux", "resize", "half")
 class PolluxPolicy:
     """``fairness``: power-mean exponent ``p``; ``restart_delay``: seconds a restart costs;
     ``restart_cost``: "pollux" (cumulative, the paper's), "resize" or "half";
-    ``spread_aware``, ``service_weight`` / ``service_scale``, ``reserve_growth`` (0: off):
-    see the module docstring."""
+    ``spread_aware``, ``service_weight`` / ``service_scale``, ``reserve_growth`` (0: off),
+    ``defragment``: see the module docstring."""
 
     fairness: float = -1.0
     restart_delay: float = 30.0
@@ -56,8 +62,8 @@ class PolluxPolicy:
     spread_aware: bool = False
     service_weight: float = 0.0
     service_scale: float = 3600.0
-    reserve_growth: int = 0
-    defragment: bool = False
+    reserve_growth: int = 2
+    defragment: bool = True
     name: str = "pollux"
     adaptive_batch: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
