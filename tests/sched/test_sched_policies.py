@@ -233,7 +233,12 @@ def test_spread_aware_placement_prefers_a_packed_smaller_count_to_a_fragmented_o
 @given(scenario=scenarios())
 def test_the_policy_options_keep_every_constraint(scenario):
     cluster, jobs, _ = scenario
-    policy = PolluxPolicy(spread_aware=True, service_weight=0.5, restart_cost="resize")
+    for policy in (PolluxPolicy(spread_aware=True, service_weight=0.5, restart_cost="resize"),
+                   PolluxPolicy(defragment=True, reserve_growth=2)):
+        _keeps_every_constraint(policy, cluster, jobs)
+
+
+def _keeps_every_constraint(policy, cluster, jobs):
     first = policy.allocate(jobs, cluster, {}, 0.0)
     assert check_allocation(first, jobs, cluster, {}) == []
     second = policy.allocate(jobs, cluster, first, 60.0)
@@ -267,7 +272,26 @@ def test_reserve_growth_moves_the_donor_once_while_a_capped_job_ramps_up():
             seen.append({k: len(v) for k, v in current.items()})
         return seen
 
-    assert [s["big"] for s in ramp(PolluxPolicy())] == [7, 6, 4]
+    assert [s["big"] for s in ramp(PolluxPolicy(reserve_growth=0))] == [7, 6, 4]
     reserved = ramp(PolluxPolicy(reserve_growth=4))
     assert [s["big"] for s in reserved] == [4, 4, 4]
     assert [s["new"] for s in reserved] == [1, 2, 4]
+
+
+def test_defragment_moves_a_small_job_so_a_planned_one_fits():
+    # Three nodes of 4 GPUs. "a" spans nodes 0 and 1 (one replica each), "b" has one GPU on
+    # node 2: 9 GPUs are free, but no node has 4 and only node 2 may host another multi-node
+    # job, so the new job "c" (exactly 4 replicas) fits nowhere as things are. Repacked,
+    # "c" takes a whole node and "a" moves onto one node (a restart, nearly free at its age).
+    cluster = ClusterSpec(3, 4)
+    jobs = [JobView("a", 0.0, age=1e6, max_replicas=2),
+            JobView("b", 0.0, age=1e6, max_replicas=1),
+            JobView("c", 9e5, age=600.0, min_replicas=4, max_replicas=4)]
+    current = {"a": (0, 1), "b": (2,)}
+    kept = PolluxPolicy(defragment=False).allocate(jobs, cluster, current, 1e6)
+    assert "c" not in kept and kept["a"] == (0, 1)
+    packed = PolluxPolicy(defragment=True).allocate(jobs, cluster, current, 1e6)
+    assert check_allocation(packed, jobs, cluster, current) == []
+    assert len(packed["c"]) == 4 and len(set(packed["c"])) == 1
+    assert len(packed["a"]) == 2 and len(set(packed["a"])) == 1
+    assert packed["b"] == (2,)

@@ -19,12 +19,18 @@ distributed job per node); a job that cannot be placed at its count takes the la
 that fits, and leftover GPUs go to whichever job gains most from one more. Ties between
 unallocated jobs go to the least attained service, then the oldest.
 
-Options measured against the Pollux baseline and left off by default (no robust gain, see
-docs/concepts/scheduling.md): ``spread_aware`` prices a fragmented placement at its real node
-count; ``restart_cost`` picks another restart-cost model; ``service_weight`` weights each
-job's term by its attained service; ``reserve_growth`` (k) plans a job held back by the
+Two options on by default (chosen on workloads 1-4 of the Pollux set, checked on 5-8; see
+docs/concepts/scheduling.md): ``reserve_growth`` (k = 2; 0: off) plans a job held back by the
 exploration cap at up to k times its cap (from ``JobView.uncapped_max_replicas``) and keeps the
-difference free, so the jobs that make room for its ramp-up restart once, not at every step.
+difference free, so the jobs that make room for its ramp-up restart once, not at every step;
+``defragment``: when a planned count does not fit where the other jobs are, a largest-first
+repacked layout (jobs keep their nodes where those are still free) is priced with a restart
+for every job it moves, and replaces the kept layout if the objective is better.
+
+Options measured against the Pollux baseline and left off by default (no robust gain):
+``spread_aware`` prices a fragmented placement at its real node count; ``restart_cost`` picks
+another restart-cost model; ``service_weight`` weights each job's term by its attained
+service.
 """
 
 from __future__ import annotations
@@ -47,8 +53,8 @@ _RESTART_COSTS = ("pollux", "resize", "half")
 class PolluxPolicy:
     """``fairness``: power-mean exponent ``p``; ``restart_delay``: seconds a restart costs;
     ``restart_cost``: "pollux" (cumulative, the paper's), "resize" or "half";
-    ``spread_aware``, ``service_weight`` / ``service_scale``, ``reserve_growth`` (0: off):
-    see the module docstring."""
+    ``spread_aware``, ``service_weight`` / ``service_scale``, ``reserve_growth`` (0: off),
+    ``defragment``: see the module docstring."""
 
     fairness: float = -1.0
     restart_delay: float = 30.0
@@ -56,7 +62,8 @@ class PolluxPolicy:
     spread_aware: bool = False
     service_weight: float = 0.0
     service_scale: float = 3600.0
-    reserve_growth: int = 0
+    reserve_growth: int = 2
+    defragment: bool = True
     name: str = "pollux"
     adaptive_batch: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
@@ -140,7 +147,7 @@ class PolluxPolicy:
         fair = max(1, math.ceil(gpus / len(jobs)))
         priority = sorted(jobs, key=lambda j: (j.attained_service, j.submit_time, j.name))
         tie = {j.name: (len(jobs) - i) * 1e-9 for i, j in enumerate(priority)}
-        costs, options = [], []
+        costs, options, moved = [], [], {}
         for job in jobs:
             now_r = len(current.get(job.name, ()))
             max_r = min(job.max_replicas, gpus)
@@ -154,6 +161,10 @@ class PolluxPolicy:
                 opts = np.array([0] + list(range(lo, max_r + 1)))
                 s = self.speedups(job, max_r, min(fair, max(max_r, 1)), gpn)[opts]
                 if now_r or job.num_restarts:  # a change, or restarting a preempted job
+                    here = s[opts == now_r]
+                    if now_r and here.size:  # the same count on other nodes: a restart too
+                        moved[job.name] = float(self.phi(here * self.restart_factor(job))[0]
+                                                * self._weight(job))
                     s = np.where(opts == now_r, s, s * self.restart_factor(job))
             f = self.phi(s) * self._weight(job)
             f = f + np.where(opts == 0, tie[job.name] * abs(float(self.phi(np.zeros(1))[0])),
@@ -175,7 +186,7 @@ class PolluxPolicy:
             keep = [o <= j.max_replicas for j, o in zip(jobs, options, strict=True)]
             costs = [f[k] for f, k in zip(costs, keep, strict=True)]
             options = [o[k] for o, k in zip(options, keep, strict=True)]
-        return self._place(jobs, chosen, costs, options, cluster, current, reserve)
+        return self._place(jobs, chosen, costs, options, cluster, current, reserve, moved)
 
     @staticmethod
     def _knapsack(costs: list[np.ndarray], options: list[np.ndarray], gpus: int) -> list[int]:
@@ -198,14 +209,65 @@ class PolluxPolicy:
 
     def _place(self, jobs: Sequence[JobView], counts: dict[str, int], costs: list[np.ndarray],
                options: list[np.ndarray], cluster: ClusterSpec,
-               current: Mapping[str, tuple[int, ...]], reserve: int = 0) -> Allocation:
+               current: Mapping[str, tuple[int, ...]], reserve: int = 0,
+               moved: Mapping[str, float] | None = None) -> Allocation:
         cost_of = {j.name: dict(zip(o.tolist(), f.tolist(), strict=True))
                    for j, f, o in zip(jobs, costs, options, strict=True)}
-        state = NodeState(cluster)
         pinned = [j.name for j in jobs if not j.preemptible and current.get(j.name)]
         order = pinned + sorted((n for n in counts if n not in pinned),
                                 key=lambda n: (-counts[n], n))
-        out = keep_or_place(order, counts, current, state)
+        out = self._fill(jobs, order, counts, cost_of, pinned, cluster, current, reserve,
+                         repack=False)
+        if self.defragment and any(len(out.get(n, ())) < c for n, c in counts.items()):
+            # Some job did not fit at its planned count (fragmentation, or the rule of one
+            # multi-node job per node): a repacked layout, priced with a restart for every
+            # job it moves, replaces the kept one when the objective says it is better.
+            again = self._fill(jobs, order, counts, cost_of, pinned, cluster, current,
+                               reserve, repack=True)
+            moved = moved or {}
+            if (self._score(again, cost_of, current, moved)
+                    < self._score(out, cost_of, current, moved)):
+                out = again
+        return out
+
+    @staticmethod
+    def _score(out: Allocation, cost_of: Mapping[str, Mapping[int, float]],
+               current: Mapping[str, tuple[int, ...]], moved: Mapping[str, float]) -> float:
+        """The objective's sum for a placed allocation (lower is better): a job at its
+        current count on other nodes pays the restart as well."""
+        total = 0.0
+        for name, cost in cost_of.items():
+            reps = tuple(sorted(out.get(name, ())))
+            before = tuple(sorted(current.get(name, ())))
+            if reps and len(reps) == len(before) and reps != before and name in moved:
+                total += moved[name]
+            else:
+                total += cost.get(len(reps), cost.get(0, 0.0))
+        return total
+
+    def _fill(self, jobs: Sequence[JobView], order: list[str], counts: dict[str, int],
+              cost_of: dict[str, dict[int, float]], pinned: list[str], cluster: ClusterSpec,
+              current: Mapping[str, tuple[int, ...]], reserve: int, *,
+              repack: bool) -> Allocation:
+        """Place the planned counts: jobs that keep their count stay on their nodes first
+        (``repack=False``), or every job in ``order`` (largest first) keeps its nodes only if
+        they are still free when its turn comes (``repack=True``); then fallbacks, leftovers."""
+        state = NodeState(cluster)
+        if repack:
+            out: Allocation = {}
+            for name in order:
+                before = tuple(sorted(current.get(name, ())))
+                if not counts.get(name, 0):
+                    continue
+                if len(before) == counts[name] and state.can_take(before):
+                    state.take(before)
+                    out[name] = before
+                else:
+                    reps = state.place_and_take(counts[name])
+                    if reps:
+                        out[name] = reps
+        else:
+            out = keep_or_place(order, counts, current, state)
         for name in order:  # not placeable at its count: the best count that fits
             if counts[name] and name not in out:
                 for r in sorted((r for r in cost_of[name] if 0 < r < counts[name]),

@@ -159,27 +159,46 @@ class PolluxPaperPolicy:
         return np.where(hit, value, pop)
 
     def _repair(self, pop: np.ndarray, c: _Ctx, rng: np.random.Generator) -> np.ndarray:
-        """Every constraint, by dropping replicas (never adding), pinned jobs first."""
+        """Every constraint, by dropping replicas (never adding), pinned jobs first.
+
+        Each rule draws its random order for the whole population (so the random stream,
+        and the result for a seed, do not depend on which candidates break it) but is
+        applied only to the rows or candidates that break it: on the others it would
+        change nothing.
+        """
         p, n_jobs, nodes = pop.shape
         pop = np.clip(pop, 0, c.gpn)
-        pop = np.where(c.pinned[None, :, None], c.cur[None], pop)
+        if c.pinned.any():
+            pop = np.where(c.pinned[None, :, None], c.cur[None], pop)
         # replica cap per job: keep a prefix in a random node order
-        order = np.argsort(rng.random(pop.shape), axis=2)
-        shuffled = np.take_along_axis(pop, order, axis=2)
-        before = np.cumsum(shuffled, axis=2) - shuffled
-        shuffled = np.clip(c.max_r[None, :, None] - before, 0, shuffled)
-        np.put_along_axis(pop, order, shuffled, axis=2)
+        keys = rng.random(pop.shape)
+        over = pop.sum(2) > c.max_r[None]
+        if over.any():
+            rows = pop[over]
+            order = np.argsort(keys[over], axis=1)
+            lines = np.arange(rows.shape[0])[:, None]
+            shuffled = rows[lines, order]
+            before = np.cumsum(shuffled, axis=1) - shuffled
+            rows[lines, order] = np.clip(c.max_r[over.nonzero()[1]][:, None] - before, 0,
+                                         shuffled)
+            pop[over] = rows
         # node capacity: keep a prefix in a random job order, pinned jobs first
         jorder = np.argsort(rng.random((p, n_jobs)) - c.pinned[None] * 2.0, axis=1)
-        pop = self._prefix_jobs(pop, jorder, lambda x, before: np.clip(c.gpn - before, 0, x))
+        full = (pop.sum(1) > c.gpn).any(1)
+        if full.any():
+            pop[full] = self._prefix_jobs(pop[full], jorder[full],
+                                          lambda x, before: np.clip(c.gpn - before, 0, x))
         if not c.cluster.share_distributed:  # one multi-node job per node
             dist = ((pop > 0).sum(2) > 1)[:, :, None] & (pop > 0)
-            dist_sorted = np.take_along_axis(dist, jorder[:, :, None], axis=1).astype(np.int64)
-            seen = np.cumsum(dist_sorted, axis=1) - dist_sorted
-            drop_sorted = (dist_sorted > 0) & (seen > 0)
-            drop = np.zeros_like(drop_sorted)
-            np.put_along_axis(drop, jorder[:, :, None], drop_sorted, axis=1)
-            pop = np.where(drop, 0, pop)
+            clash = (dist.sum(1) > 1).any(1)
+            if clash.any():
+                jo = jorder[clash]
+                lines = np.arange(jo.shape[0])[:, None]
+                dist_sorted = dist[clash][lines, jo]
+                seen = np.cumsum(dist_sorted, axis=1, dtype=np.int64) - dist_sorted
+                drop = np.empty_like(dist_sorted)
+                drop[lines, jo] = dist_sorted & (seen > 0)
+                pop[clash] = np.where(drop, 0, pop[clash])
         # node-count limit: keep the job's fullest nodes, until its count allows the rest
         noise = rng.random(pop.shape)
         for _ in range(nodes):
@@ -188,20 +207,20 @@ class PolluxPaperPolicy:
             over = (used > limit) & ~c.pinned[None]
             if not over.any():
                 break
-            rank = np.argsort(np.argsort(-(pop + noise), axis=2), axis=2)
-            pop = np.where((rank < limit[:, :, None]) | ~over[:, :, None], pop, 0)
+            rows = pop[over]
+            rank = np.argsort(np.argsort(-(rows + noise[over]), axis=1), axis=1)
+            pop[over] = np.where(rank < limit[over][:, None], rows, 0)
         total = pop.sum(2)
         too_few = (total > 0) & (total < c.min_r[None]) & ~c.pinned[None]
         return np.where(too_few[:, :, None], 0, pop)
 
     @staticmethod
     def _prefix_jobs(pop: np.ndarray, jorder: np.ndarray, cap) -> np.ndarray:
-        idx = jorder[:, :, None]
-        shuffled = np.take_along_axis(pop, idx, axis=1)
+        lines = np.arange(pop.shape[0])[:, None]
+        shuffled = pop[lines, jorder]
         before = np.cumsum(shuffled, axis=1) - shuffled
-        shuffled = cap(shuffled, before)
         out = np.empty_like(pop)
-        np.put_along_axis(out, np.broadcast_to(idx, pop.shape), shuffled, axis=1)
+        out[lines, jorder] = cap(shuffled, before)
         return out
 
     def _fitness(self, pop: np.ndarray, c: _Ctx) -> np.ndarray:
