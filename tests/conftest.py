@@ -43,10 +43,13 @@ routes of a virtual cluster; a local Ray cluster): under ``pytest -n 2 --dist lo
 they run one after another on one worker, while the other worker runs the rest."""
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test in an xdist group: :data:`SHARED_HOST`, or its module's (so that a
     module's fixtures, some of them whole multi-process runs, are set up once, not once
-    per worker)."""
+    per worker). First among the hooks: xdist's own, which reads the groups into the
+    test ids that ``--dist loadgroup`` schedules by, runs after it (without ``tryfirst``
+    it ran before, and no group held: two Ray clusters, two virtual clusters at once)."""
     for item in items:
         path = Path(str(item.fspath))
         shared = ("need_vcluster" in getattr(item, "fixturenames", ())
@@ -54,6 +57,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                   or "vcluster" in path.name or path.parent.name == "service")
         group = SHARED_HOST if shared else str(path.relative_to(TESTS))
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker under ``--dist loadgroup``: refuse to run when the groups did not
+    reach the test ids xdist schedules by. pytest 9.2 moved ``nodeid`` off the attribute
+    that xdist 3.8 rewrites, and every group silently stopped holding (Ray and virtual-
+    cluster tests then ran two at a time and failed under load); pyproject pins below it."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    lost = [i.nodeid for i in session.items
+            if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"--dist loadgroup: {len(lost)} tests lost their xdist group (e.g. {lost[0]}): "
+            f"this pytest ({pytest.__version__}) and pytest-xdist do not work together; "
+            "install the versions pyproject.toml's dev extra allows")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
