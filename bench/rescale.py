@@ -248,15 +248,10 @@ def main() -> None:
             restart.append(checkpoint_restart(args, Path(tmp)))
         print(f"rep {rep + 1}/{args.reps}: in-process {inproc[-1]}, "
               f"checkpoint-restart {restart[-1]}", flush=True)
-    params = 32 * args.width + 2 * args.width * args.width + args.width * 10 + 3 * args.width + 10
     med_in, med_re = median_of(inproc), median_of(restart)
     result = {
         "benchmark": "rescale 2->1->2 workers, in-process vs checkpoint-restart",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(),
-                    "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]]},
-        "model": {"kind": "MLP 32-w-w-w-10", "width": args.width, "parameters": params,
-                  "optimizer": "Adam"},
+        **machine_and_model(args, load_before[0]),
         "reps": args.reps,
         "median": {"in_process": med_in, "checkpoint_restart": med_re},
         "in_process_total_s": med_in["pause_2to1_s"] + med_in["pause_1to2_s"],
@@ -269,6 +264,17 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["median"], indent=2))
     print(f"wrote {args.out}")
+
+
+def machine_and_model(args: argparse.Namespace, load_before: float) -> dict[str, Any]:
+    """The results' ``machine`` (with the load before and now) and ``model`` entries."""
+    width = args.width
+    params = 32 * width + 2 * width * width + width * 10 + 3 * width + 10
+    return {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "python": platform.python_version(),
+                        "load_average_1m_before_after": [load_before, os.getloadavg()[0]]},
+            "model": {"kind": "MLP 32-w-w-w-10", "width": width, "parameters": params,
+                      "optimizer": "Adam"}}
 
 
 def zero_stages(args: argparse.Namespace) -> None:
@@ -284,14 +290,9 @@ def zero_stages(args: argparse.Namespace) -> None:
             f"ZeRO-{z} {runs[z][-1]}" for z in args.zero_stages), flush=True)
     med = {f"ZeRO-{z}": median_of(r) for z, r in runs.items()}
     first = f"ZeRO-{args.zero_stages[0]}"
-    params = 32 * args.width + 2 * args.width * args.width + args.width * 10 + 3 * args.width + 10
     result = {
         "benchmark": "in-process rescale 2->1->2 workers of a sharded model, by ZeRO stage",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(),
-                    "load_average_1m_before_after": [load_before[0], os.getloadavg()[0]]},
-        "model": {"kind": "MLP 32-w-w-w-10", "width": args.width, "parameters": params,
-                  "optimizer": "Adam"},
+        **machine_and_model(args, load_before[0]),
         "reps": args.reps,
         "median": med,
         "pause_total_over_" + first: {

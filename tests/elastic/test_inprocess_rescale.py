@@ -45,6 +45,14 @@ def start(out: Path, port: int, nproc: int, *args: str,
                             stdout=log, stderr=subprocess.STDOUT)
 
 
+def reap(procs: list[subprocess.Popen]) -> None:
+    """Kill and wait for the workers a test left running (its failure, not its result)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def logs(out: Path) -> str:
     return "\n".join(p.read_text()[-3000:] for p in sorted(out.glob("worker-*.log")))
 
@@ -73,9 +81,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
         codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
         assert codes == [0, 0, 0], logs(out)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        reap(procs)
         del store
     return out
 
@@ -233,10 +239,7 @@ def test_a_frozen_member_is_detected_and_the_survivor_leaves(tmp_path: Path) -> 
         code = survivor.wait(120)  # far below the 600 s collective timeout
         waited = time.monotonic() - t0
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        reap(procs)
         del store
     assert code == PEER_LOST, logs(tmp_path)
     assert waited < patience(60), waited  # far below the 600 s collective timeout
@@ -258,10 +261,7 @@ def test_a_sigterm_just_after_the_leave_agreement_makes_that_worker_leave(
     try:
         codes = [p.wait(patience(60)) for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        reap(procs)
         del store
     text = logs(tmp_path)
     assert codes == [0, 0], text
