@@ -59,20 +59,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(group))
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """On an xdist worker under ``--dist loadgroup``: refuse to run when the groups did not
-    reach the test ids xdist schedules by. pytest 9.2 moved ``nodeid`` off the attribute
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On an xdist worker under ``--dist loadgroup``: fail a grouped test whose group did not
+    reach the test id xdist schedules by. pytest 9.2 moved ``nodeid`` off the attribute
     that xdist 3.8 rewrites, and every group silently stopped holding (Ray and virtual-
     cluster tests then ran two at a time and failed under load); pyproject pins below it."""
-    if not getattr(session.config.option, "loadgroup", False):
-        return
-    lost = [i.nodeid for i in session.items
-            if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
-    if lost:
-        raise pytest.UsageError(
-            f"--dist loadgroup: {len(lost)} tests lost their xdist group (e.g. {lost[0]}): "
-            f"this pytest ({pytest.__version__}) and pytest-xdist do not work together; "
-            "install the versions pyproject.toml's dev extra allows")
+    if (getattr(item.config.option, "loadgroup", False)
+            and item.get_closest_marker("xdist_group") and "@" not in item.nodeid):
+        pytest.fail(f"--dist loadgroup: this test lost its xdist group: this pytest "
+                    f"({pytest.__version__}) and pytest-xdist do not work together; install "
+                    "the versions pyproject.toml's dev extra allows", pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
