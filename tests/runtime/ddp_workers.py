@@ -43,17 +43,22 @@ def grad_weight_case(rank: int, world: int) -> dict:
     return rt_workers.grad_weight_case(rank, world, DDP)
 
 
+def sgd_steps(dm: object, kind: str, rank: int, world: int, steps: int = 10) -> None:
+    """``steps`` SGD steps of ``dm`` on this rank's slice of the shared batches."""
+    o = make_optimizer("sgd", dm.parameters())
+    sl = local_slice(rank, world)
+    for step in range(steps):
+        x, y = batch(kind, step)
+        o.zero_grad()
+        loss_fn(kind, dm(x[sl]), y[sl]).backward()
+        o.step()
+
+
 def batchnorm_case(rank: int, world: int) -> dict:
     """Rank 0's buffers on every rank after each step; an eval forward on rank 0 alone
     communicates nothing (rank 1 does not take part: a collective would hang)."""
     dm = wrap(make_model("bn", seed=rank), rank, world, DDP)
-    o = make_optimizer("sgd", dm.parameters())
-    sl = local_slice(rank, world)
-    for step in range(10):
-        x, y = batch("bn", step)
-        o.zero_grad()
-        loss_fn("bn", dm(x[sl]), y[sl]).backward()
-        o.step()
+    sgd_steps(dm, "bn", rank, world)
     final = state(dm)
     dm.eval()
     out = None
@@ -142,13 +147,7 @@ def fp16_hooks_case(rank: int, world: int) -> dict:
                   AllReduce(chunk_size=2, compressor="fp16", engine="ddp"))
         if observed:
             dm.add_grad_observer(lambda *a: None)
-        o = make_optimizer("sgd", dm.parameters())
-        sl = local_slice(rank, world)
-        for step in range(10):
-            x, y = batch("mlp", step)
-            o.zero_grad()
-            loss_fn("mlp", dm(x[sl]), y[sl]).backward()
-            o.step()
+        sgd_steps(dm, "mlp", rank, world)
         out["python" if observed else "cpp"] = {"state": state(dm),
                                                 "hook": dm._reducer.hook_name,
                                                 "bytes": dm.comm_stats.payload_bytes}
