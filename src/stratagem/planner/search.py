@@ -36,7 +36,10 @@ from stratagem.strategy.schema import (
 from stratagem.strategy.validate import validate
 
 MIB = 2 ** 20
-BYTE_CAPS = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, None)  # None: one group
+BYTE_CAPS = (MIB // 4, MIB // 2, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, None)
+"""Byte caps of the hybrids' all-reduce groups (None: one group). Below 1 MiB: backward's
+last gradients (a CNN's first conv layers) in a small bucket of their own, whose
+all-reduce is all that waits after backward."""
 BUDGET_S = 8.0  # the search stops improving after this long (the bound is 10 s)
 TOLERANCE = 0.05  # predictions this close count as equal (see prefer_simple)
 GATHER_GROUP = 10_000  # group ids of gathered rows start here (one group each)
@@ -183,7 +186,11 @@ def build_hybrid(h: Hybrid, profile: ModelProfile, spec: ResourceSpec,
                  cal: Calibration) -> Strategy:
     nodes: dict[str, NodeConfig] = {}
     group, filled = 0, 0
-    for info in ready_order(profile, cal):
+    # On the ddp engine, groups follow DDP's own fill order (reverse registration), so
+    # that each group is exactly one of DDP's buckets (bucket_cap_mb_list cuts that order).
+    order = (list(reversed(profile.params)) if h.engine == "ddp"
+             else ready_order(profile, cal))
+    for info in order:
         if info.name in h.rows:
             continue
         if info.name in h.gather:
@@ -287,13 +294,17 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
         s = build_hybrid(h, profile, spec, cal)
         return s, price(s)
 
-    # 1. The byte cap of the all-reduce groups, everything dense.
+    # 1. The byte cap of the all-reduce groups, everything dense, on either engine: the
+    # groups are the ddp engine's buckets there, and where backward's last gradients come
+    # in a bucket smaller than DDP's default 25 MiB, their all-reduce is exposed for less.
+    engines = ("stratagem", "ddp") if ddp_ok else ("stratagem",)
     best_h, best_s, best_c = None, None, None
-    for cap in BYTE_CAPS:
-        h = Hybrid(rows=set(), cap=cap)
-        s, c = run(h)
-        if c is not None and (best_c is None or c.total_s < best_c.total_s):
-            best_h, best_s, best_c = h, s, c
+    for engine in engines:
+        for cap in BYTE_CAPS:
+            h = Hybrid(rows=set(), cap=cap, engine=engine)
+            s, c = run(h)
+            if c is not None and (best_c is None or c.total_s < best_c.total_s):
+                best_h, best_s, best_c = h, s, c
     if best_h is None:
         raise StratagemError("no strategy could be priced", where="planner.search",
                              fix="check the model profile and resource spec")
