@@ -45,6 +45,8 @@ TOLERANCE = 0.05  # predictions this close count as equal (see prefer_simple)
 GATHER_GROUP = 10_000  # group ids of gathered rows start here (one group each)
 DDP_ENGINE = "AllReduceDDP"
 """The candidate AllReduce (defaults) on the ddp engine (torch's DDP reducer)."""
+DDP_BUCKET_CAPS = (MIB // 4, MIB // 2, MIB, 4 * MIB)
+"""Bucket sizes of the ddp engine candidates besides DDP's default 25 MiB."""
 HYBRID = "hybrid"
 """The name of the candidate made of per-parameter choices here (every other candidate is
 a named builder's strategy)."""
@@ -86,6 +88,11 @@ class Choice:
     @property
     def cost(self) -> StepCost:
         return self.best.cost
+
+
+def ddp_bucket_name(cap: int) -> str:
+    """The name of the candidate AllReduce on the ddp engine with ``cap``-byte buckets."""
+    return f"{DDP_ENGINE}@{cap // 1024}KiB"
 
 
 def pullable(info: ParamInfo) -> bool:
@@ -289,6 +296,13 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
         if cost is not None:
             name = DDP_ENGINE if comp == "none" else f"{DDP_ENGINE}({comp})"
             found.append(Candidate(name, strategy, cost))
+    # ... and with buckets smaller than DDP's 25 MiB (DDP's ``bucket_cap_mb``, a setting
+    # its users tune): backward's last gradients then wait in a smaller last bucket.
+    for cap in DDP_BUCKET_CAPS * (ddp_ok and "none" in options.compressors):
+        strategy = AllReduce(engine="ddp", bucket_bytes=cap).build(profile, spec)
+        cost = price(strategy)
+        if cost is not None:
+            found.append(Candidate(ddp_bucket_name(cap), strategy, cost))
 
     def run(h: Hybrid) -> tuple[Strategy, StepCost | None]:
         s = build_hybrid(h, profile, spec, cal)
