@@ -622,3 +622,46 @@ def test_no_ddp_engine_where_calibration_saw_a_parameter_without_gradient() -> N
     cal = replace(cal, grad_ready_s={k: v for k, v in cal.grad_ready_s.items() if k != first})
     choice = search(profile, spec(2), cal)
     assert all(engine_of(c.strategy) != "ddp" for c in choice.candidates)
+
+
+def test_the_ddp_engine_gets_small_buckets_where_backward_ends_in_small_gradients() -> None:
+    """A CNN's last gradients of backward (its first conv layers, ~1 MiB) make one DDP
+    bucket with plain DDP's 25 MiB limit, all of it sent after backward. The search prices
+    smaller buckets on the ddp engine (named candidates ``AllReduceDDP@<size>``, DDP's
+    ``bucket_cap_mb``, and the hybrid's caps on that engine): on a 1 Gbit/s link Auto picks
+    the ddp engine with more, smaller buckets, the last one smaller than AllReduceDDP's, and
+    predicts it faster by what that bucket no longer exposes; on a fast link the gain is
+    within the search's tolerance and DDP's own bucket size stays."""
+    from stratagem.planner.cost_model import plan_for
+    from stratagem.planner.explain import engine_of
+    from stratagem.planner.search import DDP_ENGINE, HYBRID, ddp_bucket_name
+    from stratagem.runtime.ddp_engine import bucket_groups
+
+    w = 32
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, w, 3), torch.nn.Conv2d(w, 2 * w, 3), torch.nn.Conv2d(2 * w, 4 * w, 3),
+        torch.nn.Conv2d(4 * w, 4 * w, 3), torch.nn.Flatten(), torch.nn.Linear(4 * w * 16, 256),
+        torch.nn.Linear(256, 10))
+    profile = analyze(model)
+    names = [p.name for p in profile.params]
+    backward = 0.05  # the classifier's gradients at once, then the convs', last layer first
+    ready = {n: backward * (1 - (i // 2) / 6) if i < 8 else 0.001 for i, n in enumerate(names)}
+    cal = replace(estimate(profile, 16), backward_s=backward, grad_ready_s=ready)
+
+    def buckets(c: object, sp: ResourceSpec) -> list[int]:
+        return [b.nbytes for b in bucket_groups(plan_for(c.strategy, profile, sp))]
+
+    def base(name: str) -> str:
+        return name.removeprefix("Auto(").removesuffix(")")
+
+    slow, fast = spec(2, 1.0), spec(2, 100.0)
+    choice = search(profile, slow, cal)
+    by_name = {base(c.name): c for c in choice.candidates}
+    best, ddp = choice.best, by_name[DDP_ENGINE]
+    assert ddp_bucket_name(2**18) in by_name and engine_of(by_name[HYBRID].strategy) == "ddp"
+    assert engine_of(best.strategy) == "ddp" and base(best.name) != DDP_ENGINE
+    assert len(buckets(best, slow)) > len(buckets(ddp, slow))
+    assert buckets(best, slow)[-1] < buckets(ddp, slow)[-1]
+    assert best.cost.parts["backward_tail"] < ddp.cost.parts["backward_tail"]
+    assert best.cost.total_s < ddp.cost.total_s * 0.95  # more than the search's tolerance
+    assert base(search(profile, fast, cal).best.name) == DDP_ENGINE

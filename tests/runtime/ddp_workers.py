@@ -117,6 +117,33 @@ def first_bucket_case(rank: int, world: int) -> dict:
             "groups": [sorted(g.params) for g in dm.plan.groups]}
 
 
+def bucket_bytes_case(rank: int, world: int) -> dict:
+    """AllReduce(engine="ddp", bucket_bytes=150) on the MLP: groups of 150 bytes in DDP's
+    fill order, each one DDP bucket (seen by an observer on the Python hook), and training
+    on DDP's C++ reducer (no observer) as well."""
+    out: dict[str, Any] = {}
+    for watched in (True, False):
+        dm = wrap(make_model("mlp", seed=rank), rank, world,
+                  AllReduce(engine="ddp", bucket_bytes=150))
+        o = make_optimizer("sgd", dm.parameters())
+        seen: list[list[str]] = []
+        if watched:
+            dm.add_grad_observer(lambda event, g, buf, scale, seen=seen: seen.append(
+                sorted(m.param for m in g.members)) if event == "local" else None)
+        sl = local_slice(rank, world)
+        for step in range(rt_workers.STEPS):
+            x, y = batch("mlp", step)
+            o.zero_grad()
+            seen.clear()
+            loss_fn("mlp", dm(x[sl]), y[sl]).backward()
+            o.step()
+        key = "python" if watched else "cpp"
+        out[key] = {"final": state(dm), "last_step_buckets": list(seen),
+                    "groups": [sorted(g.params) for g in dm.plan.groups],
+                    "hook": dm._reducer.hook_name}
+    return out
+
+
 def hook_case(rank: int, world: int) -> dict:
     """Which hook reduces: DDP's C++ reducer without observers; an observer added on
     every rank after some steps brings a new DDP with the Python hook, and training goes on
@@ -236,6 +263,7 @@ def suite(rank: int, world: int, ckpt_dir: str) -> dict:
     for name, fn in [("no_sync", no_sync_case), ("grad_weight", grad_weight_case),
                      ("batchnorm", batchnorm_case), ("buckets", buckets_case),
                      ("first_bucket", first_bucket_case), ("hook", hook_case),
+                     ("bucket_bytes", bucket_bytes_case),
                      ("fp16_hooks", fp16_hooks_case),
                      ("unused", unused_case), ("replan", regroup_case),
                      ("powersgd_roundtrip",

@@ -95,6 +95,24 @@ def test_the_first_group_sends_its_first_bytes_in_a_bucket_of_their_own(
         close(r["final"], reference("mlp", "sgd"))
 
 
+def test_bucket_bytes_cuts_ddp_buckets_of_that_size_and_trains_exactly(
+        w2: list[dict]) -> None:
+    """AllReduce(engine="ddp", bucket_bytes=150) (DDP's bucket_cap_mb, as Auto's
+    ``AllReduceDDP@<size>`` candidates use it): three groups in reverse registration
+    order, each reduced as one DDP bucket, and training equals one process with the
+    global batch on the Python hook and on DDP's C++ reducer alike."""
+    want = [["fc3.bias", "fc3.weight"], ["fc2.bias", "fc2.weight"],
+            ["fc1.bias", "fc1.weight"]]
+    for r in (check(r["bucket_bytes"]) for r in w2):
+        assert sorted(r["python"]["groups"]) == sorted(want)
+        assert r["python"]["last_step_buckets"] == want
+        assert r["cpp"]["last_step_buckets"] == []
+        assert r["cpp"]["hook"] == "c++ reducer, no hook" and r["python"]["hook"].startswith(
+            "python")
+        for key in ("python", "cpp"):
+            close(r[key]["final"], reference("mlp", "sgd"))
+
+
 def test_cpp_reducer_until_an_observer_needs_python(w2: list[dict]) -> None:
     """Nothing needs Python: DDP's own C++ reducer, no comm hook (as plain DDP). An
     observer added on every rank brings a new DDP with the Python hook; the tied model

@@ -241,3 +241,30 @@ def test_allreduce_on_the_ddp_engine_groups_as_ddp_buckets(monkeypatch: Any) -> 
     assert {nc.synchronizer.group for nc in plain.node_config} == {0}
     assert {nc.synchronizer.group for nc in AllReduce(chunk_size=2, engine="ddp").build(
         profile, spec).node_config} == set(range(7))
+
+
+@pytest.mark.parametrize("engine", ["ddp", "stratagem"])
+def test_allreduce_bucket_bytes_groups_as_ddp_buckets_of_that_size(engine: str) -> None:
+    """``bucket_bytes`` (DDP's ``bucket_cap_mb``) cuts the groups where torch's own bucket
+    assignment cuts buckets of that size, on either engine; with chunk_size, or below 1,
+    it is refused with the fix."""
+    import torch
+    import torch.distributed as dist
+
+    model = nn.Sequential(*[nn.Linear(n, 3) for n in (2, 40, 1, 90, 5, 7, 60)])
+    profile = analyze(model)
+    strategy = AllReduce(engine=engine, bucket_bytes=300).build(profile, ResourceSpec.local(2))
+    groups: dict[int, set[str]] = {}
+    for nc in strategy.node_config:
+        assert nc.synchronizer.engine == engine
+        groups.setdefault(nc.synchronizer.group, set()).add(nc.var_name)
+    names = [p.name for p in profile.params]
+    tensors = [torch.empty(p.shape) for p in reversed(profile.params)]
+    want, _ = dist._compute_bucket_assignment_by_size(tensors, [300], [False] * len(names))
+    assert len(want) > 3
+    assert [groups[g] for g in sorted(groups, reverse=True)] == [
+        {names[len(names) - 1 - i] for i in bucket} for bucket in want]
+    for bad in ({"bucket_bytes": 0}, {"bucket_bytes": 300, "chunk_size": 4},
+                {"bucket_bytes": True}):
+        with pytest.raises(StrategyError, match="fix:"):
+            AllReduce(engine=engine, **bad)

@@ -36,12 +36,17 @@ from stratagem.strategy.schema import (
 from stratagem.strategy.validate import validate
 
 MIB = 2 ** 20
-BYTE_CAPS = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, None)  # None: one group
+BYTE_CAPS = (MIB // 4, MIB // 2, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, None)
+"""Byte caps of the hybrids' all-reduce groups (None: one group). Below 1 MiB: backward's
+last gradients (a CNN's first conv layers) in a small bucket of their own, whose
+all-reduce is all that waits after backward."""
 BUDGET_S = 8.0  # the search stops improving after this long (the bound is 10 s)
 TOLERANCE = 0.05  # predictions this close count as equal (see prefer_simple)
 GATHER_GROUP = 10_000  # group ids of gathered rows start here (one group each)
 DDP_ENGINE = "AllReduceDDP"
 """The candidate AllReduce (defaults) on the ddp engine (torch's DDP reducer)."""
+DDP_BUCKET_CAPS = (MIB // 4, MIB // 2, MIB, 4 * MIB)
+"""Bucket sizes of the ddp engine candidates besides DDP's default 25 MiB."""
 HYBRID = "hybrid"
 """The name of the candidate made of per-parameter choices here (every other candidate is
 a named builder's strategy)."""
@@ -83,6 +88,11 @@ class Choice:
     @property
     def cost(self) -> StepCost:
         return self.best.cost
+
+
+def ddp_bucket_name(cap: int) -> str:
+    """The name of the candidate AllReduce on the ddp engine with ``cap``-byte buckets."""
+    return f"{DDP_ENGINE}@{cap // 1024}KiB"
 
 
 def pullable(info: ParamInfo) -> bool:
@@ -183,7 +193,11 @@ def build_hybrid(h: Hybrid, profile: ModelProfile, spec: ResourceSpec,
                  cal: Calibration) -> Strategy:
     nodes: dict[str, NodeConfig] = {}
     group, filled = 0, 0
-    for info in ready_order(profile, cal):
+    # On the ddp engine, groups follow DDP's own fill order (reverse registration), so
+    # that each group is exactly one of DDP's buckets (bucket_cap_mb_list cuts that order).
+    order = (list(reversed(profile.params)) if h.engine == "ddp"
+             else ready_order(profile, cal))
+    for info in order:
         if info.name in h.rows:
             continue
         if info.name in h.gather:
@@ -282,18 +296,29 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
         if cost is not None:
             name = DDP_ENGINE if comp == "none" else f"{DDP_ENGINE}({comp})"
             found.append(Candidate(name, strategy, cost))
+    # ... and with buckets smaller than DDP's 25 MiB (DDP's ``bucket_cap_mb``, a setting
+    # its users tune): backward's last gradients then wait in a smaller last bucket.
+    for cap in DDP_BUCKET_CAPS * (ddp_ok and "none" in options.compressors):
+        strategy = AllReduce(engine="ddp", bucket_bytes=cap).build(profile, spec)
+        cost = price(strategy)
+        if cost is not None:
+            found.append(Candidate(ddp_bucket_name(cap), strategy, cost))
 
     def run(h: Hybrid) -> tuple[Strategy, StepCost | None]:
         s = build_hybrid(h, profile, spec, cal)
         return s, price(s)
 
-    # 1. The byte cap of the all-reduce groups, everything dense.
+    # 1. The byte cap of the all-reduce groups, everything dense, on either engine: the
+    # groups are the ddp engine's buckets there, and where backward's last gradients come
+    # in a bucket smaller than DDP's default 25 MiB, their all-reduce is exposed for less.
+    engines = ("stratagem", "ddp") if ddp_ok else ("stratagem",)
     best_h, best_s, best_c = None, None, None
-    for cap in BYTE_CAPS:
-        h = Hybrid(rows=set(), cap=cap)
-        s, c = run(h)
-        if c is not None and (best_c is None or c.total_s < best_c.total_s):
-            best_h, best_s, best_c = h, s, c
+    for engine in engines:
+        for cap in BYTE_CAPS:
+            h = Hybrid(rows=set(), cap=cap, engine=engine)
+            s, c = run(h)
+            if c is not None and (best_c is None or c.total_s < best_c.total_s):
+                best_h, best_s, best_c = h, s, c
     if best_h is None:
         raise StratagemError("no strategy could be priced", where="planner.search",
                              fix="check the model profile and resource spec")

@@ -63,17 +63,28 @@ class AllReduce:
     ``engine``: ``stratagem`` (this runtime's reducer) or ``ddp`` (torch's DDP reducer, one
     bucket per group; whole dense parameters only). ``chunk_size`` not given: 128
     parameters a group on ``stratagem``; on ``ddp``, groups of DDP's own bucket size
-    (:data:`DDP_BUCKET_BYTES`, filled in reverse registration order as DDP does)."""
+    (:data:`DDP_BUCKET_BYTES`, filled in reverse registration order as DDP does).
+    ``bucket_bytes``: groups of that many bytes instead, filled the same way (DDP's
+    ``bucket_cap_mb``; not with ``chunk_size``)."""
 
     chunk_size: int | None = None
     all_reduce_spec: str = "auto"
     compressor: str = "none"
     powersgd_rank: int = 1
     engine: str = "stratagem"
+    bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_common(CHUNK_SIZE if self.chunk_size is None else self.chunk_size,
                       self.compressor, self.all_reduce_spec)
+        if self.bucket_bytes is not None and (
+                not isinstance(self.bucket_bytes, int) or isinstance(self.bucket_bytes, bool)
+                or self.bucket_bytes < 1 or self.chunk_size is not None):
+            raise StrategyError(
+                f"bucket_bytes must be an integer >= 1 and not given with chunk_size, got "
+                f"bucket_bytes={self.bucket_bytes!r}, chunk_size={self.chunk_size!r}",
+                fix="give either bucket_bytes (bytes a group, e.g. 2**20) or chunk_size "
+                    "(parameters a group)")
         if self.engine not in ENGINES:
             raise StrategyError(f"unknown engine {self.engine!r}",
                                 fix=f"use one of {', '.join(ENGINES)}")
@@ -88,9 +99,9 @@ class AllReduce:
                                      engine=self.engine)
 
     def build(self, profile: ModelProfile, spec: ResourceSpec) -> Strategy:
-        by_size = self.chunk_size is None and self.engine == "ddp"
-        groups = (size_groups(profile, DDP_BUCKET_BYTES) if by_size
-                  else [None] * len(profile.params))
+        cap = self.bucket_bytes or (DDP_BUCKET_BYTES if self.chunk_size is None
+                                    and self.engine == "ddp" else None)
+        groups = size_groups(profile, cap) if cap else [None] * len(profile.params)
         nodes = tuple(NodeConfig(var_name=p.name, synchronizer=self.sync(i, groups[i]))
                       for i, p in enumerate(profile.params))
         return Strategy(node_config=nodes, graph_config=GraphConfig(tuple(spec.replicas)),
