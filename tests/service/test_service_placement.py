@@ -13,6 +13,7 @@ import pytest
 from _ray_service import FAKE_GPU
 
 from stratagem.service import store as st
+from stratagem.service.cluster import RAY_DEFAULTS
 from stratagem.service.jobfile import parse_job
 from stratagem.service.ray_backend import Launched, NodeInfo, choose_nodes
 from stratagem.service.scheduler import Scheduler, SchedulerOptions
@@ -75,6 +76,8 @@ def multinode() -> Iterator[tuple[object, dict[str, str]]]:
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for key, value in RAY_DEFAULTS.items():  # Ray as `cluster up` starts it
+        os.environ.setdefault(key, value)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "object_store_memory": 80 * 2**20})
     names = {}

@@ -85,6 +85,8 @@ class ReplicaWorker:
         full.update(env)
         who = (f"rank {env['RANK']} of {env['WORLD_SIZE']}" if "RANK" in env else
                f"{env.get(sg_env.RESCALE_ID, '?')} (in-process rescale)")
+        if nice := os.nice(0):  # Ray's worker niceness, which the replica inherits
+            who += f", niceness {nice}: it yields the CPU to other work (RAY_worker_niceness)"
         with log.open("ab") as out:
             out.write(f"--- {time.strftime('%H:%M:%S')} start {who} ---\n".encode())
             out.flush()
