@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from pathlib import Path
 
 from _ray_service import JOB_SCRIPT
@@ -241,7 +242,8 @@ class BlockingBackend(FakeBackend):
         self.slow = slow
         self.release = threading.Event()
         self.blocked = threading.Event()  # a slow launch is waiting now
-        self.during_block: list[str] = []
+        self.slow_done = threading.Event()  # a slow launch returned
+        self.during_block: list[str] = []  # launched before a slow launch returned
         self.fail: str | None = None
 
     def launch(self, spec, replicas, generation, env, log_dir, exclude=frozenset(),
@@ -250,10 +252,11 @@ class BlockingBackend(FakeBackend):
             self.blocked.set()
             try:
                 # bounded: before the fix this held the scheduler's step for all of it
-                self.release.wait(timeout=5.0)
+                self.release.wait(timeout=15.0)
             finally:
                 self.blocked.clear()
-        elif self.blocked.is_set():
+                self.slow_done.set()
+        elif not self.slow_done.is_set():
             self.during_block.append(spec.name)
         if self.fail:
             raise StratagemError(self.fail, where=spec.name, fix="-")
@@ -271,6 +274,11 @@ def test_a_slow_start_holds_up_no_other_job(tmp_path):
     try:
         s.step(now=10.0)
         assert be.blocked.wait(timeout=30.0), "the slow start never began"
+        deadline = time.monotonic() + 30.0  # (a bound, not a timing: the thread may lag)
+        while ("fast", 1) not in be.launches:
+            assert time.monotonic() < deadline, "fast was not started"
+            time.sleep(0.01)
+        s.step(now=10.5)  # records fast's start
         assert s.store.job("slow").state == st.STARTING and s.starting() == ["slow"]
         assert "fast" in be.during_block and s.store.job("fast").state == st.RUNNING
         be.codes[group(s, "fast")] = [0]  # fast ends while slow is still starting
@@ -289,7 +297,7 @@ def test_a_slow_start_holds_up_no_other_job(tmp_path):
 def test_a_failed_start_backs_off_with_the_reason_and_is_retried(tmp_path):
     be = BlockingBackend(slow=set())
     be.fail = "Ray could not place 1 replicas: timed out"
-    s = make(tmp_path, be, backoff=10.0)
+    s = make(tmp_path, be, backoff=10.0, interval=60.0)  # each step waits for its start
     s.store.add_job(spec("a", high=1), now=0.0)
     s.step(now=1.0)
     job = s.store.job("a")
