@@ -70,6 +70,38 @@ def test_bundles_chosen_by_a_start_in_flight_are_not_chosen_again(monkeypatch):
     assert ids(be.place(2, GPU)) == ["n0", "n0"] and be._reserved == {}
 
 
+def test_a_replica_slow_to_answer_a_poll_is_running_not_lost():
+    """A poll that times out (a busy node) is no lost replica: restarting the job from its
+    checkpoint would throw its progress away. Only many unanswered polls in a row, or an
+    actor that is gone, count as lost."""
+    pytest.importorskip("ray", reason="Ray is an optional extra")
+    from ray.exceptions import GetTimeoutError
+
+    from stratagem.service import ray_backend as rb
+
+    answers: list[object] = []
+
+    def get(ref, timeout):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    actor = type("A", (), {"poll": type("M", (), {"remote": staticmethod(lambda: "ref")})})
+    fake = type("R", (), {"get": staticmethod(get),
+                          "get_actor": staticmethod(lambda name, namespace: actor)})
+    be = rb.RayBackend.__new__(rb.RayBackend)  # no Ray connection: only poll's rule
+    be.__dict__.update(ray=fake, _unanswered={})
+    job = Launched("j.g0", ("j.g0.r0",))
+    answers[:] = [GetTimeoutError("busy"), None, 0]
+    assert [be.poll(job) for _ in range(3)] == [[None], [None], [0]]
+    answers[:] = [GetTimeoutError("busy")] * rb.MAX_UNANSWERED
+    codes = [be.poll(job)[0] for _ in range(rb.MAX_UNANSWERED)]
+    assert codes == [None] * (rb.MAX_UNANSWERED - 1) + [rb.LOST]
+    answers[:] = [RuntimeError("the actor died")]
+    assert be.poll(job) == [rb.LOST]
+
+
 @pytest.fixture(scope="module")
 def multinode() -> Iterator[tuple[object, dict[str, str]]]:
     ray = pytest.importorskip("ray", reason="Ray is an optional extra")

@@ -50,6 +50,8 @@ from stratagem.service.jobfile import JobSpec
 log = logging.getLogger("stratagem.service")
 NAMESPACE = "stratagem"
 LOST = -1000  # exit status reported for a replica whose actor or node is gone
+POLL_TIMEOUT = 30.0  # s a replica's actor has to answer a poll
+MAX_UNANSWERED = 10  # polls in a row without an answer before a replica counts as lost
 NODE_ID_LABEL = "ray.io/node-id"
 MARKET_LABEL = "ray.io/market-type"
 
@@ -246,6 +248,7 @@ class RayBackend:
         # as taken, so that two starts never pick the same free accelerator.
         self._placing = threading.Lock()
         self._reserved: dict[str, tuple[str, dict[str, float]]] = {}  # group -> node, bundle
+        self._unanswered: dict[str, int] = {}  # actor -> polls in a row it did not answer
 
     # -- the cluster -----------------------------------------------------------------------
     def nodes(self, exclude: frozenset[str] = frozenset()) -> list[tuple[str, float]]:
@@ -499,7 +502,10 @@ class RayBackend:
         return all(self._actor(n) is not None for n in launched.actors)
 
     def poll(self, launched: Launched) -> list[int | None]:
-        """Each replica's exit status (None: running; LOST: actor or node gone)."""
+        """Each replica's exit status (None: running; LOST: actor or node gone). A replica
+        whose actor does not answer within ``POLL_TIMEOUT`` s (a busy node) counts as
+        running, and as lost only after ``MAX_UNANSWERED`` such polls in a row: a restart
+        from the checkpoint would throw away its progress for nothing."""
         out: list[int | None] = []
         for name in launched.actors:
             actor = self._actor(name)
@@ -507,7 +513,13 @@ class RayBackend:
                 out.append(LOST)
                 continue
             try:
-                out.append(self.ray.get(actor.poll.remote(), timeout=30))
+                out.append(self.ray.get(actor.poll.remote(), timeout=POLL_TIMEOUT))
+                self._unanswered.pop(name, None)
+            except TimeoutError:  # Ray's GetTimeoutError; a dead actor raises otherwise
+                missed = self._unanswered[name] = self._unanswered.get(name, 0) + 1
+                log.warning("%s did not answer a poll within %g s (%d in a row)", name,
+                            POLL_TIMEOUT, missed)
+                out.append(LOST if missed >= MAX_UNANSWERED else None)
             except Exception:
                 out.append(LOST)
         return out
