@@ -18,7 +18,7 @@ Every ``interval`` seconds :meth:`Scheduler.step`:
    resuming from the checkpoint. Shrinks and stops go first, so that their resources are
    free for the grows and starts. An unchanged job is left alone.
 
-Starts run in the background (a thread per start): placing a job's bundles, starting its
+Starts run in the background (threads, at most ``MAX_STARTS`` at once): placing a job's bundles, starting its
 actors' worker processes and its replicas can take a minute on a loaded cluster, and the
 loop must not stall meanwhile. A job being started is ``starting``: the policy counts its
 replicas as taken and leaves them alone, and the other jobs are polled, resized and started
