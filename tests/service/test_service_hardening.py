@@ -321,6 +321,7 @@ def test_up_writes_a_private_ray_token_and_turns_the_heads_drain_wait_off(tmp_pa
     # ray.init() in this process (another module's fixture) sets RAY_AUTH_MODE=token in
     # os.environ, which `up` would rightly take as the user's own choice
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)  # (the Ray fixtures set it)
 
     if not cluster._ray_has_tokens():
         pytest.skip("this Ray has no token authentication")
