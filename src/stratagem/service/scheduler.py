@@ -18,17 +18,17 @@ Every ``interval`` seconds :meth:`Scheduler.step`:
    resuming from the checkpoint. Shrinks and stops go first, so that their resources are
    free for the grows and starts. An unchanged job is left alone.
 
-Starts run in the background (threads, at most ``MAX_STARTS`` at once): placing a job's bundles, starting its
-actors' worker processes and its replicas can take a minute on a loaded cluster, and the
-loop must not stall meanwhile. A job being started is ``starting``: the policy counts its
-replicas as taken and leaves them alone, and the other jobs are polled, resized and started
-as usual. The step that decides a start waits for it at most ``interval`` seconds; a start
-that takes longer is picked up by a later step. A start that fails (or times out, after
-``start_timeout`` per phase) has been cleaned up by the backend; the job backs off
-(``backoff``, doubling with each failed start in a row, at most ``32 * backoff``) with an
-event that says why, and is started again after it. A failed start does not count as a
-crash. A ``starting`` job that a new scheduler finds (the old one died mid-start) has
-whatever its start had created stopped, and is started again.
+Starts run in the background (threads, at most ``MAX_STARTS`` at once): placing a job's
+bundles, starting its actors' worker processes and its replicas can take a minute on a
+loaded cluster, and the loop must not stall meanwhile. A job being started is ``starting``:
+the policy counts its replicas as taken and leaves them alone, and the other jobs are
+polled, resized and started as usual. The step that decides a start waits for it at most
+``interval`` seconds; a start that takes longer is picked up by a later step. A start that
+fails (or times out, after ``start_timeout`` per phase) has been cleaned up by the backend;
+the job backs off (``backoff``, doubling with each failed start in a row, at most ``32 *
+backoff``) with an event that says why, and is started again after it. A failed start does
+not count as a crash. A ``starting`` job that a new scheduler finds (the old one died
+mid-start) has whatever its start had created stopped, and is started again.
 
 All state lives in the :class:`~.store.Store` (SQLite), so a new scheduler on the same
 directory carries on: running jobs keep running (their Ray actors are detached and named).
