@@ -237,6 +237,7 @@ def test_a_job_shrinks_and_grows_in_process_and_trains_as_alone(ray_cluster, tmp
     assert backend._actor(store_name(launched)) is None  # the store went with the job
     text = replica_logs(log_dir)
     assert text.count("--- ") == 3, text  # two replicas started, one added: no restart
+    assert "niceness" not in text, text  # normal priority, as `cluster up` starts Ray
     assert "rescaled 2 -> 1 workers" in text and "rescaled 1 -> 2 workers" in text, text
     # every sample exactly once per epoch, whatever the world size at each step
     seen: dict[int, list[int]] = {}

@@ -321,6 +321,7 @@ def test_up_writes_a_private_ray_token_and_turns_the_heads_drain_wait_off(tmp_pa
     # ray.init() in this process (another module's fixture) sets RAY_AUTH_MODE=token in
     # os.environ, which `up` would rightly take as the user's own choice
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)  # (the Ray fixtures set it)
 
     if not cluster._ray_has_tokens():
         pytest.skip("this Ray has no token authentication")
@@ -332,6 +333,7 @@ def test_up_writes_a_private_ray_token_and_turns_the_heads_drain_wait_off(tmp_pa
     assert token.parent == d and token.stat().st_mode & 0o777 == 0o600
     assert len(token.read_text()) == 64 and env["RAY_AUTH_MODE"] == "token"
     assert env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] == "0"
+    assert env["RAY_worker_niceness"] == "0"  # replicas at normal priority (issue 47)
     assert d.stat().st_mode & 0o777 == 0o700
     assert cluster._ray_env(d)["RAY_AUTH_TOKEN_PATH"] == str(token)  # kept, not remade
 

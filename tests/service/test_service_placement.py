@@ -13,6 +13,7 @@ import pytest
 from _ray_service import FAKE_GPU
 
 from stratagem.service import store as st
+from stratagem.service.cluster import RAY_DEFAULTS
 from stratagem.service.jobfile import parse_job
 from stratagem.service.ray_backend import Launched, NodeInfo, choose_nodes
 from stratagem.service.scheduler import Scheduler, SchedulerOptions
@@ -39,12 +40,76 @@ def test_not_spot_nodes_fill_first_and_jobs_pack():
     assert ids(choose_nodes([node("spot", 2, spot=True)], 2, GPU, FAKE_GPU)) == ["spot"] * 2
 
 
+def test_bundles_chosen_by_a_start_in_flight_are_not_chosen_again(monkeypatch):
+    """Starts run side by side: a node chosen for a group Ray has not placed yet counts as
+    taken, so a second start does not pick the same free accelerator; once Ray lists the
+    group as placed it is not counted twice."""
+    pytest.importorskip("ray", reason="Ray is an optional extra")
+    import importlib
+    import threading
+
+    pgs = importlib.import_module("ray.util.placement_group")  # the module, not the function
+    from stratagem.service.ray_backend import RayBackend
+
+    table: dict[str, dict] = {}
+    monkeypatch.setattr(pgs, "placement_group_table", lambda: table)
+    ray_node = {"NodeID": "n0", "Alive": True, "NodeManagerAddress": "10.0.0.1",
+                "Resources": {FAKE_GPU: 2.0}}
+    be = RayBackend.__new__(RayBackend)  # no Ray connection: only the placement state
+    be.__dict__.update(gpu_resource=FAKE_GPU, ray=type("R", (), {"nodes": lambda: [ray_node]}),
+                       _placing=threading.Lock(), _reserved={})
+    with be._reserve(["a.g0.r0"], 1, GPU) as nodes:
+        assert ids(nodes) == ["n0"]
+        assert be.place(2, GPU) is None and ids(be.place(1, GPU)) == ["n0"]
+        with be._reserve(["b.g0.r0", "b.g0.r1"], 2, GPU) as two:
+            assert two is None  # only one accelerator is left
+        table["x"] = {"name": "a.g0.r0", "state": "CREATED", "bundles": {0: GPU},
+                      "bundles_to_node_id": {0: "n0"}}  # Ray placed it: counted once
+        assert ids(be.place(1, GPU)) == ["n0"]
+    del table["x"]
+    assert ids(be.place(2, GPU)) == ["n0", "n0"] and be._reserved == {}
+
+
+def test_a_replica_slow_to_answer_a_poll_is_running_not_lost():
+    """A poll that times out (a busy node) is no lost replica: restarting the job from its
+    checkpoint would throw its progress away. Only many unanswered polls in a row, or an
+    actor that is gone, count as lost."""
+    pytest.importorskip("ray", reason="Ray is an optional extra")
+    from ray.exceptions import GetTimeoutError
+
+    from stratagem.service import ray_backend as rb
+
+    answers: list[object] = []
+
+    def get(ref, timeout):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    actor = type("A", (), {"poll": type("M", (), {"remote": staticmethod(lambda: "ref")})})
+    fake = type("R", (), {"get": staticmethod(get),
+                          "get_actor": staticmethod(lambda name, namespace: actor)})
+    be = rb.RayBackend.__new__(rb.RayBackend)  # no Ray connection: only poll's rule
+    be.__dict__.update(ray=fake, _unanswered={})
+    job = Launched("j.g0", ("j.g0.r0",))
+    answers[:] = [GetTimeoutError("busy"), None, 0]
+    assert [be.poll(job) for _ in range(3)] == [[None], [None], [0]]
+    answers[:] = [GetTimeoutError("busy")] * rb.MAX_UNANSWERED
+    codes = [be.poll(job)[0] for _ in range(rb.MAX_UNANSWERED)]
+    assert codes == [None] * (rb.MAX_UNANSWERED - 1) + [rb.LOST]
+    answers[:] = [RuntimeError("the actor died")]
+    assert be.poll(job) == [rb.LOST]
+
+
 @pytest.fixture(scope="module")
 def multinode() -> Iterator[tuple[object, dict[str, str]]]:
     ray = pytest.importorskip("ray", reason="Ray is an optional extra")
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for key, value in RAY_DEFAULTS.items():  # Ray as `cluster up` starts it
+        os.environ.setdefault(key, value)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "object_store_memory": 80 * 2**20})
     names = {}
@@ -77,11 +142,16 @@ def test_spot_nodes_are_used_last_and_a_drain_moves_the_job(multinode, tmp_path)
         alloc = sched.store.allocations()["x"]
         return sched.backend.actor_nodes(Launched(alloc.group_name or "", alloc.actors))
 
-    sched.step()
+    def start() -> None:  # a step starts x in the background
+        sched.step()
+        sched.finish_starts(timeout=120)
+        assert sched.store.job("x").state == st.RUNNING
+
+    start()
     assert where() == {names["steady"]}  # both replicas on the not-spot node
     assert sched.drain(names["steady"]) == ["x"]
     assert sched.store.job("x").state == st.PENDING
-    sched.step()
+    start()
     assert where() == {names["spot"]}  # moved off the drained node, onto the spot one
     sched.undrain(names["steady"])
     sched.store.request_delete("x")

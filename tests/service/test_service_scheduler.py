@@ -4,10 +4,13 @@ restart without needless restarts, preemption and the policy's rescale."""
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from pathlib import Path
 
 from _ray_service import JOB_SCRIPT
 
+from stratagem.errors import StratagemError
 from stratagem.service import store as st
 from stratagem.service.jobfile import parse_job
 from stratagem.service.ray_backend import LOST, Launched
@@ -81,7 +84,7 @@ def test_crashes_back_off_doubling_then_fail_and_spare_the_other_job(tmp_path):
     s.store.add_job(spec("bad", high=1), now=0.0)
     s.store.add_job(spec("ok", high=1), now=0.0)
     s.step(now=100.0)
-    assert be.launches == [("bad", 1), ("ok", 1)]
+    assert sorted(be.launches) == [("bad", 1), ("ok", 1)]  # started side by side
     retry_waits = []
     for attempt in range(3):
         be.codes[group(s, "bad")] = [1]
@@ -123,12 +126,13 @@ def test_a_second_job_shrinks_the_first_by_checkpoint_restart(tmp_path):
     s.step(now=1.0)
     s.store.add_job(spec("b"), now=20.0)
     s.step(now=30.0)
-    assert be.stops == ["a.g0"] and be.launches == [("a", 2), ("a", 1), ("b", 1)]
+    assert be.stops == ["a.g0"] and be.launches[0] == ("a", 2)
+    assert sorted(be.launches[1:]) == [("a", 1), ("b", 1)]  # started side by side
     assert s.store.job("a").restarts == 1
     assert s.decisions[-1] == (30.0, {"a": 1, "b": 1})
     assert [n for _, n in s.store.allocation_history("a")] == [2, 1]
-    assert [r[1:] for r in s.resizes] == [("a", 0, 2, "start"), ("a", 2, 1, "restart"),
-                                          ("b", 0, 1, "start")]
+    assert sorted(r[1:] for r in s.resizes) == [("a", 0, 2, "start"), ("a", 2, 1, "restart"),
+                                                 ("b", 0, 1, "start")]
 
 
 def test_zero_jobs_resize_in_process_and_parameter_servers_by_restart():
@@ -226,3 +230,127 @@ def test_three_jobs_on_two_gpus_do_not_take_turns_every_interval(tmp_path):
         for (t0, n0), (t1, _) in itertools.pairwise(times):
             assert n0 == 0 or t1 - t0 >= 60.0, (name, times)
     assert sum(len(a.replicas) for a in s.store.allocations().values()) == 2  # no idle GPU
+
+
+class BlockingBackend(FakeBackend):
+    """Launches of the jobs in ``slow`` block until ``release`` is set (a start on a loaded
+    cluster: placement, actors' worker processes, imports); others return at once. Records
+    which launches happened while a slow one was blocked. ``fail`` makes launches raise."""
+
+    def __init__(self, slow: set[str]) -> None:
+        super().__init__()
+        self.slow = slow
+        self.release = threading.Event()
+        self.blocked = threading.Event()  # a slow launch is waiting now
+        self.slow_done = threading.Event()  # a slow launch returned
+        self.during_block: list[str] = []  # launched before a slow launch returned
+        self.fail: str | None = None
+
+    def launch(self, spec, replicas, generation, env, log_dir, exclude=frozenset(),
+               in_process=False):
+        if spec.name in self.slow:
+            self.blocked.set()
+            try:
+                # bounded: before the fix this held the scheduler's step for all of it
+                self.release.wait(timeout=15.0)
+            finally:
+                self.blocked.clear()
+                self.slow_done.set()
+        elif not self.slow_done.is_set():
+            self.during_block.append(spec.name)
+        if self.fail:
+            raise StratagemError(self.fail, where=spec.name, fix="-")
+        return super().launch(spec, replicas, generation, env, log_dir, exclude, in_process)
+
+
+def test_a_slow_start_holds_up_no_other_job(tmp_path):
+    """One job's start blocks (issue 47: Ray-service jobs took minutes to start on a loaded
+    machine): meanwhile the scheduler still starts and polls the other jobs, and the slow
+    job shows as starting, its replicas counted as taken."""
+    be = BlockingBackend(slow={"slow"})
+    s = make(tmp_path, be, interval=0.05)
+    s.store.add_job(spec("slow", high=1), now=0.0)
+    s.store.add_job(spec("fast", high=1), now=1.0)
+    try:
+        s.step(now=10.0)
+        assert be.blocked.wait(timeout=30.0), "the slow start never began"
+        deadline = time.monotonic() + 30.0  # (a bound, not a timing: the thread may lag)
+        while ("fast", 1) not in be.launches:
+            assert time.monotonic() < deadline, "fast was not started"
+            time.sleep(0.01)
+        s.step(now=10.5)  # records fast's start
+        assert s.store.job("slow").state == st.STARTING and s.starting() == ["slow"]
+        assert "fast" in be.during_block and s.store.job("fast").state == st.RUNNING
+        be.codes[group(s, "fast")] = [0]  # fast ends while slow is still starting
+        assert s.step(now=11.0) == {"slow": 1}  # slow keeps the GPU it is started on
+        assert s.store.job("fast").state == st.SUCCEEDED
+        assert s.store.job("slow").state == st.STARTING and "slow.g0" not in be.codes
+    finally:
+        be.release.set()
+    s.finish_starts(timeout=30.0)
+    assert s.store.job("slow").state == st.RUNNING
+    assert s.store.allocations()["slow"].group_name == "slow.g0"
+    texts = [t for _, _, t in s.store.events("slow")]
+    assert texts[-2:] == ["starting 1 replicas", "started with 1 replicas"], texts
+
+
+def test_a_failed_start_backs_off_with_the_reason_and_is_retried(tmp_path):
+    be = BlockingBackend(slow=set())
+    be.fail = "Ray could not place 1 replicas: timed out"
+    s = make(tmp_path, be, backoff=10.0, interval=60.0)  # each step waits for its start
+    s.store.add_job(spec("a", high=1), now=0.0)
+    s.step(now=1.0)
+    job = s.store.job("a")
+    assert job.state == st.BACKOFF and job.retry_at == 11.0 and job.failures == 0
+    assert s.store.events("a")[-1][2] == ("start failed: Ray could not place 1 replicas: "
+                                          "timed out; retry in 10 s")
+    s.step(now=5.0)
+    assert len(be.launches) == 0 and s.store.job("a").state == st.BACKOFF
+    s.step(now=11.0)  # retried, fails again: twice the wait
+    assert s.store.job("a").retry_at == 31.0
+    be.fail = None
+    s.step(now=31.0)
+    assert s.store.job("a").state == st.RUNNING and be.launches == [("a", 1)]
+
+
+def test_a_job_deleted_while_starting_is_stopped_once_started(tmp_path):
+    be = BlockingBackend(slow={"a"})
+    s = make(tmp_path, be, interval=0.05)
+    s.store.add_job(spec("a", high=1), now=0.0)
+    try:
+        s.step(now=1.0)
+        assert s.store.request_delete("a") == st.STARTING
+        s.step(now=2.0)  # the deletion waits for the start
+        assert s.store.job("a").state == st.STOPPING and be.stops == []
+    finally:
+        be.release.set()
+    s.finish_starts(timeout=30.0)
+    s.step(now=3.0)
+    assert s.store.job("a").state == st.DELETED and be.stops == ["a.g0"]
+    assert s.store.allocations() == {}
+
+
+def test_a_start_that_lands_on_a_drained_node_is_moved(tmp_path):
+    be = BlockingBackend(slow={"a"})
+    s = make(tmp_path, be, interval=0.05)
+    s.store.add_job(spec("a", high=1), now=0.0)
+    try:
+        s.step(now=1.0)
+        assert be.blocked.wait(timeout=30.0)
+        assert s.drain("n0") == []  # nothing runs there yet
+    finally:
+        be.release.set()
+    s.finish_starts(timeout=30.0)
+    assert s.store.job("a").state == st.PENDING and be.stops == ["a.g0"]
+    assert "node drained" in s.store.events("a")[-1][2]
+
+
+def test_a_start_left_unfinished_by_a_dead_scheduler_is_cleaned_up_and_redone(tmp_path):
+    be = FakeBackend()
+    s = make(tmp_path, be)
+    s.store.add_job(spec("a"), now=0.0)
+    s.store.update("a", "starting 2 replicas", state=st.STARTING)  # then the scheduler died
+    s.step(now=1.0)
+    assert be.stops == ["a.g0"]  # whatever that start had created, under its names
+    assert s.store.job("a").state == st.RUNNING and be.launches == [("a", 2)]
+    assert any("start interrupted" in t for _, _, t in s.store.events("a"))

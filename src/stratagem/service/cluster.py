@@ -15,6 +15,11 @@ would wait up to 30 s to drain the node (``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
 Ray Serve): ``up`` sets it to 0 unless the user chose, and ``down`` gives the head's
 processes (the jobs' replicas among them: they checkpoint on SIGTERM) ``grace`` seconds
 before it kills what is left.
+
+Priority: Ray starts its worker processes at niceness 15, and the jobs' replicas (children
+of worker actors) inherit it: on a node with any other work they would get a few percent of
+a core (issue 47: starts took minutes, each worker's imports starved). ``up`` starts the
+head's workers at niceness 0 (``RAY_worker_niceness``) unless the user set it.
 """
 
 from __future__ import annotations
@@ -125,13 +130,17 @@ def _ray_has_tokens() -> bool:
                                           "authentication").is_dir())
 
 
+# Ray settings of a head ``up`` starts, unless the user set them (module doc): no 30 s drain
+# on SIGTERM; workers (and so the jobs' replicas) at normal priority, not Ray's niceness 15.
+RAY_DEFAULTS = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "RAY_worker_niceness": "0"}
+
+
 def _ray_env(d: Path) -> dict[str, str]:
     """The environment of a local head and its scheduler: Ray's token authentication on
     (the token in ``<dir>/ray_token``, mode 0600, made if missing) where this Ray has it and
-    the user did not choose (``RAY_AUTH_MODE``); head and drivers must agree on it. The
-    head's 30 s drain on SIGTERM (for Ray Serve) is off unless the user set it."""
-    env = dict(os.environ)
-    env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+    the user did not choose (``RAY_AUTH_MODE``); head and drivers must agree on it; and
+    :data:`RAY_DEFAULTS` where the user did not set them."""
+    env = {**RAY_DEFAULTS, **os.environ}
     if "RAY_AUTH_MODE" in env or not _ray_has_tokens():
         return env
     token = d / RAY_TOKEN_FILE

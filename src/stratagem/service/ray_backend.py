@@ -30,23 +30,28 @@ a restarted scheduler finds them by the names the store kept.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from stratagem import env as sg_env
 from stratagem.errors import StratagemError
 from stratagem.service.jobfile import JobSpec
 
+log = logging.getLogger("stratagem.service")
 NAMESPACE = "stratagem"
 LOST = -1000  # exit status reported for a replica whose actor or node is gone
+POLL_TIMEOUT = 30.0  # s a replica's actor has to answer a poll
+MAX_UNANSWERED = 10  # polls in a row without an answer before a replica counts as lost
 NODE_ID_LABEL = "ray.io/node-id"
 MARKET_LABEL = "ray.io/market-type"
 
@@ -82,6 +87,8 @@ class ReplicaWorker:
         full.update(env)
         who = (f"rank {env['RANK']} of {env['WORLD_SIZE']}" if "RANK" in env else
                f"{env.get(sg_env.RESCALE_ID, '?')} (in-process rescale)")
+        if nice := os.nice(0):  # Ray's worker niceness, which the replica inherits
+            who += f", niceness {nice}: it yields the CPU to other work (RAY_worker_niceness)"
         with log.open("ab") as out:
             out.write(f"--- {time.strftime('%H:%M:%S')} start {who} ---\n".encode())
             out.flush()
@@ -159,6 +166,22 @@ class RescaleStoreHost:
         return None if gen is None else list(gen.members)
 
 
+class _Phases:
+    """Seconds each phase of a start took (for the log: where a slow start spends them)."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.spent: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.spent.append((phase, now - self.last))
+        self.last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{p} {s:.1f} s" for p, s in self.spent)
+
+
 @dataclass(frozen=True)
 class Launched:
     """A started allocation: its name and its replicas' actor names (each actor's placement
@@ -220,6 +243,12 @@ class RayBackend:
         self.start_timeout = start_timeout
         self.grace = grace
         self._remote = self.ray.remote(ReplicaWorker)
+        # Starts run side by side (the scheduler's background starts): a node is chosen and
+        # its bundles reserved under one lock, and the bundles of groups not yet placed count
+        # as taken, so that two starts never pick the same free accelerator.
+        self._placing = threading.Lock()
+        self._reserved: dict[str, tuple[str, dict[str, float]]] = {}  # group -> node, bundle
+        self._unanswered: dict[str, int] = {}  # actor -> polls in a row it did not answer
 
     # -- the cluster -----------------------------------------------------------------------
     def nodes(self, exclude: frozenset[str] = frozenset()) -> list[tuple[str, float]]:
@@ -234,13 +263,20 @@ class RayBackend:
         from ray.util.placement_group import placement_group_table
 
         used: dict[str, dict[str, float]] = {}
+        placed = set()
         for pg in placement_group_table().values():
             if pg.get("state") not in ("CREATED", "RESCHEDULING"):
                 continue
+            placed.add(pg.get("name"))
             for index, node in pg.get("bundles_to_node_id", {}).items():
                 for key, amount in pg["bundles"].get(index, {}).items():
                     slot = used.setdefault(node, {})
                     slot[key] = slot.get(key, 0.0) + float(amount)
+        for name, (node, need) in list(self._reserved.items()):
+            if name not in placed:  # chosen by a start in flight, not placed by Ray yet
+                slot = used.setdefault(node, {})
+                for key, amount in need.items():
+                    slot[key] = slot.get(key, 0.0) + amount
         out = []
         for n in self.ray.nodes():
             if not n.get("Alive") or n["NodeID"] in exclude:
@@ -261,6 +297,23 @@ class RayBackend:
         nodes = [n for n in self.node_infos(exclude) if ip is None or n.ip == ip]
         return choose_nodes(nodes, count, need, self.gpu_resource, near)
 
+    @contextlib.contextmanager
+    def _reserve(self, names: Sequence[str], count: int, need: Mapping[str, float],
+                 exclude: frozenset[str] = frozenset(), near: Sequence[str] = (),
+                 ip: str | None = None):
+        """:meth:`place` ``count`` bundles and hold them for the groups ``names`` until the
+        block ends (by then Ray has placed the groups, or they were removed)."""
+        with self._placing:
+            nodes = self.place(count, need, exclude, near, ip)
+            for name, node in zip(names, nodes or (), strict=False):
+                self._reserved[name] = (node.node_id, dict(need))
+        try:
+            yield nodes
+        finally:
+            with self._placing:
+                for name in names:
+                    self._reserved.pop(name, None)
+
     def actor_nodes(self, launched: Launched) -> set[str]:
         """The nodes an allocation's replicas run on."""
         actors = [a for a in map(self._actor, launched.actors) if a is not None]
@@ -277,28 +330,39 @@ class RayBackend:
         """Start ``replicas`` workers of ``spec`` on nodes chosen by :meth:`place`. With
         ``in_process`` and every replica on one machine, the job is formed for in-process
         rescale (module doc); otherwise for checkpoint-restart."""
-        group_name = f"{spec.name}.g{generation}"
+        group_name, names = astuple(planned_names(spec.name, generation, replicas))
         res = dict(spec.resources)
-        need = bundle(res, self.gpu_resource)
-        nodes = self.place(replicas, need, exclude)
-        if nodes is None:
-            raise StratagemError(f"Ray has no room for {replicas} replicas of {res}",
-                                 where=spec.name, fix="check 'stratagem cluster status'; "
-                                 "lower resources per replica")
-        names = tuple(f"{group_name}.r{i}" for i in range(replicas))
+        with self._reserve(names, replicas, bundle(res, self.gpu_resource), exclude) as nodes:
+            if nodes is None:
+                raise StratagemError(f"Ray has no room for {replicas} replicas of {res}",
+                                     where=spec.name, fix="check 'stratagem cluster status'; "
+                                     "lower resources per replica")
+            return self._launch(spec, group_name, names, nodes, env, log_dir, in_process)
+
+    def _launch(self, spec: JobSpec, group_name: str, names: tuple[str, ...],
+                nodes: Sequence[NodeInfo], env: Mapping[str, str], log_dir: Path,
+                in_process: bool) -> Launched:
+        res = dict(spec.resources)
+        replicas = len(names)
         in_process = in_process and len({n.ip for n in nodes}) == 1
+        phases = _Phases()
         try:
-            actors = self._place_actors(names, nodes, res, spec.name)
+            actors = self._place_actors(names, nodes, res, spec.name, phases)
             if in_process:
                 renv = {**env, **self._serve_store(group_name, nodes[0].node_id),
                         **self._own_gpus(spec), sg_env.RESCALE_NPROC: str(replicas)}
+                phases.mark("store")
                 starts = [a.start.remote(self._argv(spec), {**renv, sg_env.RESCALE_ID: n},
                                          log_file(log_dir, n))
                           for a, n in zip(actors, names, strict=True)]
             else:
                 starts = self._start_ranked(spec, actors, names, env, log_dir)
+                phases.mark("actors")
             self.ray.get(starts, timeout=self.start_timeout)
+            phases.mark("started")
+            log.info("%s: %d replicas started (%s)", group_name, replicas, phases)
         except Exception as exc:
+            log.warning("%s: start failed after %s: %s", group_name, phases, exc)
             self.stop(Launched(group_name, names), grace=0.0)
             if isinstance(exc, StratagemError):
                 raise
@@ -340,7 +404,8 @@ class RayBackend:
         return {}
 
     def _place_actors(self, names: Sequence[str], nodes: Sequence[NodeInfo],
-                      res: Mapping[str, float], job: str) -> list:
+                      res: Mapping[str, float], job: str, phases: _Phases | None = None
+                      ) -> list:
         """One pinned one-bundle placement group and one actor per name."""
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -358,6 +423,8 @@ class RayBackend:
             raise StratagemError(f"Ray could not place {len(names)} replicas of {dict(res)}: "
                                  f"{exc}", where=job, fix="check 'stratagem cluster status'; "
                                  "lower resources per replica") from exc
+        if phases is not None:
+            phases.mark("placed")
         opts = actor_options(res, self.gpu_resource)
         return [self._remote.options(
             name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=0, **opts,
@@ -399,12 +466,18 @@ class RayBackend:
             return Launched(launched.group_name, launched.actors[:replicas])
         ip, _, _ = self.ray.get(store.serve.remote(), timeout=self.start_timeout)
         near = self.actor_nodes(launched)
-        nodes = self.place(replicas - current, bundle(dict(spec.resources), self.gpu_resource),
-                           exclude, near=tuple(near), ip=ip)
-        if nodes is None:
-            return None
         last = max((int(a.rsplit(".r", 1)[-1]) for a in launched.actors), default=-1)
-        names = tuple(f"{launched.group_name}.r{last + 1 + i}" for i in range(len(nodes)))
+        names = tuple(f"{launched.group_name}.r{last + 1 + i}"
+                      for i in range(replicas - current))
+        with self._reserve(names, len(names), bundle(dict(spec.resources), self.gpu_resource),
+                           exclude, near=tuple(near), ip=ip) as nodes:
+            if nodes is None:
+                return None
+            return self._grow(spec, launched, names, nodes, current, env, log_dir)
+
+    def _grow(self, spec: JobSpec, launched: Launched, names: tuple[str, ...],
+              nodes: Sequence[NodeInfo], current: int, env: Mapping[str, str],
+              log_dir: Path) -> Launched | None:
         try:
             actors = self._place_actors(names, nodes, dict(spec.resources), spec.name)
             renv = {**env, **self._serve_store(launched.group_name, nodes[0].node_id),
@@ -429,7 +502,10 @@ class RayBackend:
         return all(self._actor(n) is not None for n in launched.actors)
 
     def poll(self, launched: Launched) -> list[int | None]:
-        """Each replica's exit status (None: running; LOST: actor or node gone)."""
+        """Each replica's exit status (None: running; LOST: actor or node gone). A replica
+        whose actor does not answer within ``POLL_TIMEOUT`` s (a busy node) counts as
+        running, and as lost only after ``MAX_UNANSWERED`` such polls in a row: a restart
+        from the checkpoint would throw away its progress for nothing."""
         out: list[int | None] = []
         for name in launched.actors:
             actor = self._actor(name)
@@ -437,7 +513,13 @@ class RayBackend:
                 out.append(LOST)
                 continue
             try:
-                out.append(self.ray.get(actor.poll.remote(), timeout=30))
+                out.append(self.ray.get(actor.poll.remote(), timeout=POLL_TIMEOUT))
+                self._unanswered.pop(name, None)
+            except TimeoutError:  # Ray's GetTimeoutError; a dead actor raises otherwise
+                missed = self._unanswered[name] = self._unanswered.get(name, 0) + 1
+                log.warning("%s did not answer a poll within %g s (%d in a row)", name,
+                            POLL_TIMEOUT, missed)
+                out.append(LOST if missed >= MAX_UNANSWERED else None)
             except Exception:
                 out.append(LOST)
         return out
@@ -495,6 +577,13 @@ def log_file(log_dir: Path, actor: str) -> str:
     its rank in a checkpoint-restart job; in-process members take ranks in the order they
     reach the rescale store (a replica added by an in-process grow gets the next free N)."""
     return str(log_dir / f"rank-{actor.rsplit('.r', 1)[-1]}.log")
+
+
+def planned_names(job: str, generation: int, replicas: int) -> Launched:
+    """The names :meth:`RayBackend.launch` gives the ``generation``-th allocation of ``job``
+    (so that what an interrupted start left can be found and stopped)."""
+    group_name = f"{job}.g{generation}"
+    return Launched(group_name, tuple(f"{group_name}.r{i}" for i in range(replicas)))
 
 
 def store_name(launched: Launched) -> str:

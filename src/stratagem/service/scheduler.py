@@ -18,6 +18,18 @@ Every ``interval`` seconds :meth:`Scheduler.step`:
    resuming from the checkpoint. Shrinks and stops go first, so that their resources are
    free for the grows and starts. An unchanged job is left alone.
 
+Starts run in the background (threads, at most ``MAX_STARTS`` at once): placing a job's
+bundles, starting its actors' worker processes and its replicas can take a minute on a
+loaded cluster, and the loop must not stall meanwhile. A job being started is ``starting``:
+the policy counts its replicas as taken and leaves them alone, and the other jobs are
+polled, resized and started as usual. The step that decides a start waits for it at most
+``interval`` seconds; a start that takes longer is picked up by a later step. A start that
+fails (or times out, after ``start_timeout`` per phase) has been cleaned up by the backend;
+the job backs off (``backoff``, doubling with each failed start in a row, at most ``32 *
+backoff``) with an event that says why, and is started again after it. A failed start does
+not count as a crash. A ``starting`` job that a new scheduler finds (the old one died
+mid-start) has whatever its start had created stopped, and is started again.
+
 All state lives in the :class:`~.store.Store` (SQLite), so a new scheduler on the same
 directory carries on: running jobs keep running (their Ray actors are detached and named).
 Every per-job action is guarded: one job's failure never stops another or the loop.
@@ -29,6 +41,8 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +54,7 @@ from stratagem.service import store as st
 from stratagem.service.autoscale import AutoscaleOptions, request_nodes, target_nodes
 from stratagem.service.hints_reader import JobHints, read_hints
 from stratagem.service.jobfile import JobSpec
-from stratagem.service.ray_backend import LOST, Launched
+from stratagem.service.ray_backend import LOST, Launched, planned_names
 
 log = logging.getLogger("stratagem.service")
 
@@ -50,7 +64,9 @@ class SchedulerOptions:
     """``policy``: a name of ``stratagem.sched.policy`` (``fairness`` and ``restart_delay``
     go to pollux); ``interval``: seconds between decisions; ``max_failures``: crashes before
     a job is failed; ``backoff``: seconds before the first retry (doubling); ``grace``:
-    seconds a stopped replica has to checkpoint; ``gpu_resource``: the Ray resource that
+    seconds a stopped replica has to checkpoint; ``start_timeout``: seconds each phase of a
+    start may take (placement, actors, processes; the start runs in the background, so a long
+    one delays no other job); ``gpu_resource``: the Ray resource that
     counts as an accelerator (a custom one for fake GPUs); ``min_runtime``: seconds a job
     keeps the replicas it was just given (started, restarted or resized) before the policy
     may change them again (deletions and drains still apply), so that jobs that tie for
@@ -73,6 +89,20 @@ def job_dirs(directory: Path, spec: JobSpec) -> tuple[Path, Path]:
     """(checkpoint dir, log dir) of a job in the cluster directory."""
     base = directory / "jobs" / spec.name
     return (Path(spec.checkpoint_dir) if spec.checkpoint_dir else base / "ckpt"), base / "logs"
+
+
+MAX_STARTS = 8  # starts in flight at once (each mostly waits on Ray)
+
+
+@dataclass(frozen=True)
+class _Starting:
+    """A start in flight: its launch (in a thread), the replicas the policy gave the job, the
+    decision time and the replica count before (0: a first start)."""
+
+    future: Future[Launched]
+    replicas: tuple[int, ...]
+    decided: float
+    old: int
 
 
 def job_env(spec: JobSpec, ckpt: Path) -> dict[str, str]:
@@ -107,23 +137,51 @@ class Scheduler:
         self._lock = threading.RLock()  # step() and drain() come from different threads
         self.autoscale_target: int | None = None
         self.hint_problems: dict[str, str] = {}  # job -> why its hints.json is unusable
+        self._starts: dict[str, _Starting] = {}  # job -> its start in flight
+        self._start_failures: dict[str, int] = {}  # job -> failed starts in a row
+        self._pool = ThreadPoolExecutor(MAX_STARTS, thread_name_prefix="stratagem-start")
 
     # -- the loop --------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
-        """Step every ``interval`` seconds until ``stop`` is set; errors are logged."""
+        """Step every ``interval`` seconds until ``stop`` is set; errors are logged. Before
+        it returns, the starts in flight finish and are recorded (each is bounded by the
+        backend's timeouts), so that a scheduler taking over finds no start half-done."""
         while not stop.is_set():
             try:
                 self.step()
             except Exception:  # the loop survives anything one step raises
                 log.exception("scheduler step failed")
             stop.wait(self.options.interval)
+        self.finish_starts()
 
     def step(self, now: float | None = None) -> dict[str, int]:
-        """One round (module doc); the replica count given to each active job."""
+        """One round (module doc); the replica count given to each active job. The starts it
+        decides run in the background; it waits for them at most ``interval`` seconds."""
+        now = time.time() if now is None else now
         with self._lock:
-            return self._step(time.time() if now is None else now)
+            counts = self._step(now)
+            new = [s.future for s in self._starts.values() if s.decided == now]
+        if new:  # outside the lock: drain() and the control plane are not held up
+            wait_for_futures(new, timeout=self.options.interval)
+            with self._lock:
+                self._collect_starts(now)
+        return counts
+
+    def finish_starts(self, timeout: float | None = None) -> None:
+        """Wait for the starts in flight (at most ``timeout`` s) and record their outcome."""
+        with self._lock:
+            pending = [s.future for s in self._starts.values()]
+        wait_for_futures(pending, timeout=timeout)
+        with self._lock:
+            self._collect_starts(time.time())
+
+    def starting(self) -> list[str]:
+        """The jobs whose start is in flight."""
+        with self._lock:
+            return list(self._starts)
 
     def _step(self, now: float) -> dict[str, int]:
+        self._collect_starts(now)
         allocs = self.store.allocations()
         jobs = self.store.jobs(include_final=False)
         dt, self._last = max(now - self._last, 0.0), now
@@ -144,6 +202,11 @@ class Scheduler:
 
     def _check(self, job: st.JobRow, alloc: st.AllocationRow | None, now: float,
                dt: float) -> None:
+        if job.name in self._starts:  # its start decides (a deletion waits for it)
+            return
+        if job.state == st.STARTING:  # a start that an earlier scheduler left unfinished
+            self._abandon_start(job)
+            return
         if job.state == st.STOPPING:
             if alloc is not None:
                 self.backend.stop(self._launched(alloc))
@@ -242,9 +305,11 @@ class Scheduler:
     def view(self, job: st.JobRow, now: float,
              alloc: st.AllocationRow | None = None) -> JobView:
         """What the policy sees of ``job``; one whose allocation (``alloc``) is younger than
-        ``min_runtime`` is shown as not preemptible: it keeps its replicas this round."""
+        ``min_runtime``, or whose start is in flight, is shown as not preemptible: it keeps
+        its replicas this round."""
         spec = job.spec
-        held = alloc is not None and now - alloc.time < self.options.min_runtime
+        held = ((alloc is not None and now - alloc.time < self.options.min_runtime)
+                or job.name in self._starts)
         try:
             hints = self.hints(job)
         except Exception:  # e.g. the store busy: this round without hints
@@ -263,7 +328,7 @@ class Scheduler:
     def _allocate(self, now: float) -> dict[str, int]:
         cluster = self.cluster()
         active = [j for j in self.store.jobs(include_final=False)
-                  if j.state in (st.PENDING, st.RUNNING)]
+                  if j.state in (st.PENDING, st.RUNNING) or j.name in self._starts]
         if not active:
             return {}
         allocs = self.store.allocations()
@@ -272,11 +337,15 @@ class Scheduler:
             if self.options.autoscale is not None:
                 self._autoscale(views, ClusterSpec(0, self.options.autoscale.node_gpus))
             return {}
-        current = {n: a.replicas for n, a in allocs.items()}
+        # a job being started holds the replicas it is being started on
+        current = {**{n: a.replicas for n, a in allocs.items()},
+                   **{n: s.replicas for n, s in self._starts.items()}}
         self._autoscale(views, cluster)
         target = self.policy.allocate(views, cluster, current, now)
-        counts = {j.name: len(target.get(j.name, ())) for j in active}
-        changed = [j for j in active if counts[j.name] != len(current.get(j.name, ()))]
+        counts = {j.name: len(current[j.name] if j.name in self._starts
+                              else target.get(j.name, ())) for j in active}
+        changed = [j for j in active if j.name not in self._starts
+                   and counts[j.name] != len(current.get(j.name, ()))]
         if changed:  # (time, new count of each job it changed)
             self.decisions.append((now, {j.name: counts[j.name] for j in changed}))
         grows = []
@@ -334,23 +403,68 @@ class Scheduler:
 
     def _start(self, job: st.JobRow, replicas: tuple[int, ...], now: float,
                old: int = 0) -> None:
+        """Start ``job`` on ``replicas`` in the background (module doc)."""
         spec = job.spec
         ckpt, logs = job_dirs(self.directory, spec)
         generation = len(self.store.allocation_history(spec.name))
-        try:
-            launched = self.backend.launch(spec, len(replicas), generation,
-                                           job_env(spec, ckpt), logs,
-                                           exclude=frozenset(self.draining),
-                                           in_process=spec.in_process_rescale)
-        except StratagemError as exc:
-            self.store.update(spec.name, f"start failed: {exc.problem}")
+        self.store.update(spec.name, f"starting {len(replicas)} replicas", state=st.STARTING)
+        future = self._pool.submit(self.backend.launch, spec, len(replicas), generation,
+                                   job_env(spec, ckpt), logs,
+                                   exclude=frozenset(self.draining),
+                                   in_process=spec.in_process_rescale)
+        self._starts[spec.name] = _Starting(future, replicas, now, old)
+
+    def _collect_starts(self, now: float) -> None:
+        """Record every start that ended: running, or backing off after a failed start."""
+        for name, start in list(self._starts.items()):
+            if not start.future.done():
+                continue
+            del self._starts[name]
+            try:
+                self._started(name, start, now)
+            except Exception as exc:  # e.g. the store busy: the job is checked again later
+                log.exception("recording the start of %s", name)
+                self.store.update(name, f"scheduler error: {exc}")
+
+    def _started(self, name: str, start: _Starting, now: float) -> None:
+        job = self.store.job(name)
+        exc = start.future.exception()
+        if exc is not None:
+            why = exc.problem if isinstance(exc, StratagemError) else f"{exc!r}"
+            log.warning("job %s: start failed: %s", name, why)
+            if job.state != st.STARTING:  # deleted meanwhile: the next check finishes that
+                self.store.update(name, f"start failed: {why}")
+                return
+            failed = self._start_failures.get(name, 0) + 1
+            self._start_failures[name] = failed
+            wait = self.options.backoff * min(2 ** (failed - 1), 32)
+            self.store.update(name, f"start failed: {why}; retry in {wait:.0f} s",
+                              state=st.BACKOFF, retry_at=now + wait)
             return
-        self.resizes.append((now, spec.name, old, len(replicas),
-                             "restart" if old else "start"))
-        self.store.set_allocation(spec.name, replicas, launched.group_name, launched.actors,
-                                  now)
-        self.store.update(spec.name, f"started with {len(replicas)} replicas",
-                          state=st.RUNNING, started=job.started or now)
+        launched = start.future.result()
+        self._start_failures.pop(name, None)
+        count = len(start.replicas)
+        self.resizes.append((start.decided, name, start.old, count,
+                             "restart" if start.old else "start"))
+        # given when the step that decided it found it started, else when a later one did
+        self.store.set_allocation(name, start.replicas, launched.group_name, launched.actors,
+                                  start.decided if now == start.decided else now)
+        if job.state != st.STARTING:  # deleted meanwhile: the next check stops it
+            return
+        self.store.update(name, f"started with {count} replicas", state=st.RUNNING,
+                          started=job.started or start.decided)
+        if self.draining and self.backend.actor_nodes(launched) & self.draining:
+            self._stop_for_change(self.store.job(name), 0, "node drained")
+
+    def _abandon_start(self, job: st.JobRow) -> None:
+        """Stop what an interrupted start of ``job`` created; the job is started again."""
+        generation = len(self.store.allocation_history(job.name))
+        try:
+            self.backend.stop(planned_names(job.name, generation, job.spec.max_replicas),
+                              grace=0.0)
+        finally:
+            self.store.update(job.name, "start interrupted (the scheduler restarted); "
+                              "starting again", state=st.PENDING)
 
 
 def status_table(rows: list[st.JobRow], allocations: Mapping[str, st.AllocationRow],

@@ -23,9 +23,12 @@ from stratagem.errors import StratagemError
 from stratagem.service.jobfile import JobSpec, spec_from_dict
 from stratagem.service.private_file import create_private, private_dir
 
-# Job states. ``pending``: waiting for replicas; ``running``; ``backoff``: crashed, retried
-# at ``retry_at``; ``stopping``: deletion requested; final: succeeded, failed, deleted.
-PENDING, RUNNING, BACKOFF, STOPPING = "pending", "running", "backoff", "stopping"
+# Job states. ``pending``: waiting for replicas; ``starting``: its replicas are being started
+# (placement groups, actors, processes: in the background of the scheduler's loop);
+# ``running``; ``backoff``: crashed (or its start failed), retried at ``retry_at``;
+# ``stopping``: deletion requested; final: succeeded, failed, deleted.
+PENDING, STARTING, RUNNING = "pending", "starting", "running"
+BACKOFF, STOPPING = "backoff", "stopping"
 SUCCEEDED, FAILED, DELETED = "succeeded", "failed", "deleted"
 FINAL = (SUCCEEDED, FAILED, DELETED)
 
