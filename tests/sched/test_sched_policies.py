@@ -310,8 +310,8 @@ def test_long_jobs_are_served_first_come_first_served():
     cluster = ClusterSpec(1, 12)
     hours = 3600.0
     jobs = [JobView("short", 0.0, age=9e4, attained_service=1 * hours, max_replicas=4),
-            JobView("old", 10.0, age=9e4, attained_service=20 * hours, max_replicas=12),
-            JobView("young", 20.0, age=9e4, attained_service=30 * hours, max_replicas=12)]
+            JobView("old", 10.0, age=9e4, attained_service=40 * hours, max_replicas=12),
+            JobView("young", 20.0, age=9e4, attained_service=50 * hours, max_replicas=12)]
     shared = PolluxPolicy(long_weight=1.0).allocate(jobs, cluster, {}, 9e4)
     assert {n: len(r) for n, r in shared.items()} == {"short": 4, "old": 4, "young": 4}
     policy = PolluxPolicy(long_weight=1 / 16)
