@@ -305,7 +305,7 @@ def test_long_jobs_are_served_first_come_first_served():
     # threshold) is capped at 4 and takes them either way. The two long jobs split the other
     # 8: equally without the rule (4 + 4); with it the younger one's weight is 1/16, so the
     # optimum is 1/r + (1/16)/(8 - r), smallest at r = 6 (0.198, against 0.205 at 7 and
-    # 0.229 at 5): the older long job gets 6, the younger 2. "short" is submitted first, so
+    # 0.221 at 5): the older long job gets 6, the younger 2. "short" is submitted first, so
     # the oldest job is not what makes a job the leader: the oldest *long* job is.
     cluster = ClusterSpec(1, 12)
     hours = 3600.0
