@@ -14,6 +14,12 @@ interval, restart delay and fairness exponent (goodput-aware vs Pollux baseline,
 
     nice -n 19 python bench/sched_sim.py [--workloads 1,2] [--loads 0.5,1,1.5,2]
                                          [--policies all] [--sweeps] [--oracle]
+    python bench/sched_sim.py --merge a.json b.json --out grid.json   # cells run apart
+
+Every simulation is deterministic, so cells may run in separate processes (one policy, load
+or workload each) and be merged: ``--merge`` takes the runs of several result files (a later
+file's run replaces an earlier one of the same policy, load and workload) and writes one
+file with the per-load aggregates over them, each run naming the file it came from.
 
 Data: ``--data``, else ``$STRATAGEM_POLLUX_DATA``, else the copy bundled with the package.
 Results (rewritten after every run, so a cut-short run keeps what it did):
@@ -138,6 +144,27 @@ def aggregate(runs: list[dict], names: list[str], loads: list[float]) -> dict:
     return per_load
 
 
+def merge(paths: list[str], out: str) -> int:
+    """One result file from the runs of several (see the module doc)."""
+    cells: dict[tuple, dict] = {}
+    sources = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        sources.append({"file": Path(path).name, "options": data.get("options"),
+                        "machine": data.get("machine")})
+        for run in data.get("runs", []):
+            cells[(run["policy"], run["load"], run["workload"])] = {
+                **run, "source": Path(path).name}
+    runs = sorted(cells.values(), key=lambda r: (r["load"], r["workload"], r["policy"]))
+    names = sorted({r["policy"] for r in runs}, key=lambda n: (n != OURS, n))
+    loads = sorted({r["load"] for r in runs})
+    result = {"merged_from": sources, "per_load": aggregate(runs, names, loads),
+              "published": PUBLISHED, "runs": runs}
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["per_load"], indent=1))
+    return 0
+
+
 def sweeps(specs, profiles, base: SimOptions, args, record) -> list[dict]:
     """Goodput-aware vs Pollux baseline on one workload, one knob at a time."""
     out = []
@@ -174,8 +201,12 @@ def main() -> int:
                     help="the 160-job decision timings alone (every workload), no simulations")
     ap.add_argument("--alone", action="store_true",
                     help="each job alone on the cluster (a low-load reference), no grid")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="merge the runs of these result files into --out, no simulation")
     ap.add_argument("--out", default=str(RESULTS / "sched_sim.json"))
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
     data = data_dir(args.data)
     names = list(POLICIES) if args.policies == "all" else args.policies.split(",")
     loads = [] if args.only_full_load else [float(x) for x in args.loads.split(",")]

@@ -250,6 +250,8 @@ def test_bad_policy_options_are_clear_errors():
         PolluxPolicy(restart_cost="free")
     with pytest.raises(StratagemError, match="service_weight"):
         PolluxPolicy(service_weight=-1.0)
+    with pytest.raises(StratagemError, match="long_weight"):
+        PolluxPolicy(long_weight=0.0)
 
 
 def test_reserve_growth_moves_the_donor_once_while_a_capped_job_ramps_up():
@@ -295,3 +297,31 @@ def test_defragment_moves_a_small_job_so_a_planned_one_fits():
     assert len(packed["c"]) == 4 and len(set(packed["c"])) == 1
     assert len(packed["a"]) == 2 and len(set(packed["a"])) == 1
     assert packed["b"] == (2,)
+
+
+def test_long_jobs_are_served_first_come_first_served():
+    # One node of 12 GPUs, linear speedups (no models yet), no restarts: the power-mean
+    # objective (p = -1) minimises sum_j w_j / r_j. "short" (attained service below the
+    # threshold) is capped at 4 and takes them either way. The two long jobs split the other
+    # 8: equally without the rule (4 + 4); with it the younger one's weight is 1/16, so the
+    # optimum is 1/r + (1/16)/(8 - r), smallest at r = 6 (0.198, against 0.205 at 7 and
+    # 0.221 at 5): the older long job gets 6, the younger 2. "short" is submitted first, so
+    # the oldest job is not what makes a job the leader: the oldest *long* job is.
+    cluster = ClusterSpec(1, 12)
+    hours = 3600.0
+    jobs = [JobView("short", 0.0, age=9e4, attained_service=1 * hours, max_replicas=4),
+            JobView("old", 10.0, age=9e4, attained_service=40 * hours, max_replicas=12),
+            JobView("young", 20.0, age=9e4, attained_service=50 * hours, max_replicas=12)]
+    shared = PolluxPolicy(long_weight=1.0).allocate(jobs, cluster, {}, 9e4)
+    assert {n: len(r) for n, r in shared.items()} == {"short": 4, "old": 4, "young": 4}
+    policy = PolluxPolicy(long_weight=1 / 16)
+    assert policy.queued_long_jobs(jobs) == {"young"}
+    fifo = policy.allocate(jobs, cluster, {}, 9e4)
+    assert check_allocation(fifo, jobs, cluster, {}) == []
+    assert {n: len(r) for n, r in fifo.items()} == {"short": 4, "old": 6, "young": 2}
+    # Below the threshold nobody is queued: the same jobs with little service share equally.
+    fresh = [JobView(j.name, j.submit_time, age=j.age, attained_service=60.0,
+                     max_replicas=j.max_replicas) for j in jobs]
+    assert policy.queued_long_jobs(fresh) == frozenset()
+    assert {n: len(r) for n, r in policy.allocate(fresh, cluster, {}, 9e4).items()} == {
+        "short": 4, "old": 4, "young": 4}
