@@ -91,6 +91,20 @@ def buckets_case(rank: int, world: int) -> dict:
             "summary": dm.plan.summary()}
 
 
+def train_mlp_watching(dm: Any, o: Any, seen: list, rank: int, world: int) -> dict:
+    """Train the MLP for the workers' steps; the final state, the buckets ``seen`` in the
+    last step (the observer appends to it) and the plan's groups."""
+    sl = local_slice(rank, world)
+    for step in range(rt_workers.STEPS):
+        x, y = batch("mlp", step)
+        o.zero_grad()
+        seen.clear()
+        loss_fn("mlp", dm(x[sl]), y[sl]).backward()
+        o.step()
+    return {"final": state(dm), "last_step_buckets": list(seen),
+            "groups": [sorted(g.params) for g in dm.plan.groups]}
+
+
 def first_bucket_case(rank: int, world: int) -> dict:
     """One group (chunk_size 128) with the first bucket's limit at 100 bytes: DDP reduces
     the last-registered parameters up to that size apart, then the rest of the group."""
@@ -106,15 +120,7 @@ def first_bucket_case(rank: int, world: int) -> dict:
     seen: list[list[str]] = []
     dm.add_grad_observer(lambda event, g, buf, scale: seen.append(
         sorted(m.param for m in g.members)) if event == "local" else None)
-    sl = local_slice(rank, world)
-    for step in range(rt_workers.STEPS):
-        x, y = batch("mlp", step)
-        o.zero_grad()
-        seen.clear()
-        loss_fn("mlp", dm(x[sl]), y[sl]).backward()
-        o.step()
-    return {"final": state(dm), "last_step_buckets": list(seen),
-            "groups": [sorted(g.params) for g in dm.plan.groups]}
+    return train_mlp_watching(dm, o, seen, rank, world)
 
 
 def bucket_bytes_case(rank: int, world: int) -> dict:
@@ -130,16 +136,8 @@ def bucket_bytes_case(rank: int, world: int) -> dict:
         if watched:
             dm.add_grad_observer(lambda event, g, buf, scale, seen=seen: seen.append(
                 sorted(m.param for m in g.members)) if event == "local" else None)
-        sl = local_slice(rank, world)
-        for step in range(rt_workers.STEPS):
-            x, y = batch("mlp", step)
-            o.zero_grad()
-            seen.clear()
-            loss_fn("mlp", dm(x[sl]), y[sl]).backward()
-            o.step()
         key = "python" if watched else "cpp"
-        out[key] = {"final": state(dm), "last_step_buckets": list(seen),
-                    "groups": [sorted(g.params) for g in dm.plan.groups],
+        out[key] = {**train_mlp_watching(dm, o, seen, rank, world),
                     "hook": dm._reducer.hook_name}
     return out
 
