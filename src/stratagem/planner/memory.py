@@ -12,16 +12,17 @@ groups' flat buffers). See docs/concepts/sharding.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from stratagem.analysis.profile import ModelProfile
+from stratagem.analysis.profile import ModelProfile, ParamInfo
 from stratagem.errors import StratagemError
 from stratagem.resource import ResourceSpec
-from stratagem.strategy.schema import ShardedSynchronizer, Strategy
+from stratagem.strategy.schema import NodeConfig, ShardedSynchronizer, Strategy
 from stratagem.strategy.validate import unit_of
 
 STATE_PER_ELEMENT = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2,
@@ -135,6 +136,11 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def config_of(info: ParamInfo, configs: Mapping[str, NodeConfig]) -> NodeConfig | None:
+    """The node config of a profiled parameter, found by its name or an alias (None)."""
+    return next((configs[n] for n in (info.name, *info.aliases) if n in configs), None)
+
+
 def estimate_memory(strategy: Strategy, profile: ModelProfile, world: int, *,
                     state_elements: int = DEFAULT_STATE, activations: int = 0
                     ) -> MemoryEstimate:
@@ -150,7 +156,7 @@ def estimate_memory(strategy: Strategy, profile: ModelProfile, world: int, *,
     itemsize = {}
     largest_owned = 0
     for info in profile.params:
-        nc = next((configs[n] for n in (info.name, *info.aliases) if n in configs), None)
+        nc = config_of(info, configs)
         sync = nc.synchronizer if nc is not None else None
         itemsize[info.name] = info.bytes // max(info.numel, 1)
         if isinstance(sync, ShardedSynchronizer) and sync.stage == 3:
@@ -217,7 +223,7 @@ def rescale_memory(strategy: Strategy, profile: ModelProfile, world: int, *,
     configs = {nc.var_name: nc for nc in strategy.node_config}
     stage3 = 0
     for info in profile.params:
-        nc = next((configs[n] for n in (info.name, *info.aliases) if n in configs), None)
+        nc = config_of(info, configs)
         sync = nc.synchronizer if nc is not None else None
         if isinstance(sync, ShardedSynchronizer) and sync.stage == 3:
             stage3 += info.bytes

@@ -298,7 +298,8 @@ def search(profile: ModelProfile, spec: ResourceSpec, cal: Calibration,
             found.append(Candidate(name, strategy, cost))
     # ... and with buckets smaller than DDP's 25 MiB (DDP's ``bucket_cap_mb``, a setting
     # its users tune): backward's last gradients then wait in a smaller last bucket.
-    for cap in DDP_BUCKET_CAPS * (ddp_ok and "none" in options.compressors):
+    caps = DDP_BUCKET_CAPS if ddp_ok and "none" in options.compressors else ()
+    for cap in caps:
         strategy = AllReduce(engine="ddp", bucket_bytes=cap).build(profile, spec)
         cost = price(strategy)
         if cost is not None:

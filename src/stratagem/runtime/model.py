@@ -178,10 +178,7 @@ class DistributedModel(nn.Module):
         object). Raises StratagemError with parameter-server synchronizers, or when
         stage-3 units are still sharded over the old group."""
         if self._ps is not None or plan.ps is not None:
-            raise StratagemError("in-process rescale supports all-reduce and ZeRO strategies "
-                                 "only", where="DistributedModel.regroup",
-                                 fix="use checkpoint-restart (SIGTERM and relaunch) for jobs "
-                                     "with parameter-server synchronizers")
+            raise _no_in_process_rescale("DistributedModel.regroup")
         if self._shard is not None and self._shard.shards.units:
             raise StratagemError(
                 "stage-3 (FSDP2) units are still sharded over the old process group",
@@ -210,10 +207,7 @@ class DistributedModel(nn.Module):
         :meth:`regroup`, the model refuses to train (its stage-3 gradients would not be
         synchronized)."""
         if self._ps is not None:
-            raise StratagemError("in-process rescale supports all-reduce and ZeRO strategies "
-                                 "only", where="DistributedModel.before_regroup",
-                                 fix="use checkpoint-restart (SIGTERM and relaunch) for jobs "
-                                     "with parameter-server synchronizers")
+            raise _no_in_process_rescale("DistributedModel.before_regroup")
         if self._shard is None:
             return
         for opt in self._shard.optimizers:
@@ -646,6 +640,13 @@ class DistributedModel(nn.Module):
         return (f"rank={self.plan.rank}, world_size={self.plan.world_size}, "
                 f"groups={len(self.plan.groups)}, engine={self.plan.engine}"
                 + (f" ({hook})" if hook else ""))
+
+
+def _no_in_process_rescale(where: str) -> StratagemError:
+    """The refusal of an in-process rescale of a model with parameter servers."""
+    return StratagemError("in-process rescale supports all-reduce and ZeRO strategies only",
+                          where=where, fix="use checkpoint-restart (SIGTERM and relaunch) for "
+                                           "jobs with parameter-server synchronizers")
 
 
 class _ObserverHandle:

@@ -96,7 +96,7 @@ class PolluxPolicy:
             raise StratagemError(f"long_weight must be in (0, 1] and long_service > 0, got "
                                  f"{self.long_weight} and {self.long_service}",
                                  where="PolluxPolicy", fix="e.g. long_weight=1/16 (1: off), "
-                                 "long_service=57600 (GPU-seconds)")
+                                 "long_service=115200 (GPU-seconds, the default)")
         if self.service_weight < 0 or self.service_scale <= 0:
             raise StratagemError("service_weight must be >= 0 and service_scale > 0",
                                  where="PolluxPolicy", fix="e.g. service_weight=0.5, "
