@@ -631,11 +631,11 @@ def test_the_ddp_engine_gets_small_buckets_where_backward_ends_in_small_gradient
     ``bucket_cap_mb``, and the hybrid's caps on that engine): on a 1 Gbit/s link Auto picks
     the ddp engine with more, smaller buckets, the last one smaller than AllReduceDDP's, and
     predicts it faster by what that bucket no longer exposes; on a fast link the gain is
-    within the search's tolerance and DDP's own bucket size stays."""
+    within the search's tolerance, and of the candidates within it the one with the fewest
+    collectives wins: the ddp engine with one bucket (no DDP first bucket apart)."""
     from stratagem.planner.cost_model import plan_for
     from stratagem.planner.explain import engine_of
-    from stratagem.planner.search import DDP_ENGINE, HYBRID, ddp_bucket_name
-    from stratagem.runtime.ddp_engine import bucket_groups
+    from stratagem.planner.search import DDP_ENGINE, DDP_NO_FIRST, HYBRID, ddp_bucket_name
 
     w = 32
     model = torch.nn.Sequential(
@@ -649,7 +649,7 @@ def test_the_ddp_engine_gets_small_buckets_where_backward_ends_in_small_gradient
     cal = replace(estimate(profile, 16), backward_s=backward, grad_ready_s=ready)
 
     def buckets(c: object, sp: ResourceSpec) -> list[int]:
-        return [b.nbytes for b in bucket_groups(plan_for(c.strategy, profile, sp))]
+        return [g.nbytes for g in plan_for(c.strategy, profile, sp).groups]
 
     def base(name: str) -> str:
         return name.removeprefix("Auto(").removesuffix(")")
@@ -664,4 +664,7 @@ def test_the_ddp_engine_gets_small_buckets_where_backward_ends_in_small_gradient
     assert buckets(best, slow)[-1] < buckets(ddp, slow)[-1]
     assert best.cost.parts["backward_tail"] < ddp.cost.parts["backward_tail"]
     assert best.cost.total_s < ddp.cost.total_s * 0.95  # more than the search's tolerance
-    assert base(search(profile, fast, cal).best.name) == DDP_ENGINE
+    assert len(buckets(ddp, slow)) == 2  # DDP's own layout: its 1 MiB first bucket apart
+    quick = search(profile, fast, cal).best
+    assert base(quick.name) == DDP_NO_FIRST and engine_of(quick.strategy) == "ddp"
+    assert len(buckets(quick, fast)) == 1

@@ -106,16 +106,11 @@ def train_mlp_watching(dm: Any, o: Any, seen: list, rank: int, world: int) -> di
 
 
 def first_bucket_case(rank: int, world: int) -> dict:
-    """One group (chunk_size 128) with the first bucket's limit at 100 bytes: DDP reduces
-    the last-registered parameters up to that size apart, then the rest of the group."""
-    from stratagem.runtime import ddp_engine
-
-    saved = ddp_engine.FIRST_BUCKET_BYTES
-    ddp_engine.FIRST_BUCKET_BYTES = 100
-    try:
-        dm = wrap(make_model("mlp", seed=rank), rank, world, AllReduce(engine="ddp"))
-    finally:
-        ddp_engine.FIRST_BUCKET_BYTES = saved
+    """AllReduce on the ddp engine with a 100-byte first bucket (plain DDP's is 1 MiB): the
+    last-registered parameters up to that size are a group, and a DDP bucket, of their
+    own; the rest of the MLP is one group (DDP's 25 MiB default)."""
+    dm = wrap(make_model("mlp", seed=rank), rank, world,
+              AllReduce(engine="ddp", first_bucket_bytes=100))
     o = make_optimizer("sgd", dm.parameters())
     seen: list[list[str]] = []
     dm.add_grad_observer(lambda event, g, buf, scale: seen.append(
@@ -124,13 +119,14 @@ def first_bucket_case(rank: int, world: int) -> dict:
 
 
 def bucket_bytes_case(rank: int, world: int) -> dict:
-    """AllReduce(engine="ddp", bucket_bytes=150) on the MLP: groups of 150 bytes in DDP's
-    fill order, each one DDP bucket (seen by an observer on the Python hook), and training
+    """AllReduce(engine="ddp", bucket_bytes=150, first_bucket_bytes=0) on the MLP: groups of
+    150 bytes in DDP's fill order (no 1 MiB first bucket, which would hold it all), each one
+    DDP bucket (seen by an observer on the Python hook), and training
     on DDP's C++ reducer (no observer) as well."""
     out: dict[str, Any] = {}
     for watched in (True, False):
         dm = wrap(make_model("mlp", seed=rank), rank, world,
-                  AllReduce(engine="ddp", bucket_bytes=150))
+                  AllReduce(engine="ddp", bucket_bytes=150, first_bucket_bytes=0))
         o = make_optimizer("sgd", dm.parameters())
         seen: list[list[str]] = []
         if watched:

@@ -6,6 +6,8 @@ in test_amp.py; the 2 -> 1 -> 2 rescale in tests/elastic/test_inprocess_rescale.
 
 from __future__ import annotations
 
+from typing import Any
+
 import ddp_workers
 import pytest
 import torch
@@ -84,11 +86,12 @@ def test_one_bucket_per_group_seen_by_observers(w2: list[dict]) -> None:
 
 def test_the_first_group_sends_its_first_bytes_in_a_bucket_of_their_own(
         w2: list[dict]) -> None:
-    """As plain DDP's 1 MiB first bucket (here a 100-byte limit): the group's
-    last-registered parameters up to the limit are reduced apart from the rest of the
-    group, and training still equals one process with the global batch."""
+    """As plain DDP's 1 MiB first bucket (here a 100-byte limit): the last-registered
+    parameters up to the limit are a group and a bucket of their own, reduced apart from
+    the rest, and training still equals one process with the global batch."""
     for r in (check(r["first_bucket"]) for r in w2):
-        assert len(r["groups"]) == 1
+        assert sorted(r["groups"]) == [["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"],
+                                       ["fc3.bias", "fc3.weight"]]
         assert r["last_step_buckets"] == [["fc3.bias", "fc3.weight"],
                                           ["fc1.bias", "fc1.weight", "fc2.bias",
                                            "fc2.weight"]]
@@ -138,34 +141,26 @@ def test_fp16_on_the_builtin_cpp_hook_equals_torchs_python_hook(w2: list[dict]) 
         close(r["cpp"]["state"], r["python"]["state"], rtol=0, atol=0)
 
 
-def test_bucket_caps_cut_only_the_first_group() -> None:
-    """Caps in bytes: the first group split at whole parameters from its last-registered
-    one, at the first size reaching the limit; other groups, and a first group within the
-    limit, unchanged."""
-    from stratagem.runtime.ddp_engine import bucket_caps, bucket_groups
+def test_bucket_caps_are_the_groups_in_launch_order() -> None:
+    """One DDP bucket per group: the size limits are the groups' sizes, in launch order,
+    DDP's first bucket included where the strategy has it as a group."""
+    from stratagem.runtime.ddp_engine import bucket_caps
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
     profile = analyze(model)
     spec = ResourceSpec.local(2)
-    one = compile_plan(AllReduce(engine="ddp").build(profile, spec), profile, rank=0,
-                       world_size=2, device=torch.device("cpu"))
+
+    def plan(**kw: Any) -> Any:
+        return compile_plan(AllReduce(engine="ddp", **kw).build(profile, spec), profile,
+                            rank=0, world_size=2, device=torch.device("cpu"))
+
     total = sum(p.numel() for p in model.parameters()) * 4
-    assert bucket_caps(one, first_bytes=total) == [total]
+    assert bucket_caps(plan()) == [total]  # (DDP's 1 MiB first bucket holds it all)
     # reverse registration: bias 4 (16 B), weight 8x4 (128 B) -> 144 >= 100
-    assert bucket_caps(one, first_bytes=100) == [144, total - 144]
-    assert bucket_caps(one, first_bytes=16) == [16, total - 16]
-    two = compile_plan(AllReduce(chunk_size=2, engine="ddp").build(profile, spec), profile,
-                       rank=0, world_size=2, device=torch.device("cpu"))
-    sizes = [g.nbytes for g in two.groups]
-    assert bucket_caps(two, first_bytes=10**9) == sizes
-    assert sum(bucket_caps(two, first_bytes=1)) == sum(sizes)
-    assert len(bucket_caps(two, first_bytes=1)) == len(sizes) + 1
-    # the buckets as groups (what the cost model prices): the first group split, packed
-    split = bucket_groups(one, first_bytes=100)
-    assert [b.params for b in split] == [("2.weight", "2.bias"),
-                                         ("0.weight", "0.bias", "1.weight", "1.bias")]
-    assert [m.offset for m in split[1].members] == [0, 64, 72, 136]
-    assert split[1].id not in {g.id for g in one.groups}
+    assert bucket_caps(plan(first_bucket_bytes=100)) == [144, total - 144]
+    assert bucket_caps(plan(first_bucket_bytes=16)) == [16, total - 16]
+    two = plan(chunk_size=2)
+    assert bucket_caps(two) == [g.nbytes for g in two.groups] and len(two.groups) == 3
 
 
 def test_a_parameter_without_gradient_is_refused_with_the_fix(w2: list[dict]) -> None:

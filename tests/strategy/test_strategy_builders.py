@@ -223,20 +223,25 @@ def test_allreduce_on_the_ddp_engine_groups_as_ddp_buckets(monkeypatch: Any) -> 
     from stratagem.strategy.builders import allreduce
 
     monkeypatch.setattr(allreduce, "DDP_BUCKET_BYTES", 400)
+    monkeypatch.setattr(allreduce, "DDP_FIRST_BUCKET_BYTES", 100)
     model = nn.Sequential(*[nn.Linear(n, 3) for n in (2, 40, 1, 90, 5, 7, 60)])
     profile = analyze(model)
     spec = ResourceSpec.local(2)
-    strategy = AllReduce(engine="ddp").build(profile, spec)
-    groups: dict[int, set[str]] = {}
-    for nc in strategy.node_config:
-        groups.setdefault(nc.synchronizer.group, set()).add(nc.var_name)
     names = [p.name for p in profile.params]
     tensors = [torch.empty(p.shape) for p in reversed(profile.params)]
-    want, _ = dist._compute_bucket_assignment_by_size(tensors, [400], [False] * len(names))
-    assert len(want) > 2
-    # torch lists buckets in launch order; group ids count in registration order
-    assert [groups[g] for g in sorted(groups, reverse=True)] == [
-        {names[len(names) - 1 - i] for i in bucket} for bucket in want]
+    # DDP's own layout: its first bucket (here 100 bytes), then buckets of the size limit;
+    # without the first bucket (first_bucket_bytes=0), buckets of the size limit only
+    for first, limits in ((None, [100, 400]), (0, [400])):
+        strategy = AllReduce(engine="ddp", first_bucket_bytes=first).build(profile, spec)
+        groups: dict[int, set[str]] = {}
+        for nc in strategy.node_config:
+            groups.setdefault(nc.synchronizer.group, set()).add(nc.var_name)
+        want, _ = dist._compute_bucket_assignment_by_size(tensors, limits,
+                                                           [False] * len(names))
+        assert len(want) > 2
+        # torch lists buckets in launch order; group ids count in registration order
+        assert [groups[g] for g in sorted(groups, reverse=True)] == [
+            {names[len(names) - 1 - i] for i in bucket} for bucket in want]
     plain = AllReduce().build(profile, spec)
     assert {nc.synchronizer.group for nc in plain.node_config} == {0}
     assert {nc.synchronizer.group for nc in AllReduce(chunk_size=2, engine="ddp").build(
@@ -253,18 +258,28 @@ def test_allreduce_bucket_bytes_groups_as_ddp_buckets_of_that_size(engine: str) 
 
     model = nn.Sequential(*[nn.Linear(n, 3) for n in (2, 40, 1, 90, 5, 7, 60)])
     profile = analyze(model)
-    strategy = AllReduce(engine=engine, bucket_bytes=300).build(profile, ResourceSpec.local(2))
-    groups: dict[int, set[str]] = {}
-    for nc in strategy.node_config:
-        assert nc.synchronizer.engine == engine
-        groups.setdefault(nc.synchronizer.group, set()).add(nc.var_name)
     names = [p.name for p in profile.params]
     tensors = [torch.empty(p.shape) for p in reversed(profile.params)]
-    want, _ = dist._compute_bucket_assignment_by_size(tensors, [300], [False] * len(names))
-    assert len(want) > 3
-    assert [groups[g] for g in sorted(groups, reverse=True)] == [
-        {names[len(names) - 1 - i] for i in bucket} for bucket in want]
+    # DDP's 1 MiB first bucket holds this whole model: one group, where it applies (the
+    # ddp engine's default); first_bucket_bytes=0 or 200 gives the layout it names
+    default = 1 if engine == "ddp" else None
+    for first, limits in ((0, [300]), (200, [200, 300]), (None, default)):
+        strategy = AllReduce(engine=engine, bucket_bytes=300,
+                             first_bucket_bytes=first).build(profile, ResourceSpec.local(2))
+        groups: dict[int, set[str]] = {}
+        for nc in strategy.node_config:
+            assert nc.synchronizer.engine == engine
+            groups.setdefault(nc.synchronizer.group, set()).add(nc.var_name)
+        if limits == 1:
+            assert len(groups) == 1
+            continue
+        want, _ = dist._compute_bucket_assignment_by_size(tensors, limits or [300],
+                                                           [False] * len(names))
+        assert len(want) > 3
+        assert [groups[g] for g in sorted(groups, reverse=True)] == [
+            {names[len(names) - 1 - i] for i in bucket} for bucket in want]
     for bad in ({"bucket_bytes": 0}, {"bucket_bytes": 300, "chunk_size": 4},
-                {"bucket_bytes": True}):
+                {"bucket_bytes": True}, {"first_bucket_bytes": -1},
+                {"first_bucket_bytes": 100, "chunk_size": 4}, {"first_bucket_bytes": 1.5}):
         with pytest.raises(StrategyError, match="fix:"):
             AllReduce(engine=engine, **bad)

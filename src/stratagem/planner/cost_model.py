@@ -54,7 +54,6 @@ from stratagem.planner.links import (
 from stratagem.planner.timeline import Slot, exposed, overlapped, schedule
 from stratagem.resource import ResourceSpec
 from stratagem.runtime.allreduce import GATHER_HEADROOM
-from stratagem.runtime.ddp_engine import bucket_groups
 from stratagem.runtime.plan import GroupPlan, Plan, compile_plan
 from stratagem.runtime.ps.pacing import paced_buckets
 from stratagem.runtime.ps.plan import PSPiece
@@ -286,8 +285,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     messages = 0
     ar_bytes = 0
     tensors = sum(len(g.members) for g in plan.groups)
-    # torch's DDP reducer (the ddp engine) sends the first group's first MiB apart
-    ar_groups = bucket_groups(plan) if plan.engine == "ddp" else plan.groups
+    ar_groups = plan.groups  # (on the ddp engine too: each group is one DDP bucket)
     # a slice of a parameter is copied back into its gradient after the wait (a whole
     # parameter's gradient is a view of its group's buffer)
     sliced_bytes = sum(m.numel * _itemsize(g.dtype) for g in plan.groups for m in g.members

@@ -6,10 +6,11 @@ synchronizers say ``engine: ddp`` is executed by DDP instead:
 
 * the parameters of the plan's groups are wrapped in ``DistributedDataParallel``; the others
   (parameter-server pieces) are on DDP's ignore list and stay with their engine;
-* DDP's buckets are cut at the groups' boundaries, in the plan's launch order: one
-  per-bucket size limit per group (``bucket_cap_mb_list``), DDP filling its buckets with
-  the parameters in reverse registration order as the plan does; the first group's
-  first 1 MiB is a bucket of its own, as in plain DDP (:func:`bucket_caps`);
+* DDP's buckets are the groups, in the plan's launch order: one per-bucket size limit
+  per group (``bucket_cap_mb_list``), DDP filling its buckets with the parameters in
+  reverse registration order as the plan does (:func:`bucket_caps`). Plain DDP's 1 MiB
+  first bucket is a group of the strategy's own (``AllReduce(first_bucket_bytes=...)``),
+  so Auto can price layouts with and without it;
 * the reduction is C++ where nothing needs Python (:func:`hook_rule`): without a
   compressor, DDP's own reducer with no comm hook (as plain DDP); with ``fp16``, torch's
   built-in C++ ``FP16_COMPRESS`` hook. ``grad_weight`` is then applied by a hook per
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -52,12 +53,6 @@ POWERSGD_START = 2
 """torch's PowerSGD runs plain all-reduce before this step (2 is the least it allows with
 error feedback); after it, every step is compressed, like Stratagem's own PowerSGD."""
 
-FIRST_BUCKET_BYTES = 2**20
-"""The first bucket's size limit, as DDP's own default (1 MiB): the first gradients of
-backward start their all-reduce while backward goes on, instead of waiting for a whole
-group (the AllReduce builder's default group on the CNN of bench/auto_strategy.py is all of
-its 2.9 MiB, which plain DDP sends as 1 MiB + the rest)."""
-
 _BUCKET_IDS = 1_000_000  # observer group ids of DDP buckets start here (a layout each)
 
 BUILTIN_HOOKS: dict[str, Any] = {"none": None,
@@ -68,46 +63,10 @@ DDP), ``fp16`` its built-in ``FP16_COMPRESS`` hook. Others need torch's Python h
 PYTHON_HOOK = "python"
 
 
-def bucket_groups(plan: Plan, first_bytes: int | None = None) -> tuple[GroupPlan, ...]:
-    """The plan's groups as DDP's buckets, in launch order (what the cost model prices).
-
-    DDP fills its buckets with the parameters in reverse registration order and closes one
-    once it holds at least its limit. Each group is one bucket, except the first group in
-    launch order where it holds more than ``first_bytes`` (default
-    :data:`FIRST_BUCKET_BYTES`): its last-registered parameters up to that size form a
-    bucket of their own (the cut falls between parameters), the rest of the group the next
-    one (a new id after the plan's). The groups' boundaries stay bucket boundaries."""
-    first_bytes = FIRST_BUCKET_BYTES if first_bytes is None else first_bytes
-    groups = plan.groups
-    if not groups or groups[0].nbytes <= first_bytes:
-        return groups
-    g = groups[0]
-    size = torch.empty((), dtype=getattr(torch, g.dtype)).element_size()
-    head: list[Member] = []
-    held = 0
-    for m in sorted(g.members, key=lambda m: m.index, reverse=True):
-        head.append(m)
-        held += m.numel * size
-        if held >= first_bytes:
-            break
-    if len(head) == len(g.members):
-        return groups
-    tail = [m for m in g.members if m not in head]
-
-    def packed(members: list[Member], group_id: int) -> GroupPlan:
-        out, offset = [], 0
-        for m in sorted(members, key=lambda m: m.offset):
-            out.append(replace(m, offset=offset))
-            offset += m.numel
-        return replace(g, id=group_id, members=tuple(out))
-
-    return (packed(head, g.id), packed(tail, max(x.id for x in groups) + 1), *groups[1:])
-
-
-def bucket_caps(plan: Plan, first_bytes: int | None = None) -> list[int]:
+def bucket_caps(plan: Plan) -> list[int]:
     """Bucket size limits in bytes, in launch order, for DDP's ``bucket_cap_mb_list``: the
-    exact sizes of :func:`bucket_groups` (DDP closes a bucket once it reaches its limit)."""
-    return [max(b.nbytes, 1) for b in bucket_groups(plan, first_bytes)]
+    groups' exact sizes (DDP closes a bucket once it reaches its limit)."""
+    return [max(g.nbytes, 1) for g in plan.groups]
 
 
 def _queue_callback(fn: Any) -> None:
@@ -182,8 +141,8 @@ class DDPReducer:
         self._weighting = False  # grad_weight hooks installed (_choose_hook)
         self._armed = False  # the last forward prepared a synced backward
         wire = self._wire_bytes
-        self._bucket_bytes = [b.numel * wire if wire else b.nbytes
-                              for b in bucket_groups(plan)]  # (the C++ path's counts)
+        self._bucket_bytes = [g.numel * wire if wire else g.nbytes
+                              for g in plan.groups]  # (the C++ path's counts)
         self._names = {id(p): n for n, p in params.items()}
         self._layouts: dict[tuple[int, tuple[str, ...]], GroupPlan] = {}
         self.grad_weight = 1.0
@@ -196,8 +155,7 @@ class DDPReducer:
         self._finish_extra: Any = None
 
     def _make_ddp(self) -> DistributedDataParallel:
-        # Size limits in launch order: each group one bucket, except that the first
-        # group's first FIRST_BUCKET_BYTES go in a bucket of their own (bucket_caps).
+        # Size limits in launch order: each group one bucket (bucket_caps).
         caps = [c / 2**20 for c in bucket_caps(self.plan)]  # (MiB as floats: torch takes MiB)
         return DistributedDataParallel(
             self.module, process_group=self.group, init_sync=False,

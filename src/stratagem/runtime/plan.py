@@ -376,7 +376,7 @@ class Plan:
             lines.extend(f"    {m.describe()} @ {m.offset}" for m in g.members)
         if self.engine == "ddp":
             lines.append("  engine: torch DistributedDataParallel, buckets = the groups in "
-                         "launch order (the first group's first 1 MiB apart); options "
+                         "launch order; options "
                          f"{DDP_OPTIONS.describe()}; reduced by "
                          f"{hook_rule(self.groups[0].compressor)}")
         if self.densified:

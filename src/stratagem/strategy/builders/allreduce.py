@@ -36,19 +36,25 @@ CHUNK_SIZE = 128
 DDP_BUCKET_BYTES = 25 * 2**20
 """Group size on the ddp engine where ``chunk_size`` is not given: torch DDP's own default
 ``bucket_cap_mb`` (25 MiB), so that AllReduce on the ddp engine cuts its buckets as plain
-DDP does (the engine puts the first group's first MiB apart, as DDP's first bucket). By
-parameter count (128 a group) the 482-tensor ``many_small`` model of
+DDP does. By parameter count (128 a group) the 482-tensor ``many_small`` model of
 bench/auto_strategy.py had 4 buckets against plain DDP's 2."""
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""torch DDP's first bucket (1 MiB, its ``_DEFAULT_FIRST_BUCKET_BYTES``): the first gradients
+of backward start their all-reduce while backward goes on. A group of its own where
+AllReduce cuts DDP's buckets (``first_bucket_bytes``)."""
 
 
-def size_groups(profile: ModelProfile, cap_bytes: int) -> list[int]:
+def size_groups(profile: ModelProfile, cap_bytes: int | None, first_bytes: int = 0
+                ) -> list[int]:
     """Group index per parameter (registration order): parameters in reverse registration
-    order (the order their gradients are ready) fill groups until one holds ``cap_bytes``,
+    order (the order their gradients are ready) fill groups until one holds ``cap_bytes``
+    (None: no limit), the first group until it holds ``first_bytes`` where that is given,
     as DDP fills its buckets; groups numbered in registration order."""
     cuts: list[int] = []  # group count from the end, per parameter in reverse order
     held, count = 0, 0
     for p in reversed(profile.params):
-        if held >= cap_bytes:
+        limit = first_bytes if count == 0 and first_bytes else cap_bytes
+        if limit is not None and held >= limit:
             count, held = count + 1, 0
         cuts.append(count)
         held += p.bytes
@@ -65,7 +71,10 @@ class AllReduce:
     parameters a group on ``stratagem``; on ``ddp``, groups of DDP's own bucket size
     (:data:`DDP_BUCKET_BYTES`, filled in reverse registration order as DDP does).
     ``bucket_bytes``: groups of that many bytes instead, filled the same way (DDP's
-    ``bucket_cap_mb``; not with ``chunk_size``)."""
+    ``bucket_cap_mb``; not with ``chunk_size``). ``first_bucket_bytes``: the first group
+    in that order closes at this size instead (DDP's first bucket); not given, DDP's
+    1 MiB where groups are cut in bytes on the ddp engine (the plain-DDP layout), none
+    otherwise; 0: none (the first group is as big as the others)."""
 
     chunk_size: int | None = None
     all_reduce_spec: str = "auto"
@@ -73,6 +82,7 @@ class AllReduce:
     powersgd_rank: int = 1
     engine: str = "stratagem"
     bucket_bytes: int | None = None
+    first_bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_common(CHUNK_SIZE if self.chunk_size is None else self.chunk_size,
@@ -88,6 +98,14 @@ class AllReduce:
         if self.engine not in ENGINES:
             raise StrategyError(f"unknown engine {self.engine!r}",
                                 fix=f"use one of {', '.join(ENGINES)}")
+        first = self.first_bucket_bytes
+        if first is not None and (not isinstance(first, int) or isinstance(first, bool)
+                                  or first < 0 or (first and self.chunk_size is not None)):
+            raise StrategyError(
+                f"first_bucket_bytes must be an integer >= 0 and not given with chunk_size, "
+                f"got first_bucket_bytes={first!r}, chunk_size={self.chunk_size!r}",
+                fix="give first_bucket_bytes (e.g. 2**20, DDP's first bucket; 0 for none) "
+                    "with groups cut in bytes (bucket_bytes, or the ddp engine's default)")
 
     def sync(self, index: int, group: int | None = None) -> AllReduceSynchronizer:
         """The synchronizer of parameter ``index`` (group ``index // chunk_size`` unless
@@ -101,7 +119,11 @@ class AllReduce:
     def build(self, profile: ModelProfile, spec: ResourceSpec) -> Strategy:
         cap = self.bucket_bytes or (DDP_BUCKET_BYTES if self.chunk_size is None
                                     and self.engine == "ddp" else None)
-        groups = size_groups(profile, cap) if cap else [None] * len(profile.params)
+        first = self.first_bucket_bytes
+        if first is None:
+            first = DDP_FIRST_BUCKET_BYTES if cap and self.engine == "ddp" else 0
+        groups = (size_groups(profile, cap, first) if cap or first
+                  else [None] * len(profile.params))
         nodes = tuple(NodeConfig(var_name=p.name, synchronizer=self.sync(i, groups[i]))
                       for i, p in enumerate(profile.params))
         return Strategy(node_config=nodes, graph_config=GraphConfig(tuple(spec.replicas)),
