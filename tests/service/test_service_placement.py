@@ -97,9 +97,18 @@ def test_a_replica_slow_to_answer_a_poll_is_running_not_lost():
     assert [be.poll(job) for _ in range(3)] == [[None], [None], [0]]
     answers[:] = [GetTimeoutError("busy")] * rb.MAX_UNANSWERED
     codes = [be.poll(job)[0] for _ in range(rb.MAX_UNANSWERED)]
-    assert codes == [None] * (rb.MAX_UNANSWERED - 1) + [rb.LOST]
+    assert codes == [None] * (rb.MAX_UNANSWERED - 1) + [rb.LOST] and be._unanswered == {}
     answers[:] = [RuntimeError("the actor died")]
     assert be.poll(job) == [rb.LOST]
+    # a replica whose actor is gone is lost, and its count of missed polls goes with it
+    answers[:] = [GetTimeoutError("busy")]
+    assert be.poll(job) == [None] and be._unanswered == {"j.g0.r0": 1}
+
+    def missing(name, namespace):
+        raise ValueError(f"no actor {name}")
+
+    be.ray = type("R", (), {"get": staticmethod(get), "get_actor": staticmethod(missing)})
+    assert be.poll(job) == [rb.LOST] and be._unanswered == {}
 
 
 @pytest.fixture(scope="module")

@@ -510,6 +510,7 @@ class RayBackend:
         for name in launched.actors:
             actor = self._actor(name)
             if actor is None:
+                self._unanswered.pop(name, None)  # (its count of missed polls goes with it)
                 out.append(LOST)
                 continue
             try:
@@ -522,6 +523,8 @@ class RayBackend:
                 out.append(LOST if missed >= MAX_UNANSWERED else None)
             except Exception:
                 out.append(LOST)
+            if out[-1] == LOST:  # (its count of missed polls goes with it)
+                self._unanswered.pop(name, None)
         return out
 
     def stop(self, launched: Launched, grace: float | None = None,
@@ -544,6 +547,7 @@ class RayBackend:
             if a is not None:
                 self.ray.kill(a)
         for name in launched.actors:
+            self._unanswered.pop(name, None)  # (a stopped replica's missed polls go with it)
             with contextlib.suppress(Exception):  # already gone
                 remove_placement_group(get_placement_group(name))
         store = self._actor(store_name(launched)) if free_store else None
