@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _load import patience
 
 from stratagem.cli import main
 from stratagem.strategy import Strategy
@@ -70,13 +71,13 @@ def test_every_example_file_is_exercised() -> None:
 def test_example_script_trains_alone_and_on_the_local_spec(name: str, tmp_path: Path) -> None:
     script, args = str(EXAMPLES / name), SCRIPTS[name]
     alone = subprocess.run([sys.executable, script, *args, "--save", str(tmp_path / "ck")],
-                           capture_output=True, text=True, timeout=100, cwd=tmp_path)
+                           capture_output=True, text=True, timeout=patience(100), cwd=tmp_path)
     assert alone.returncode == 0, alone.stderr
     assert "epoch 1/1" in alone.stdout and (tmp_path / "ck" / "meta.json").is_file()
     launched = subprocess.run(
         [sys.executable, "-m", "stratagem", "run", "--resource-spec",
          str(EXAMPLES / "specs" / "local.yml"), script, *args],
-        capture_output=True, text=True, timeout=100, cwd=tmp_path)
+        capture_output=True, text=True, timeout=patience(100), cwd=tmp_path)
     assert launched.returncode == 0, launched.stderr
     assert "epoch 1/1" in launched.stdout and "2 replicas" in launched.stdout
 

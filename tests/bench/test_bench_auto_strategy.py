@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from _load import patience
 
 from stratagem.analysis import analyze
 from stratagem.errors import StratagemError
@@ -147,7 +148,7 @@ def test_quick_mode_runs_on_loopback(tmp_path: Path) -> None:
          "HybridRef", "--steps", "2", "--warmup", "1", "--out", str(out),
          "--auto-builder", "PartitionedPS",  # stands in for the planner: the Auto path runs
          "--confirm-s", "1"],
-        capture_output=True, text=True, timeout=240)
+        capture_output=True, text=True, timeout=patience(240))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads(out.read_text())
     assert set(res["cases"]) == {"many_small/2n/loopback", "hybrid/2n/loopback"}

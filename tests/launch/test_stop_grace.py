@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _load import patience
 from launch_helpers import job_processes, stratagem_cmd
 
 from stratagem import checkpoint, env
@@ -80,12 +81,12 @@ def _stop_during_save(script: Script, tmp_path: Path, save_s: float,
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
                                 env=environ)
         try:
-            deadline = time.monotonic() + 90
+            deadline = time.monotonic() + patience(90)
             while not any(marks.iterdir()):  # the periodic save has started
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.02)
             proc.send_signal(signal.SIGTERM)
-            code = proc.wait(timeout=90)
+            code = proc.wait(timeout=patience(90))
         finally:
             if proc.poll() is None:
                 proc.kill()
