@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from _load import patience
 
 from stratagem import env
 from stratagem.errors import LaunchError, ResourceSpecError
@@ -231,15 +232,15 @@ def test_adaptive_job_restarted_on_fewer_workers_follows_the_new_size(tmp_path: 
                             backoff=0.2, job_args=("--adaptive", "--epochs", "2"))
 
     first = run(2)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + patience(120)
     while sum(r["rank"] == 0 for r in chaos.read_steps(logs)) < 6:
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0]
         time.sleep(0.05)
     first.send_signal(signal.SIGTERM)  # the launcher stops the workers: they save and exit
-    first.communicate(timeout=60)
+    first.communicate(timeout=patience(60))
     ended = time.time()
     second = run(1)
-    out, _ = second.communicate(timeout=180)
+    out, _ = second.communicate(timeout=patience(180))
     assert second.returncode == 0, out[-3000:]
     steps = [{**r, "attempt": int(r["time"] > ended)} for r in chaos.read_steps(logs)]
     before = [r for r in steps if r["attempt"] == 0]

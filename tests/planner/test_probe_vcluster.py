@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _load import patience
 from _vcluster import cluster_fixture, launcher_env
 from vcluster import VirtualCluster
 
@@ -34,7 +35,7 @@ def test_probe_measures_the_shaped_link_not_the_spec(cluster: VirtualCluster,
                            str(out)],
                        env=launcher_env(cluster), cwd=tmp_path, stdout=subprocess.PIPE,
                        stderr=subprocess.PIPE, text=True)
-    _, err = proc.communicate(timeout=100)
+    _, err = proc.communicate(timeout=patience(100))
     assert proc.returncode == 0, err[-4000:]
     res = json.loads(out.read_text())
     probe = res["probe"]
