@@ -262,7 +262,8 @@ def test_allreduce_bucket_bytes_groups_as_ddp_buckets_of_that_size(engine: str) 
     tensors = [torch.empty(p.shape) for p in reversed(profile.params)]
     # DDP's 1 MiB first bucket holds this whole model: one group, where it applies (the
     # ddp engine's default); first_bucket_bytes=0 or 200 gives the layout it names
-    default = 1 if engine == "ddp" else None
+    one_group = None  # (limits of the default on the ddp engine: DDP's first bucket, all)
+    default = one_group if engine == "ddp" else [300]
     for first, limits in ((0, [300]), (200, [200, 300]), (None, default)):
         strategy = AllReduce(engine=engine, bucket_bytes=300,
                              first_bucket_bytes=first).build(profile, ResourceSpec.local(2))
@@ -270,10 +271,10 @@ def test_allreduce_bucket_bytes_groups_as_ddp_buckets_of_that_size(engine: str) 
         for nc in strategy.node_config:
             assert nc.synchronizer.engine == engine
             groups.setdefault(nc.synchronizer.group, set()).add(nc.var_name)
-        if limits == 1:
+        if limits is one_group:
             assert len(groups) == 1
             continue
-        want, _ = dist._compute_bucket_assignment_by_size(tensors, limits or [300],
+        want, _ = dist._compute_bucket_assignment_by_size(tensors, limits,
                                                            [False] * len(names))
         assert len(want) > 3
         assert [groups[g] for g in sorted(groups, reverse=True)] == [

@@ -285,12 +285,11 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     messages = 0
     ar_bytes = 0
     tensors = sum(len(g.members) for g in plan.groups)
-    ar_groups = plan.groups  # (on the ddp engine too: each group is one DDP bucket)
     # a slice of a parameter is copied back into its gradient after the wait (a whole
     # parameter's gradient is a view of its group's buffer)
     sliced_bytes = sum(m.numel * _itemsize(g.dtype) for g in plan.groups for m in g.members
                        if not m.whole)
-    for g in ar_groups:
+    for g in plan.groups:  # (on the ddp engine too: each group is one DDP bucket)
         if g.gather_rows:
             wire, work, flows, fixed = gather_cost(g, links, replicas, cal, access)
             rows, value_bytes = gathered_rows(g, access, cal.batch_size)
@@ -459,7 +458,7 @@ def predict(strategy: Strategy, profile: ModelProfile, spec: ResourceSpec,
     # Compressor work runs inside the queued transfers (counted there; shown apart).
     # The runtime's own work per tensor (hook, copy in and back) and per group.
     # (a dense PS bucket's machinery -- buffer, posting its sends -- is priced as a group's)
-    groups = len(ar_groups) + (len(ps.buckets) if ps is not None else 0)
+    groups = len(plan.groups) + (len(ps.buckets) if ps is not None else 0)
     write_back_s = sliced_bytes / (cal.update_bps or cal.copy_bps)
     # the busiest owner's work per piece it owns holds back the values every worker pulls
     owner_s = max(owned_pieces, default=0) * cal.piece_s
